@@ -1,0 +1,48 @@
+"""feedpipe keeps every accelerator fed.
+
+The pipeline, left to right, one module per box:
+
+    source ──► sampler ──► producers ──► split ──► stage ──► feeder (the consumer's end)
+    what the   which       who makes     which     onto      iterator, as_dataset(),
+    samples    indices,    the samples   rows go   each      state, checkpoints
+    are        what order  (a thread)    where     device
+                                 stats observe every hop
+
+`feedpipe.source`, `feedpipe.sampler`, `feedpipe.producers` and `feedpipe.split` never import
+TensorFlow; the public names below load lazily, so `import feedpipe` stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Batch": "feedpipe.stage",
+    "FeedOptions": "feedpipe.feeder",
+    "FeedStats": "feedpipe.stats",
+    "Feeder": "feedpipe.feeder",
+    "from_generator": "feedpipe.source",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from feedpipe.feeder import Feeder, FeedOptions
+    from feedpipe.source import from_generator
+    from feedpipe.stage import Batch
+    from feedpipe.stats import FeedStats
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'feedpipe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -1,0 +1,192 @@
+"""The background thread that produces, stages and hands over batches, and its shutdown.
+
+Errors and epoch ends travel through the hand-off as values. Every wait is sliced and
+re-checks the stop event (and, for the consumer, that the thread is still alive), so nothing
+blocks forever. `close()` runs in a fixed order: stop, drain so a blocked thread wakes, join
+with a timeout, drain again; it is idempotent and also runs from `weakref.finalize`.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import warnings
+import weakref
+from typing import Any
+
+from feedpipe.producers import Position, Producer
+from feedpipe.sampler import EpochEnd
+from feedpipe.split import WAIT_SLICE_S, SlotPool, Stopped
+from feedpipe.stats import StatsRecorder
+
+JOIN_TIMEOUT_S = 5.0
+"""How long `close()` waits for the thread; user code stuck longer is left to finish alone."""
+
+
+class Failure:
+    """An exception raised in the background thread, carried to the consumer."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class Handoff:
+    """A queue holding at most `depth` staged batches (epoch ends and failures are free)."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self._items: collections.deque = collections.deque()
+        self._batches = 0
+        self._cond = threading.Condition()
+        self.consumer_waiting = False
+
+    def staged(self) -> int:
+        """Batches staged and not yet taken."""
+        return self._batches
+
+    def wait_for_room(self, stop: threading.Event) -> None:
+        with self._cond:
+            while self._batches >= self.depth:
+                if stop.is_set():
+                    raise Stopped
+                self._cond.wait(WAIT_SLICE_S)
+            if stop.is_set():
+                raise Stopped
+
+    def put(self, item: Any, *, is_batch: bool) -> None:
+        with self._cond:
+            self._items.append((item, is_batch))
+            self._batches += is_batch
+            self._cond.notify_all()
+
+    def get(self, thread: threading.Thread) -> Any:
+        """The next item; raises if the thread has died without sending one."""
+        with self._cond:
+            self.consumer_waiting = True
+            try:
+                while not self._items:
+                    if not thread.is_alive():
+                        raise RuntimeError(
+                            f"{thread.name} stopped without delivering a batch, an error or "
+                            "the end of the epoch; the feeder cannot go on."
+                        )
+                    self._cond.wait(WAIT_SLICE_S)
+            finally:
+                self.consumer_waiting = False
+            item, is_batch = self._items.popleft()
+            self._batches -= is_batch
+            self._cond.notify_all()
+            return item
+
+    def starving(self) -> bool:
+        """The consumer waits and nothing is staged."""
+        return self.consumer_waiting and not self._batches
+
+    def drain(self) -> None:
+        with self._cond:
+            self._items.clear()
+            self._batches = 0
+            self._cond.notify_all()
+
+
+def _run(
+    producer: Producer,
+    stager: Any,
+    pool: SlotPool,
+    handoff: Handoff,
+    stop: threading.Event,
+    start: Position,
+    stats: StatsRecorder,
+) -> None:
+    """Fills, stages and hands over batches from `start` on until stopped or failed."""
+
+    def acquire():
+        started = time.perf_counter()
+        try:
+            return pool.acquire(stop, handoff.starving)
+        finally:
+            waited = time.perf_counter() - started
+            stats.producer_wait_s += waited
+            paused[0] += waited
+
+    paused = [0.0]
+    try:
+        slots = producer.slots(start, acquire, pool.give_back)
+        while True:
+            started, paused[0] = time.perf_counter(), 0.0
+            item = next(slots, None)
+            if item is None:
+                return
+            if isinstance(item, EpochEnd):
+                handoff.put(item, is_batch=False)
+                continue
+            step, slot = item
+            made = time.perf_counter()
+            handoff.wait_for_room(stop)
+            staging = time.perf_counter()
+            stats.producer_wait_s += staging - made
+            batch = stager.stage(step, slot.lease(pool.give_back))
+            del slot, item
+            stats.producer_busy_s += time.perf_counter() - staging + made - started - paused[0]
+            stats.overflow_slots = pool.overflow_allocations
+            handoff.put(batch, is_batch=True)
+            del batch
+    except Stopped:
+        return
+    except BaseException as error:
+        handoff.put(Failure(error), is_batch=False)
+
+
+def _shutdown(stop: threading.Event, handoff: Handoff, thread: threading.Thread) -> None:
+    stop.set()
+    handoff.drain()
+    if thread is not threading.current_thread():
+        thread.join(JOIN_TIMEOUT_S)
+        if thread.is_alive():
+            warnings.warn(
+                f"{thread.name} did not stop within {JOIN_TIMEOUT_S:.0f} s (user code still "
+                "running); it is a daemon thread and will end with the process.",
+                stacklevel=2,
+            )
+    handoff.drain()
+
+
+class Pipeline:
+    """One background thread producing and staging batches from `start` on.
+
+    Invariant: at most `depth` staged batches wait in the hand-off, and the host memory in use
+    is the pool's slots (see `SlotPool`).
+    """
+
+    def __init__(
+        self,
+        producer: Producer,
+        stager: Any,
+        pool: SlotPool,
+        depth: int,
+        start: Position,
+        stats: StatsRecorder,
+        *,
+        host: bool,
+    ):
+        self.host = host
+        self.start = start
+        self.handoff = Handoff(depth)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(
+            target=_run,
+            args=(producer, stager, pool, self.handoff, self.stop, start, stats),
+            name="feedpipe-producer-0",
+            daemon=True,
+        )
+        self.thread.start()
+        self._finalizer = weakref.finalize(self, _shutdown, self.stop, self.handoff, self.thread)
+
+    def get(self) -> Any:
+        return self.handoff.get(self.thread)
+
+    def close(self) -> None:
+        self._finalizer()

@@ -1,0 +1,375 @@
+"""Feeder: the consumer's end of the pipeline, and the object users build.
+
+It wires source → sampler → producer → split → stage, keeps the consumer's position (what it
+has taken, never what was produced), and serves batches as a Python iterator, as a
+`tf.data.Dataset` for `model.fit`, and as state for checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import optree
+import tensorflow as tf
+
+from feedpipe._pipeline import Failure, Pipeline
+from feedpipe.producers import Position, SampleWriter, ThreadProducer, accepts_rng, sample_rng
+from feedpipe.sampler import EpochEnd, Sampler, check_remainder
+from feedpipe.source import SampleSpec, as_source
+from feedpipe.split import ReplicaSplit, SlotLayout, SlotPool
+from feedpipe.stage import Batch, HostBatch, HostStager, Stager, resolve_devices
+from feedpipe.stats import FeedStats, StatsRecorder
+
+STATE_VERSION = 1
+EXTRA_SLOTS = 2
+"""Host slots beyond `depth`: one the consumer is using, one the producer is filling."""
+
+
+def _positive_int(name: str, value: Any, fix: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(f"`{name}`={value!r} must be an integer >= 1; {fix}.")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FeedOptions:
+    """How a `Feeder` batches, orders and stages samples; validated on creation."""
+
+    global_batch_size: int
+    """Samples per step across all replicas; must divide evenly among them."""
+    remainder: str = "pad"
+    """The last partial batch: "pad" (repeat real samples, masked), "drop", or "error".
+    Default "pad": every sample is seen and every replica runs the same steps."""
+    shuffle: bool = False
+    """Shuffle each epoch's order from (seed, epoch). Default off: the order users expect."""
+    seed: int = 0
+    """Seeds the order and each sample's `transform` rng, so runs are reproducible."""
+    workers: int = 0
+    """0 produces in one background thread."""
+    depth: int = 2
+    """Batches staged per device ahead of the step. Default 2 hides one transfer behind one
+    step while the next is being made."""
+
+    def __post_init__(self):
+        _positive_int("global_batch_size", self.global_batch_size, "pass the samples per step")
+        check_remainder(self.remainder)
+        if not isinstance(self.shuffle, bool):
+            raise TypeError(f"`shuffle`={self.shuffle!r} must be True or False.")
+        if (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int | np.integer)
+            or self.seed < 0
+        ):
+            raise ValueError(f"`seed`={self.seed!r} must be an integer >= 0.")
+        if self.workers != 0:
+            raise ValueError(
+                f"`workers`={self.workers!r}: this version produces in one background thread; "
+                "use workers=0."
+            )
+        _positive_int("depth", self.depth, "use depth=2 to hide one step's transfer")
+
+
+class Feeder(tf.train.experimental.PythonState):
+    """Builds each global batch on the host, splits it per replica, and stages it on each device.
+
+    Iterating yields `Batch`es whose tensors already sit on their devices; each `for` loop runs
+    one epoch from the feeder's position (a loop left early resumes where it stopped). Invariant:
+    at most `depth` batches wait on each device, and `depth + 2` host slots (allocated once,
+    reused) hold everything in flight.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        global_batch_size: int,
+        devices: Sequence[str] | None = None,
+        strategy: tf.distribute.Strategy | None = None,
+        remainder: str = "pad",
+        shuffle: bool = False,
+        seed: int = 0,
+        workers: int = 0,
+        depth: int = 2,
+        transform: Callable[..., Any] | None = None,
+    ):
+        self._pipeline: Pipeline | None = None
+        self._closed = False
+        self.options = FeedOptions(global_batch_size, remainder, shuffle, seed, workers, depth)
+        if transform is not None and not callable(transform):
+            raise TypeError(
+                f"`transform` must be callable or None; got {type(transform).__name__}."
+            )
+        self.devices = resolve_devices(devices, strategy)
+        self.strategy = strategy
+        self.split = ReplicaSplit(global_batch_size, len(self.devices))
+        self._source = as_source(source)
+        indexed = hasattr(self._source, "sample")
+        if shuffle and not indexed:
+            raise ValueError(
+                f"`shuffle`=True, but a {type(self._source).__name__} has no indices to shuffle; "
+                "shuffle inside the generator or the tf.data.Dataset, and pass shuffle=False."
+            )
+        self.spec = self._read_spec(transform)
+        self._sampler = (
+            Sampler(
+                self._source.length,
+                global_batch_size,
+                remainder=remainder,
+                shuffle=shuffle,
+                seed=seed,
+                block_size=self._source.block_size,
+            )
+            if indexed
+            else self._check_stream_length()
+        )
+        writer = SampleWriter(self._source, self.spec, transform, seed)
+        self._producer = ThreadProducer(writer, global_batch_size, self._sampler, remainder)
+        self._stats = StatsRecorder(depth)
+        self._pools: dict[bool, SlotPool] = {}
+        self._position = Position(0, 0)
+        self._iterating = False
+
+    def _read_spec(self, transform) -> SampleSpec:
+        """The spec of what producers will make: the first sample, after `transform`."""
+        if hasattr(self._source, "sample"):
+            if self._source.length < 1:
+                raise ValueError("The dataset is empty (0 samples); give the feeder samples.")
+            sample = self._source.sample(0)
+        else:
+            sample = self._source.first_sample()
+        if transform is not None:
+            sample = (
+                transform(sample, sample_rng(self.options.seed, 0, 0))
+                if accepts_rng(transform)
+                else transform(sample)
+            )
+        return SampleSpec.of(sample)
+
+    def _check_stream_length(self) -> None:
+        """Applies the remainder rules up front when a stream knows its length."""
+        length = getattr(self._source, "length", None)
+        if length is not None:
+            Sampler(length, self.options.global_batch_size, remainder=self.options.remainder)
+
+    # ---- iteration ------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Steps per epoch."""
+        if self._sampler is not None:
+            return len(self._sampler)
+        length = getattr(self._source, "length", None)
+        if length is None:
+            raise TypeError(
+                f"The number of steps is unknown: a {type(self._source).__name__} does not say "
+                "how many samples it has."
+            )
+        full, leftover = divmod(length, self.options.global_batch_size)
+        return full + (1 if leftover and self.options.remainder == "pad" else 0)
+
+    def __iter__(self) -> Iterator[Batch]:
+        """The batches of the next epoch (or of the rest of an epoch left early)."""
+        return self._iterate(host=False)
+
+    def _pool(self, host: bool) -> SlotPool:
+        if host not in self._pools:
+            layout = SlotLayout(self.spec, self.split, contiguous=host)
+            self._pools[host] = SlotPool(layout, self.options.depth + EXTRA_SLOTS)
+        return self._pools[host]
+
+    def _start(self, host: bool) -> Pipeline:
+        if self._pipeline is not None and self._pipeline.host == host:
+            return self._pipeline
+        self._stop_pipeline()
+        stager: Any = (
+            HostStager()
+            if host
+            else Stager(self.devices, self.spec, self.split.per_replica, self.strategy)
+        )
+        self._pipeline = Pipeline(
+            self._producer,
+            stager,
+            self._pool(host),
+            self.options.depth,
+            self._position,
+            self._stats,
+            host=host,
+        )
+        return self._pipeline
+
+    def _stop_pipeline(self) -> None:
+        if self._pipeline is not None:
+            self._pipeline.close()
+            self._pipeline = None
+
+    def _iterate(self, host: bool) -> Iterator[Batch | HostBatch]:
+        if self._closed:
+            raise RuntimeError("The feeder is closed; build a new fp.Feeder to read again.")
+        if self._iterating:
+            raise RuntimeError(
+                "The feeder is already being iterated; finish or break that loop first "
+                "(one consumer per feeder)."
+            )
+        self._iterating = True
+        fresh = self._pipeline is None or self._pipeline.host != host
+        pipeline = self._start(host)
+        finished = False
+        try:
+            while True:
+                staged = pipeline.handoff.staged()
+                asked = time.perf_counter()
+                item = pipeline.get()
+                got = time.perf_counter()
+                if isinstance(item, EpochEnd):
+                    self._stats.loop_ended(asked)
+                    self._position = Position(item.epoch + 1, 0)
+                    if item.dropped and self._sampler is None:
+                        warnings.warn(
+                            f'remainder="drop" left out the last {item.dropped} samples of '
+                            f"epoch {item.epoch}.",
+                            stacklevel=2,
+                        )
+                    finished = True
+                    return
+                if isinstance(item, Failure):
+                    self.close()
+                    raise item.error
+                self._stats.taken(
+                    asked=asked, got=got, occupancy=staged, samples=item.num_valid, startup=fresh
+                )
+                fresh = False
+                self._position = Position(item.epoch, item.step + 1)
+                yield item
+                del item
+        finally:
+            self._iterating = False
+            if not finished:
+                self._stats.loop_ended()
+                # Left early: staged batches are dropped and made again by the next loop.
+                self._stop_pipeline()
+
+    def as_dataset(self) -> tf.data.Dataset:
+        """A `tf.data.Dataset` of global batches for `model.fit` and other wrappers.
+
+        Each iteration of the dataset is the feeder's next epoch. With `remainder="pad"` an
+        `(x, y)` source gets a third element, `sample_weight`: 0 on padding rows, and real rows
+        scaled by `global_batch_size / num_valid` so the batch's mean loss is the mean over its
+        real samples (an `(x, y, w)` source has its weights scaled the same way).
+        """
+        size = self.options.global_batch_size
+        signature = self.spec.unflatten(
+            [
+                tf.TensorSpec((size, *leaf.shape), tf.as_dtype(leaf.dtype))
+                for leaf in self.spec.leaves
+            ]
+        )
+        weighting = self._weighting()
+        if weighting == "add":
+            signature = (*signature, tf.TensorSpec((size,), tf.float32))
+
+        def generate():
+            for batch in self._iterate(host=True):
+                yield self._with_weights(batch, weighting)
+
+        dataset = tf.data.Dataset.from_generator(generate, output_signature=signature)
+        if self._sampler is not None or getattr(self._source, "length", None) is not None:
+            dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(self)))
+        return dataset
+
+    def _weighting(self) -> str | None:
+        """How padding is weighted in `as_dataset`: add a sample_weight, scale one, or none."""
+        treespec = self.spec.treespec
+        if self.options.remainder != "pad" or treespec.kind != optree.PyTreeKind.TUPLE:
+            return None
+        return {2: "add", 3: "scale"}.get(treespec.num_children)
+
+    def _with_weights(self, batch: HostBatch, weighting: str | None) -> Any:
+        sample = self.spec.unflatten(batch.arrays)
+        if weighting is None:
+            return sample
+        size = self.options.global_batch_size
+        weights = np.zeros(size, np.float32)
+        weights[: batch.num_valid] = size / batch.num_valid
+        if weighting == "add":
+            return (*sample, weights)
+        x, y, given = sample
+        return x, y, (np.asarray(given, np.float32) * weights).astype(given.dtype, copy=False)
+
+    # ---- diagnostics and state ------------------------------------------------------------
+
+    def stats(self) -> FeedStats:
+        """A snapshot of how well the step has been fed so far."""
+        return self._stats.snapshot()
+
+    def get_state(self) -> dict:
+        """The consumer's position, as a small JSON-serialisable dict."""
+        epoch, step = self._position
+        if self._sampler is not None and step >= len(self._sampler):
+            epoch, step = epoch + 1, 0
+        return {
+            "version": STATE_VERSION,
+            "epoch": epoch,
+            "step": step,
+            "dataset_length": getattr(self._source, "length", None),
+            "global_batch_size": self.options.global_batch_size,
+            "num_replicas": self.split.num_replicas,
+            "seed": self.options.seed,
+            "shuffle": self.options.shuffle,
+        }
+
+    def set_state(self, state: dict) -> None:
+        """Continues the stream exactly where `state` was taken; staged batches are remade."""
+        mine = self.get_state()
+        missing = sorted(set(mine) - set(state))
+        if missing:
+            raise ValueError(f"The state lacks {', '.join(missing)}; pass a dict from get_state().")
+        for field in (
+            "version",
+            "dataset_length",
+            "global_batch_size",
+            "num_replicas",
+            "seed",
+            "shuffle",
+        ):
+            if state[field] != mine[field]:
+                raise ValueError(
+                    f"Cannot restore: the state has {field}={state[field]!r} but this feeder has "
+                    f"{field}={mine[field]!r}; build the feeder with the same {field}."
+                )
+        for field in ("epoch", "step"):
+            if not isinstance(state[field], int) or state[field] < 0:
+                raise ValueError(f"The state's {field}={state[field]!r} must be an integer >= 0.")
+        self._stop_pipeline()
+        self._position = Position(state["epoch"], state["step"])
+
+    def serialize(self) -> bytes:
+        """For `tf.train.Checkpoint`: the state as JSON."""
+        return json.dumps(self.get_state()).encode()
+
+    def deserialize(self, string_value: bytes) -> None:
+        """For `tf.train.Checkpoint`: restores a state written by `serialize`."""
+        self.set_state(json.loads(string_value))
+
+    # ---- lifetime ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stops the background thread and frees staged batches; idempotent."""
+        self._closed = True
+        self._stop_pipeline()
+
+    def __enter__(self) -> Feeder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        o = self.options
+        return (
+            f"Feeder({self._source!r}, global_batch_size={o.global_batch_size}, "
+            f"devices={list(self.devices)}, remainder={o.remainder!r}, shuffle={o.shuffle}, "
+            f"seed={o.seed}, workers={o.workers}, depth={o.depth})"
+        )

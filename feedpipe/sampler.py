@@ -1,0 +1,132 @@
+"""Sampler: which samples make each global batch, in what order, for every epoch.
+
+The order is a pure function of (seed, epoch, length, block size), so it does not depend on who
+produces the samples or how many producers there are, and a resumed run sees the same stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Iterator
+
+import numpy as np
+
+REMAINDERS = ("pad", "drop", "error")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Step:
+    """One global batch of an epoch, before it is made."""
+
+    epoch: int
+    """The epoch this batch belongs to, counted from 0."""
+    index: int
+    """Its position within the epoch, counted from 0."""
+    rows: np.ndarray | None
+    """Sample indices of its real rows in order; `None` for stream sources (their own order)."""
+    num_valid: int
+    """Real samples in the batch; the rest of the global batch is padding."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EpochEnd:
+    """Marks that every batch of `epoch` has been produced."""
+
+    epoch: int
+    dropped: int = 0
+    """Samples left out by `remainder="drop"` at the end of this epoch."""
+
+
+def check_remainder(remainder: str) -> None:
+    """Raises a ValueError naming the accepted policies when `remainder` is unknown."""
+    if remainder not in REMAINDERS:
+        raise ValueError(
+            f"`remainder`={remainder!r} is not a known policy; use one of "
+            f"{', '.join(repr(r) for r in REMAINDERS)}."
+        )
+
+
+class Sampler:
+    """Plans the global batches of every epoch of an indexed source.
+
+    With `shuffle`, the order is a permutation of blocks of `block_size` consecutive samples
+    (1 for most sources; a `PyDataset`'s batch size, so that each of its batches is read once),
+    drawn from `(seed, epoch)`. The last global batch of an epoch is padded, dropped or refused
+    according to `remainder`.
+    """
+
+    def __init__(
+        self,
+        length: int,
+        global_batch_size: int,
+        *,
+        remainder: str = "pad",
+        shuffle: bool = False,
+        seed: int = 0,
+        block_size: int = 1,
+    ):
+        check_remainder(remainder)
+        if length < 1:
+            raise ValueError(
+                "The dataset is empty (0 samples); give the feeder at least one sample."
+            )
+        leftover = length % global_batch_size
+        if remainder == "error" and leftover:
+            raise ValueError(
+                f'`remainder`="error" needs the dataset length to be a multiple of '
+                f"`global_batch_size`: {length} samples leave {leftover} over with "
+                f'`global_batch_size`={global_batch_size}; use remainder="pad" or "drop", '
+                f"or a global batch size that divides {length}."
+            )
+        if remainder == "drop" and length < global_batch_size:
+            raise ValueError(
+                f'`remainder`="drop" with {length} samples and `global_batch_size`='
+                f'{global_batch_size} leaves no batch at all; use remainder="pad" or a '
+                f"global batch of at most {length}."
+            )
+        self.length = length
+        self.global_batch_size = global_batch_size
+        self.remainder = remainder
+        self.shuffle = shuffle
+        self.seed = seed
+        self.block_size = block_size
+        self.dropped_per_epoch = leftover if remainder == "drop" else 0
+        if self.dropped_per_epoch:
+            warnings.warn(
+                f'remainder="drop" leaves out the last {leftover} of {length} samples of every '
+                f"epoch's order (global batch {global_batch_size}).",
+                stacklevel=3,
+            )
+
+    def __len__(self) -> int:
+        """Global batches per epoch."""
+        full, leftover = divmod(self.length, self.global_batch_size)
+        return full + (1 if leftover and self.remainder == "pad" else 0)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sampler(length={self.length}, global_batch_size={self.global_batch_size}, "
+            f"remainder={self.remainder!r}, shuffle={self.shuffle}, seed={self.seed}, "
+            f"block_size={self.block_size})"
+        )
+
+    def order(self, epoch: int) -> np.ndarray:
+        """Every sample index of `epoch`, in the order they are delivered."""
+        if not self.shuffle:
+            return np.arange(self.length, dtype=np.int64)
+        rng = np.random.default_rng([self.seed, epoch])
+        if self.block_size == 1:
+            return rng.permutation(self.length).astype(np.int64)
+        starts = rng.permutation(-(-self.length // self.block_size)) * self.block_size
+        return np.concatenate(
+            [np.arange(s, min(s + self.block_size, self.length)) for s in starts]
+        ).astype(np.int64)
+
+    def steps(self, epoch: int, start: int = 0) -> Iterator[Step]:
+        """The global batches of `epoch` from step `start` on."""
+        order = self.order(epoch)
+        size = self.global_batch_size
+        for index in range(start, len(self)):
+            rows = order[index * size : (index + 1) * size]
+            yield Step(epoch, index, rows, len(rows))

@@ -1,0 +1,342 @@
+"""Sources: what the samples are.
+
+Every input a user already has is adapted to one of two small interfaces:
+
+* an *indexed* source (`length`, `sample(i)`) reads any sample on demand, so the sampler
+  chooses the order: numpy arrays, map-style objects, a `keras.utils.PyDataset` (its batches,
+  split into rows);
+* a *stream* source (`blocks(epoch)`) yields rows in its own order: `from_generator(fn)` and
+  `tf.data.Dataset`.
+
+A `SampleSpec` records the structure, shapes and dtypes of one sample and checks every later
+sample against it. Nothing here imports TensorFlow at module level: worker processes import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import optree
+
+# numpy dtype kinds that cannot become numeric tensors: objects, strings, bytes, void, datetimes.
+_NON_TENSOR_KINDS = frozenset("OUSVMm")
+
+
+def field_name(path: tuple) -> str:
+    """The user-facing name of a leaf, e.g. `[0]`, `['image']`, or `sample` for a bare array."""
+    return "".join(f"[{key!r}]" for key in path) or "sample"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeafSpec:
+    """Shape and dtype of one field of a sample (without the batch dimension)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def row_bytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SampleSpec:
+    """The structure of a sample and the shape and dtype of each of its fields."""
+
+    treespec: optree.PyTreeSpec
+    leaves: tuple[LeafSpec, ...]
+
+    @classmethod
+    def of(cls, sample: Any, *, index: int | str = 0) -> SampleSpec:
+        """Reads the spec from one sample, refusing fields that cannot become tensors."""
+        paths, leaves, treespec = optree.tree_flatten_with_path(sample)
+        if not leaves:
+            raise ValueError(f"Sample {index} has no fields (got {sample!r}); samples need data.")
+        specs = []
+        for path, leaf in zip(paths, leaves, strict=True):
+            array = np.asarray(leaf)
+            name = field_name(path)
+            if array.dtype.kind in _NON_TENSOR_KINDS:
+                raise TypeError(
+                    f"Field {name} of sample {index} has dtype {array.dtype}, which cannot be "
+                    "staged as a numeric tensor; encode it as numbers first (for example "
+                    "strings to integer ids) or drop the field."
+                )
+            specs.append(LeafSpec(name, array.shape, array.dtype))
+        return cls(treespec, tuple(specs))
+
+    @classmethod
+    def of_rows(cls, data: Any) -> SampleSpec:
+        """The spec of one row of `data`, a structure of equal-length arrays."""
+        leaves, treespec = optree.tree_flatten(data)
+        return cls.of(optree.tree_unflatten(treespec, [np.asarray(leaf)[0] for leaf in leaves]))
+
+    def flatten(self, sample: Any, index: int | str) -> list[np.ndarray]:
+        """The fields of `sample` as arrays, checked against this spec."""
+        leaves, treespec = optree.tree_flatten(sample)
+        if treespec != self.treespec:
+            raise ValueError(
+                f"Sample {index} has structure {treespec}, but the first sample had "
+                f"{self.treespec}; every sample (after `transform`) must have the same structure."
+            )
+        arrays = []
+        for spec, leaf in zip(self.leaves, leaves, strict=True):
+            array = np.asarray(leaf)
+            if array.shape != spec.shape or array.dtype != spec.dtype:
+                raise ValueError(
+                    f"Field {spec.name} of sample {index} has shape {array.shape} and dtype "
+                    f"{array.dtype}, but the first sample had shape {spec.shape} and dtype "
+                    f"{spec.dtype}; make every sample the same shape and dtype (pad, crop or "
+                    "cast in `transform`)."
+                )
+            arrays.append(array)
+        return arrays
+
+    def unflatten(self, leaves: Sequence[Any]) -> Any:
+        return optree.tree_unflatten(self.treespec, list(leaves))
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(leaf.row_bytes for leaf in self.leaves)
+
+    def __str__(self) -> str:
+        fields = ", ".join(f"{leaf.name}: {leaf.dtype}{list(leaf.shape)}" for leaf in self.leaves)
+        return f"{self.treespec} with {fields}"
+
+
+class ArraySource:
+    """Samples are rows of numpy arrays (one array, or a tuple/dict of equal-length arrays)."""
+
+    block_size = 1
+
+    def __init__(self, data: Any):
+        paths, leaves, self.treespec = optree.tree_flatten_with_path(data)
+        self.arrays = [np.asarray(leaf) for leaf in leaves]
+        for path, array in zip(paths, self.arrays, strict=True):
+            if array.ndim == 0:
+                raise ValueError(
+                    f"Field {field_name(path)} of `source` is a scalar ({array!r}); every array "
+                    "needs a first dimension that counts samples."
+                )
+        lengths = {field_name(p): len(a) for p, a in zip(paths, self.arrays, strict=True)}
+        if len(set(lengths.values())) > 1:
+            listed = ", ".join(f"{name} has {n}" for name, n in lengths.items())
+            raise ValueError(
+                f"The arrays of `source` have unequal lengths ({listed}); give every array the "
+                "same number of samples along its first dimension."
+            )
+        self.length = len(self.arrays[0])
+
+    def sample(self, index: int) -> Any:
+        return optree.tree_unflatten(self.treespec, [array[index] for array in self.arrays])
+
+    def take(self, indices: np.ndarray, outs: Sequence[np.ndarray]) -> None:
+        """Gathers the rows `indices` of every array into `outs` with one copy each."""
+        for array, out in zip(self.arrays, outs, strict=True):
+            # mode="clip" lets numpy write straight into `out`; the sampler's indices are valid.
+            np.take(array, indices, axis=0, out=out, mode="clip")
+
+    def __repr__(self) -> str:
+        return f"ArraySource(length={self.length}, fields={len(self.arrays)})"
+
+
+class MapSource:
+    """Samples come from an object with `__len__` and `__getitem__(i)` returning one sample."""
+
+    block_size = 1
+
+    def __init__(self, data: Any):
+        self.data = data
+        self.length = len(data)
+
+    def sample(self, index: int) -> Any:
+        return self.data[index]
+
+    def __repr__(self) -> str:
+        return f"MapSource({type(self.data).__name__}, length={self.length})"
+
+
+class PyDatasetSource:
+    """Samples are the rows of a `keras.utils.PyDataset`'s batches.
+
+    Its batches are read whole and kept while their rows are taken, and the sampler shuffles
+    whole batches (`block_size` rows), so each batch is read once per epoch.
+    """
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+        self.num_batches = dataset.num_batches
+        if self.num_batches is None:
+            raise ValueError(
+                "`source` is a PyDataset without a length (num_batches is None); give it a "
+                "`__len__`, or wrap its batches in fp.from_generator."
+            )
+        if self.num_batches < 1:
+            raise ValueError("The dataset is empty (the PyDataset has 0 batches).")
+        self.block_size = self._rows_of(0)
+        last = self._rows_of(self.num_batches - 1)
+        self.length = self.block_size * (self.num_batches - 1) + last
+        self._cache: dict[int, tuple[list[np.ndarray], optree.PyTreeSpec]] = {}
+
+    def _batch(self, number: int) -> tuple[list[np.ndarray], optree.PyTreeSpec]:
+        if number not in self._cache:
+            if len(self._cache) >= 2:
+                self._cache.pop(next(iter(self._cache)))
+            leaves, treespec = optree.tree_flatten(self.dataset[number])
+            arrays = [np.asarray(leaf) for leaf in leaves]
+            expected = self.block_size if number < self.num_batches - 1 else None
+            sizes = {len(a) for a in arrays}
+            if len(sizes) != 1 or (expected is not None and sizes != {expected}):
+                raise ValueError(
+                    f"PyDataset batch {number} has fields with {sorted(sizes)} rows; every "
+                    f"batch but the last must have {self.block_size} rows in every field."
+                )
+            self._cache[number] = (arrays, treespec)
+        return self._cache[number]
+
+    def _rows_of(self, number: int) -> int:
+        leaves = optree.tree_leaves(self.dataset[number])
+        if not leaves:
+            raise ValueError(f"PyDataset batch {number} has no fields.")
+        return len(np.asarray(leaves[0]))
+
+    def sample(self, index: int) -> Any:
+        arrays, treespec = self._batch(index // self.block_size)
+        row = index % self.block_size
+        return optree.tree_unflatten(treespec, [array[row] for array in arrays])
+
+    def on_epoch_end(self) -> None:
+        self._cache.clear()
+        self.dataset.on_epoch_end()
+
+    def __repr__(self) -> str:
+        return f"PyDatasetSource(batches={self.num_batches}, rows={self.length})"
+
+
+class GeneratorSource:
+    """Samples come from `fn(shard, num_shards)`, a generator function called once per epoch.
+
+    Build one with `fp.from_generator(fn)`. With one producer, `fn(0, 1)` yields the whole
+    epoch; with N workers each calls `fn(i, N)` and yields its share.
+    """
+
+    length = None
+
+    def __init__(self, fn: Callable[[int, int], Iterable[Any]]):
+        if not callable(fn):
+            raise TypeError(
+                f"fp.from_generator needs a callable fn(shard, num_shards) that yields samples; "
+                f"got {type(fn).__name__}."
+            )
+        self.fn = fn
+
+    def samples(self, epoch: int) -> Iterator[Any]:
+        del epoch  # the generator decides its own order
+        return iter(self.fn(0, 1))
+
+    def first_sample(self) -> Any:
+        for sample in self.samples(0):
+            return sample
+        raise ValueError("The dataset is empty: the generator yielded no sample.")
+
+    def __repr__(self) -> str:
+        return f"GeneratorSource({getattr(self.fn, '__qualname__', self.fn)!r})"
+
+
+def from_generator(fn: Callable[[int, int], Iterable[Any]]) -> GeneratorSource:
+    """A source of the samples that `fn(shard, num_shards)` yields, for `fp.Feeder`.
+
+    `fn` is called once per epoch; each call must yield that epoch's samples (a shard of them
+    when `num_shards` > 1). Generators have no indices, so they cannot be shuffled by the feeder:
+    shuffle inside `fn`.
+    """
+    return GeneratorSource(fn)
+
+
+class TFDatasetSource:
+    """Samples are the elements of a `tf.data.Dataset`, read in blocks batched by TensorFlow."""
+
+    def __init__(self, dataset: Any):
+        import tensorflow as tf
+
+        cardinality = int(dataset.cardinality())
+        if cardinality == tf.data.INFINITE_CARDINALITY:
+            raise ValueError(
+                "`source` is an infinite tf.data.Dataset; an epoch must end: use "
+                "dataset.take(n) for n samples per epoch."
+            )
+        if cardinality == 0:
+            raise ValueError("The dataset is empty: the tf.data.Dataset has 0 elements.")
+        self.length = cardinality if cardinality > 0 else None
+        self.dataset = dataset
+        paths, specs, _ = optree.tree_flatten_with_path(dataset.element_spec)
+        for path, spec in zip(paths, specs, strict=True):
+            if not isinstance(spec, tf.TensorSpec) or not spec.shape.is_fully_defined():
+                raise ValueError(
+                    f"Field {field_name(path)} of the tf.data.Dataset's elements is {spec}; the "
+                    "feeder needs tensors of one fixed shape (pad or resize them in dataset.map)."
+                )
+
+    def samples(self, epoch: int) -> Iterator[Any]:
+        del epoch  # tf.data decides its own order (shuffle inside the dataset)
+        return self.dataset.as_numpy_iterator()
+
+    def blocks(self, rows: int) -> Iterator[list[np.ndarray]]:
+        """Blocks of up to `rows` samples, batched by tf.data itself."""
+        for block in self.dataset.batch(rows).prefetch(2):
+            yield [np.asarray(leaf) for leaf in optree.tree_leaves(block)]
+
+    def first_sample(self) -> Any:
+        for sample in self.samples(0):
+            return sample
+        raise ValueError("The dataset is empty: the tf.data.Dataset yielded no element.")
+
+    def __repr__(self) -> str:
+        return f"TFDatasetSource(length={self.length})"
+
+
+def _is_instance_of_loaded(obj: Any, module: str, path: str) -> bool:
+    """isinstance against a class of `module`, without importing it when it is not loaded yet."""
+    root = sys.modules.get(module)
+    if root is None:
+        return False
+    cls: Any = root
+    for part in path.split("."):
+        cls = getattr(cls, part, None)
+        if cls is None:
+            return False
+    return isinstance(obj, cls)
+
+
+Source = ArraySource | MapSource | PyDatasetSource | GeneratorSource | TFDatasetSource
+
+
+def as_source(data: Any) -> Source:
+    """Adapts what the user passed as `source` to the matching source class."""
+    if isinstance(data, ArraySource | MapSource | PyDatasetSource | GeneratorSource):
+        return data
+    if _is_instance_of_loaded(data, "tensorflow", "data.Dataset"):
+        return TFDatasetSource(data)
+    if _is_instance_of_loaded(data, "keras", "utils.PyDataset"):
+        return PyDatasetSource(data)
+    if isinstance(data, np.ndarray | tuple | dict) or _is_instance_of_loaded(
+        data, "tensorflow", "Tensor"
+    ):
+        return ArraySource(data)
+    if hasattr(data, "__len__") and hasattr(data, "__getitem__"):
+        return MapSource(data)
+    if callable(data) or hasattr(data, "__next__"):
+        raise TypeError(
+            f"`source` is a {type(data).__name__}; wrap a generator function as "
+            "fp.from_generator(fn), where fn(shard, num_shards) yields samples."
+        )
+    raise TypeError(
+        f"`source` of type {type(data).__name__} is not supported; pass numpy arrays (an "
+        "array, tuple or dict of equal-length arrays), an object with __len__ and "
+        "__getitem__, a keras.utils.PyDataset, fp.from_generator(fn) or a tf.data.Dataset."
+    )

@@ -1,0 +1,241 @@
+"""Split: which rows of a global batch go to which replica, and the host slots that hold them.
+
+Replica `r` takes the contiguous rows `[r * b, (r + 1) * b)` of each global batch of `b * R`
+rows. A host slot is one buffer in which every (field, replica) region starts on a 64-byte
+boundary, so each replica's rows are already cut out when they are written: staging a replica
+hands its regions over as they are, with no further copy on the host.
+
+Slots are allocated once and reused. A slot goes back to the pool when every array and tensor
+made from its last lease has been freed, which the lease's finalizer reports; nothing polls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import threading
+import weakref
+from collections.abc import Callable
+
+import numpy as np
+
+from feedpipe.source import SampleSpec
+
+ALIGN_BYTES = 64
+"""TensorFlow's CPU kernels expect 64-byte aligned buffers (Eigen's EIGEN_MAX_ALIGN_BYTES)."""
+
+WAIT_SLICE_S = 0.05
+"""How often a blocked wait wakes to re-check that it should still wait."""
+
+
+class Stopped(Exception):
+    """The pipeline was asked to stop while this thread waited."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplicaSplit:
+    """Cuts a global batch into equal contiguous per-replica sub-batches."""
+
+    global_batch_size: int
+    num_replicas: int
+
+    def __post_init__(self):
+        for name, value in (
+            ("global_batch_size", self.global_batch_size),
+            ("num_replicas", self.num_replicas),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+                raise ValueError(f"`{name}`={value!r} must be a positive integer.")
+        if self.global_batch_size % self.num_replicas:
+            raise ValueError(
+                f"`global_batch_size`={self.global_batch_size} is not divisible by the "
+                f"{self.num_replicas} replicas; use a multiple of {self.num_replicas} "
+                f"(for example {self.num_replicas * max(1, self.global_batch_size // self.num_replicas)})."
+            )
+
+    @property
+    def per_replica(self) -> int:
+        return self.global_batch_size // self.num_replicas
+
+    def rows(self, replica: int) -> range:
+        """The rows of the global batch that `replica` receives."""
+        return range(replica * self.per_replica, (replica + 1) * self.per_replica)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class SlotLayout:
+    """Where each (field, replica) region lives inside a slot's buffer.
+
+    With `contiguous`, a field's replica regions follow each other with no gap, so the whole
+    global batch of that field is one array (used when batches stay on the host).
+    """
+
+    def __init__(self, spec: SampleSpec, split: ReplicaSplit, *, contiguous: bool = False):
+        self.spec = spec
+        self.split = split
+        self.contiguous = contiguous
+        self.field_offsets: list[int] = []
+        strides = []
+        offset = 0
+        for leaf in spec.leaves:
+            region = split.per_replica * leaf.row_bytes
+            stride = region if contiguous else _round_up(region, ALIGN_BYTES)
+            offset = _round_up(offset, ALIGN_BYTES)
+            self.field_offsets.append(offset)
+            strides.append(stride)
+            offset += stride * split.num_replicas
+        self.nbytes = max(_round_up(offset, ALIGN_BYTES), ALIGN_BYTES)
+        self.offsets = [
+            [start + r * stride for start, stride in zip(self.field_offsets, strides, strict=True)]
+            for r in range(split.num_replicas)
+        ]
+        """`offsets[replica][field]`: where that region starts in the buffer."""
+
+    @property
+    def batch_bytes(self) -> int:
+        """Bytes of payload in one global batch (without alignment gaps)."""
+        return self.spec.row_bytes * self.split.global_batch_size
+
+    def views(self, buffer) -> list[list[np.ndarray]]:
+        """Arrays over `buffer`: `views[replica][field]`, each `[per_replica, *field_shape]`."""
+        b = self.split.per_replica
+        return [
+            [
+                np.frombuffer(
+                    buffer, leaf.dtype, b * int(np.prod(leaf.shape, dtype=np.int64)), offset
+                ).reshape((b, *leaf.shape))
+                for leaf, offset in zip(self.spec.leaves, row, strict=True)
+            ]
+            for row in self.offsets
+        ]
+
+    def global_views(self, buffer) -> list[np.ndarray]:
+        """Arrays over `buffer`, one per field, each `[global_batch, *field_shape]`."""
+        if not self.contiguous:
+            raise ValueError("Only a contiguous layout has global views.")
+        g = self.split.global_batch_size
+        return [
+            np.frombuffer(
+                buffer, leaf.dtype, g * int(np.prod(leaf.shape, dtype=np.int64)), start
+            ).reshape((g, *leaf.shape))
+            for leaf, start in zip(self.spec.leaves, self.field_offsets, strict=True)
+        ]
+
+
+def _aligned_buffer(nbytes: int) -> np.ndarray:
+    raw = np.empty(nbytes + ALIGN_BYTES, dtype=np.uint8)
+    start = (-raw.ctypes.data) % ALIGN_BYTES
+    return raw[start : start + nbytes]
+
+
+class HostSlot:
+    """One global batch's worth of host memory, laid out per replica."""
+
+    def __init__(self, layout: SlotLayout, buffer: np.ndarray | None = None, overflow=False):
+        self.layout = layout
+        self.buffer = _aligned_buffer(layout.nbytes) if buffer is None else buffer
+        self.regions = layout.views(self.buffer)
+        """`regions[replica][field]`: where the producer writes the rows of that replica."""
+        self.overflow = overflow
+        """True for a one-off slot made because the consumer kept every pooled slot."""
+
+    def row(self, field: int, row: int) -> np.ndarray:
+        """A one-row view of `field` at global row `row` (writable, even for scalar fields)."""
+        replica, offset = divmod(row, self.layout.split.per_replica)
+        return self.regions[replica][field][offset : offset + 1]
+
+    def write_rows(self, start: int, leaves: list[np.ndarray], lo: int, count: int) -> None:
+        """Copies rows `lo:lo+count` of `leaves` to global rows `start:start+count`."""
+        b = self.layout.split.per_replica
+        while count:
+            replica, offset = divmod(start, b)
+            n = min(count, b - offset)
+            for region, leaf in zip(self.regions[replica], leaves, strict=True):
+                region[offset : offset + n] = leaf[lo : lo + n]
+            start, lo, count = start + n, lo + n, count - n
+
+    def pad(self, num_valid: int) -> None:
+        """Fills rows `num_valid:` by repeating the real rows `0:num_valid` in order."""
+        for row in range(num_valid, self.layout.split.global_batch_size):
+            for field in range(len(self.layout.spec.leaves)):
+                self.row(field, row)[...] = self.row(field, row % num_valid)
+
+    def lease(self, on_free: Callable[[HostSlot], None]) -> SlotLease:
+        """Arrays over this slot that report, once all are gone, that the slot is free."""
+        return SlotLease(self, on_free)
+
+
+class SlotLease:
+    """Views of a slot handed to the consumer side; the slot is free once all have died.
+
+    The views are made over a ctypes array that exists only for this lease. Every array or
+    tensor derived from them keeps that object alive, so its finalizer runs exactly when the
+    last of them is freed, in whichever thread frees it.
+    """
+
+    __slots__ = ("_owner", "slot")
+
+    def __init__(self, slot: HostSlot, on_free: Callable[[HostSlot], None]):
+        self.slot = slot
+        self._owner = (ctypes.c_char * slot.layout.nbytes).from_buffer(slot.buffer)
+        weakref.finalize(self._owner, on_free, slot)
+
+    def regions(self) -> list[list[np.ndarray]]:
+        return self.slot.layout.views(self._owner)
+
+    def global_views(self) -> list[np.ndarray]:
+        return self.slot.layout.global_views(self._owner)
+
+    def release(self) -> None:
+        """Drops the lease's own reference; views already made keep the slot busy."""
+        self._owner = None
+
+
+class SlotPool:
+    """A fixed set of host slots, allocated once and reused.
+
+    Invariant: a slot is handed to a producer only when nothing made from its last lease is
+    alive. If every slot is held and the consumer is starving (it keeps batches it has taken),
+    a one-off overflow slot is made rather than deadlock; it is dropped when freed.
+    """
+
+    def __init__(self, layout: SlotLayout, capacity: int):
+        self.layout = layout
+        self.capacity = capacity
+        self.allocated = 0
+        self.overflow_allocations = 0
+        self._free: list[HostSlot] = []
+        # Re-entrant: a finalizer can run in a thread that already holds the lock.
+        self._cond = threading.Condition(threading.RLock())
+
+    def acquire(self, stop: threading.Event, may_overflow: Callable[[], bool]) -> HostSlot:
+        """A free slot; waits while all are in use, raising `Stopped` if `stop` is set."""
+        with self._cond:
+            while True:
+                if stop.is_set():
+                    raise Stopped
+                if self._free:
+                    return self._free.pop()
+                if self.allocated < self.capacity:
+                    self.allocated += 1
+                    return HostSlot(self.layout)
+                if may_overflow():
+                    self.overflow_allocations += 1
+                    return HostSlot(self.layout, overflow=True)
+                self._cond.wait(WAIT_SLICE_S)
+
+    def give_back(self, slot: HostSlot) -> None:
+        """Returns a slot to the pool (a producer that did not use it, or a freed lease)."""
+        with self._cond:
+            if not slot.overflow:
+                self._free.append(slot)
+                self._cond.notify()
+
+    def __repr__(self) -> str:
+        return (
+            f"SlotPool(capacity={self.capacity}, allocated={self.allocated}, "
+            f"free={len(self._free)}, slot_bytes={self.layout.nbytes})"
+        )

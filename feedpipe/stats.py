@@ -1,0 +1,147 @@
+"""Stats: is the accelerator starved, and why.
+
+The signal is read where the step takes its batch: the time it waited for a staged batch,
+against the whole step. Its share of wall time is the *input-bound fraction*, judged with the
+TensorFlow profiler's thresholds (under 5 %: not input-bound; 5-20 %: moderately; 20 % or
+more: highly). The producer side says why: waiting for room means the step is the bottleneck.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+MODERATE_FRACTION = 0.05
+"""The TensorFlow profiler's threshold for a moderately input-bound step."""
+HIGH_FRACTION = 0.20
+"""The TensorFlow profiler's threshold for a highly input-bound step."""
+
+
+def verdict(input_bound_fraction: float) -> str:
+    """The profiler's words for an input-bound fraction."""
+    if input_bound_fraction < MODERATE_FRACTION:
+        return "not input-bound"
+    if input_bound_fraction < HIGH_FRACTION:
+        return "moderately input-bound"
+    return "highly input-bound"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FeedStats:
+    """A snapshot of how well the feeder keeps the step fed, since it was built.
+
+    The first wait of every freshly started stream (filling the pipeline) is reported as
+    `startup_wait_s` and left out of the other figures, which describe the steady state.
+    """
+
+    steps: int
+    """Batches the consumer has taken."""
+    samples: int
+    """Real samples in those batches (padding not counted)."""
+    wall_s: float
+    """Consumer time across those steps: `consumer_wait_s` plus the time spent in the step."""
+    consumer_wait_s: float
+    """Time the step waited for its staged batch. Near 0: the input is hidden behind compute."""
+    producer_wait_s: float
+    """Time the producer waited for room (every staged slot full). High: the step is the
+    bottleneck (compute-bound), so a faster input would not help."""
+    producer_busy_s: float
+    """Time the producer spent reading, transforming, writing and staging batches."""
+    startup_wait_s: float
+    """Time spent waiting for the first batch of each freshly started stream."""
+    mean_occupancy: float
+    """Staged batches waiting on the devices when the step asked, averaged over steps,
+    from 0 to `depth`. Near 0: the step is starved; near `depth`: the input is ahead."""
+    depth: int
+    """Batches the feeder keeps staged per device ahead of the step."""
+    overflow_slots: int
+    """One-off host slots made because the consumer kept batches it had taken (0 normally)."""
+
+    @property
+    def input_bound_fraction(self) -> float:
+        """Share of wall time the step waited for input; the profiler's starvation signal."""
+        return self.consumer_wait_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def verdict(self) -> str:
+        """`not`, `moderately` or `highly input-bound`, by the profiler's thresholds."""
+        return verdict(self.input_bound_fraction)
+
+    @property
+    def samples_per_s(self) -> float:
+        """Real samples delivered per second of consumer wall time."""
+        return self.samples / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def producer_samples_per_s(self) -> float:
+        """What the producer alone could sustain: real samples per second of its busy time."""
+        return self.samples / self.producer_busy_s if self.producer_busy_s > 0 else 0.0
+
+    @property
+    def consumer_samples_per_s(self) -> float:
+        """What the step alone could sustain: samples per second of time not spent waiting."""
+        busy = self.wall_s - self.consumer_wait_s
+        return self.samples / busy if busy > 0 else 0.0
+
+    def __str__(self) -> str:
+        return (
+            f"{self.verdict}: input-bound fraction {self.input_bound_fraction:.1%} over "
+            f"{self.steps} steps; {self.samples_per_s:,.0f} samples/s delivered, producer alone "
+            f"{self.producer_samples_per_s:,.0f}/s, step alone "
+            f"{self.consumer_samples_per_s:,.0f}/s; mean occupancy "
+            f"{self.mean_occupancy:.2f} of {self.depth}"
+        )
+
+
+class StatsRecorder:
+    """Accumulates the figures behind `FeedStats`; each side writes only its own counters."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.steps = 0
+        self.samples = 0
+        self.consumer_wait_s = 0.0
+        self.step_s = 0.0
+        self.occupancy_sum = 0
+        self.occupancy_count = 0
+        self.startup_wait_s = 0.0
+        self.producer_wait_s = 0.0
+        self.producer_busy_s = 0.0
+        self.overflow_slots = 0
+        self._last_taken: float | None = None
+
+    def taken(self, *, asked: float, got: float, occupancy: int, samples: int, startup: bool):
+        """Records one batch taken by the consumer: asked for at `asked`, received at `got`."""
+        if self._last_taken is not None:
+            self.step_s += asked - self._last_taken
+        if startup:
+            self.startup_wait_s += got - asked
+        else:
+            self.consumer_wait_s += got - asked
+            self.occupancy_sum += occupancy
+            self.occupancy_count += 1
+        self.steps += 1
+        self.samples += samples
+        self._last_taken = got
+
+    def loop_ended(self, now: float | None = None) -> None:
+        """Closes the last step of a loop; time outside loops is not step time."""
+        if self._last_taken is not None:
+            self.step_s += (now or time.perf_counter()) - self._last_taken
+        self._last_taken = None
+
+    def snapshot(self) -> FeedStats:
+        return FeedStats(
+            steps=self.steps,
+            samples=self.samples,
+            wall_s=self.consumer_wait_s + self.step_s,
+            consumer_wait_s=self.consumer_wait_s,
+            producer_wait_s=self.producer_wait_s,
+            producer_busy_s=self.producer_busy_s,
+            startup_wait_s=self.startup_wait_s,
+            mean_occupancy=(
+                self.occupancy_sum / self.occupancy_count if self.occupancy_count else 0.0
+            ),
+            depth=self.depth,
+            overflow_slots=self.overflow_slots,
+        )
