@@ -27,7 +27,7 @@ _EXPORTS = {
     "from_generator": "feedpipe.source",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = ["Batch", "FeedOptions", "FeedStats", "Feeder", "from_generator"]
 
 if TYPE_CHECKING:
     from feedpipe.feeder import Feeder, FeedOptions

@@ -47,10 +47,11 @@ class ReplicaSplit:
             if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
                 raise ValueError(f"`{name}`={value!r} must be a positive integer.")
         if self.global_batch_size % self.num_replicas:
+            example = self.num_replicas * max(1, self.global_batch_size // self.num_replicas)
             raise ValueError(
                 f"`global_batch_size`={self.global_batch_size} is not divisible by the "
                 f"{self.num_replicas} replicas; use a multiple of {self.num_replicas} "
-                f"(for example {self.num_replicas * max(1, self.global_batch_size // self.num_replicas)})."
+                f"(for example {example})."
             )
 
     @property

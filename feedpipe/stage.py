@@ -141,7 +141,7 @@ class Stager:
         self._masks: dict[int, tuple[tf.Tensor, ...]] = {}
 
     def masks(self, num_valid: int) -> tuple[tf.Tensor, ...]:
-        """Per-device masks for a batch with `num_valid` real rows (cached: tensors are immutable)."""
+        """Per-device masks for `num_valid` real rows; cached, since tensors are immutable."""
         if num_valid not in self._masks:
             real = np.arange(self.per_replica * len(self.devices)) < num_valid
             parts = real.reshape(len(self.devices), self.per_replica)
