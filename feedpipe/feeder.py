@@ -322,6 +322,11 @@ class Feeder(tf.train.experimental.PythonState):
 
     def set_state(self, state: dict) -> None:
         """Continues the stream exactly where `state` was taken; staged batches are remade."""
+        if self._iterating:
+            raise RuntimeError(
+                "set_state() was called while a loop over the feeder is running; restore "
+                "before the loop starts (or break out of it first)."
+            )
         mine = self.get_state()
         missing = sorted(set(mine) - set(state))
         if missing:

@@ -22,8 +22,13 @@ from typing import Any
 import numpy as np
 import optree
 
-# numpy dtype kinds that cannot become numeric tensors: objects, strings, bytes, void, datetimes.
-_NON_TENSOR_KINDS = frozenset("OUSVMm")
+# numpy dtype kinds that cannot become numeric tensors: objects, strings, bytes, datetimes.
+_NON_TENSOR_KINDS = frozenset("OUSMm")
+
+
+def is_tensor_dtype(dtype: np.dtype) -> bool:
+    """Numbers and booleans, including ml_dtypes' (bfloat16, float8); not records or raw void."""
+    return dtype.kind not in _NON_TENSOR_KINDS and dtype.type is not np.void
 
 
 def field_name(path: tuple) -> str:
@@ -61,7 +66,7 @@ class SampleSpec:
         for path, leaf in zip(paths, leaves, strict=True):
             array = np.asarray(leaf)
             name = field_name(path)
-            if array.dtype.kind in _NON_TENSOR_KINDS:
+            if not is_tensor_dtype(array.dtype):
                 raise TypeError(
                     f"Field {name} of sample {index} has dtype {array.dtype}, which cannot be "
                     "staged as a numeric tensor; encode it as numbers first (for example "
