@@ -13,6 +13,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from feedpipe.producers import Position, Producer
@@ -36,8 +37,9 @@ class Failure:
 class Handoff:
     """A queue holding at most `depth` staged batches (epoch ends and failures are free)."""
 
-    def __init__(self, depth: int):
+    def __init__(self, depth: int, on_starve: Callable[[], None]):
         self.depth = depth
+        self._on_starve = on_starve
         self._items: collections.deque = collections.deque()
         self._batches = 0
         self._cond = threading.Condition()
@@ -66,6 +68,8 @@ class Handoff:
         """The next item; raises if the thread has died without sending one."""
         with self._cond:
             self.consumer_waiting = True
+            if not self._items:
+                self._on_starve()
             try:
                 while not self._items:
                     if not thread.is_alive():
@@ -109,7 +113,7 @@ def _run(
             return pool.acquire(stop, handoff.starving)
         finally:
             waited = time.perf_counter() - started
-            stats.producer_wait_s += waited
+            stats.slot_wait_s += waited
             paused[0] += waited
 
     paused = [0.0]
@@ -174,7 +178,7 @@ class Pipeline:
     ):
         self.host = host
         self.start = start
-        self.handoff = Handoff(depth)
+        self.handoff = Handoff(depth, on_starve=pool.wake)
         self.stop = threading.Event()
         self.thread = threading.Thread(
             target=_run,

@@ -131,7 +131,8 @@ class Feeder(tf.train.experimental.PythonState):
         self._stats = StatsRecorder(depth)
         self._pools: dict[bool, SlotPool] = {}
         self._position = Position(0, 0)
-        self._iterating = False
+        self._active: tuple[object, bool, Position] | None = None
+        """The pass being iterated: (token, host mode, where it started)."""
 
     def _read_spec(self, transform) -> SampleSpec:
         """The spec of what producers will make: the first sample, after `transform`."""
@@ -177,7 +178,7 @@ class Feeder(tf.train.experimental.PythonState):
     def _pool(self, host: bool) -> SlotPool:
         if host not in self._pools:
             layout = SlotLayout(self.spec, self.split, contiguous=host)
-            self._pools[host] = SlotPool(layout, self.options.depth + EXTRA_SLOTS)
+            self._pools[host] = SlotPool(layout, self.options.depth + EXTRA_SLOTS, reuse=not host)
         return self._pools[host]
 
     def _start(self, host: bool) -> Pipeline:
@@ -206,19 +207,32 @@ class Feeder(tf.train.experimental.PythonState):
             self._pipeline = None
 
     def _iterate(self, host: bool) -> Iterator[Batch | HostBatch]:
+        """One pass over the rest of the current epoch.
+
+        A loop left early keeps its position (the next loop resumes there). A pass of
+        `as_dataset` left early does not count, because TensorFlow prefetches batches the step
+        never takes and Keras peeks at a batch to build the model: the next pass starts again
+        where it began. Such a pass, if TensorFlow finalises it late, is superseded.
+        """
         if self._closed:
             raise RuntimeError("The feeder is closed; build a new fp.Feeder to read again.")
-        if self._iterating:
-            raise RuntimeError(
-                "The feeder is already being iterated; finish or break that loop first "
-                "(one consumer per feeder)."
-            )
-        self._iterating = True
+        if self._active is not None:
+            _, active_host, active_start = self._active
+            if not (host and active_host):
+                raise RuntimeError(
+                    "The feeder is already being iterated; finish or break that loop first "
+                    "(one consumer per feeder)."
+                )
+            self._stop_pipeline()
+            self._position = active_start
+        token = object()
+        start = self._position
+        self._active = (token, host, start)
         fresh = self._pipeline is None or self._pipeline.host != host
         pipeline = self._start(host)
         finished = False
         try:
-            while True:
+            while self._active is not None and self._active[0] is token:
                 staged = pipeline.handoff.staged()
                 asked = time.perf_counter()
                 item = pipeline.get()
@@ -245,16 +259,20 @@ class Feeder(tf.train.experimental.PythonState):
                 yield item
                 del item
         finally:
-            self._iterating = False
-            if not finished:
-                self._stats.loop_ended()
-                # Left early: staged batches are dropped and made again by the next loop.
-                self._stop_pipeline()
+            if self._active is not None and self._active[0] is token:
+                self._active = None
+                if not finished:
+                    self._stats.loop_ended()
+                    # Staged batches are dropped and made again by the next pass.
+                    self._stop_pipeline()
+                    if host:
+                        self._position = start
 
     def as_dataset(self) -> tf.data.Dataset:
         """A `tf.data.Dataset` of global batches for `model.fit` and other wrappers.
 
-        Each iteration of the dataset is the feeder's next epoch. With `remainder="pad"` an
+        Each complete pass over the dataset is the feeder's next epoch; a pass left early does
+        not count (see `_iterate`). With `remainder="pad"` an
         `(x, y)` source gets a third element, `sample_weight`: 0 on padding rows, and real rows
         scaled by `global_batch_size / num_valid` so the batch's mean loss is the mean over its
         real samples (an `(x, y, w)` source has its weights scaled the same way).
@@ -322,7 +340,7 @@ class Feeder(tf.train.experimental.PythonState):
 
     def set_state(self, state: dict) -> None:
         """Continues the stream exactly where `state` was taken; staged batches are remade."""
-        if self._iterating:
+        if self._active is not None:
             raise RuntimeError(
                 "set_state() was called while a loop over the feeder is running; restore "
                 "before the loop starts (or break out of it first)."

@@ -141,7 +141,7 @@ class HostSlot:
         self.regions = layout.views(self.buffer)
         """`regions[replica][field]`: where the producer writes the rows of that replica."""
         self.overflow = overflow
-        """True for a one-off slot made because the consumer kept every pooled slot."""
+        """True for a one-off slot, dropped rather than pooled once freed."""
 
     def row(self, field: int, row: int) -> np.ndarray:
         """A one-row view of `field` at global row `row` (writable, even for scalar fields)."""
@@ -201,11 +201,15 @@ class SlotPool:
     Invariant: a slot is handed to a producer only when nothing made from its last lease is
     alive. If every slot is held and the consumer is starving (it keeps batches it has taken),
     a one-off overflow slot is made rather than deadlock; it is dropped when freed.
+
+    With `reuse=False` every batch gets fresh memory that its consumer keeps: for batches handed
+    to TensorFlow's own input pipeline, which holds them for as long as it prefetches.
     """
 
-    def __init__(self, layout: SlotLayout, capacity: int):
+    def __init__(self, layout: SlotLayout, capacity: int, *, reuse: bool = True):
         self.layout = layout
         self.capacity = capacity
+        self.reuse = reuse
         self.allocated = 0
         self.overflow_allocations = 0
         self._free: list[HostSlot] = []
@@ -214,6 +218,10 @@ class SlotPool:
 
     def acquire(self, stop: threading.Event, may_overflow: Callable[[], bool]) -> HostSlot:
         """A free slot; waits while all are in use, raising `Stopped` if `stop` is set."""
+        if not self.reuse:
+            if stop.is_set():
+                raise Stopped
+            return HostSlot(self.layout, overflow=True)
         with self._cond:
             while True:
                 if stop.is_set():
@@ -227,6 +235,11 @@ class SlotPool:
                     self.overflow_allocations += 1
                     return HostSlot(self.layout, overflow=True)
                 self._cond.wait(WAIT_SLICE_S)
+
+    def wake(self) -> None:
+        """Makes a waiting `acquire` re-check `may_overflow` now (the consumer started starving)."""
+        with self._cond:
+            self._cond.notify_all()
 
     def give_back(self, slot: HostSlot) -> None:
         """Returns a slot to the pool (a producer that did not use it, or a freed lease)."""

@@ -45,6 +45,9 @@ class FeedStats:
     producer_wait_s: float
     """Time the producer waited for room (every staged slot full). High: the step is the
     bottleneck (compute-bound), so a faster input would not help."""
+    slot_wait_s: float
+    """Time the producer waited for a free host slot: the consumer, or TensorFlow's own
+    prefetching behind `as_dataset`, still held every earlier batch. High: raise `depth`."""
     producer_busy_s: float
     """Time the producer spent reading, transforming, writing and staging batches."""
     startup_wait_s: float
@@ -106,6 +109,7 @@ class StatsRecorder:
         self.occupancy_count = 0
         self.startup_wait_s = 0.0
         self.producer_wait_s = 0.0
+        self.slot_wait_s = 0.0
         self.producer_busy_s = 0.0
         self.overflow_slots = 0
         self._last_taken: float | None = None
@@ -137,6 +141,7 @@ class StatsRecorder:
             wall_s=self.consumer_wait_s + self.step_s,
             consumer_wait_s=self.consumer_wait_s,
             producer_wait_s=self.producer_wait_s,
+            slot_wait_s=self.slot_wait_s,
             producer_busy_s=self.producer_busy_s,
             startup_wait_s=self.startup_wait_s,
             mean_occupancy=(
