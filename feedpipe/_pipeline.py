@@ -35,7 +35,11 @@ class Failure:
 
 
 class Handoff:
-    """A queue holding at most `depth` staged batches (epoch ends and failures are free)."""
+    """A queue holding at most `depth` staged batches (epoch ends and failures are free).
+
+    Each side notifies only when the other is waiting, so taking a batch that is already
+    staged wakes no thread.
+    """
 
     def __init__(self, depth: int, on_starve: Callable[[], None]):
         self.depth = depth
@@ -44,6 +48,7 @@ class Handoff:
         self._batches = 0
         self._cond = threading.Condition()
         self.consumer_waiting = False
+        self._producer_waiting = False
 
     def staged(self) -> int:
         """Batches staged and not yet taken."""
@@ -54,7 +59,9 @@ class Handoff:
             while self._batches >= self.depth:
                 if stop.is_set():
                     raise Stopped
+                self._producer_waiting = True
                 self._cond.wait(WAIT_SLICE_S)
+            self._producer_waiting = False
             if stop.is_set():
                 raise Stopped
 
@@ -62,27 +69,29 @@ class Handoff:
         with self._cond:
             self._items.append((item, is_batch))
             self._batches += is_batch
-            self._cond.notify_all()
+            if self.consumer_waiting:
+                self._cond.notify_all()
 
     def get(self, thread: threading.Thread) -> Any:
         """The next item; raises if the thread has died without sending one."""
         with self._cond:
-            self.consumer_waiting = True
             if not self._items:
+                self.consumer_waiting = True
                 self._on_starve()
-            try:
-                while not self._items:
-                    if not thread.is_alive():
-                        raise RuntimeError(
-                            f"{thread.name} stopped without delivering a batch, an error or "
-                            "the end of the epoch; the feeder cannot go on."
-                        )
-                    self._cond.wait(WAIT_SLICE_S)
-            finally:
-                self.consumer_waiting = False
+                try:
+                    while not self._items:
+                        if not thread.is_alive():
+                            raise RuntimeError(
+                                f"{thread.name} stopped without delivering a batch, an error "
+                                "or the end of the epoch; the feeder cannot go on."
+                            )
+                        self._cond.wait(WAIT_SLICE_S)
+                finally:
+                    self.consumer_waiting = False
             item, is_batch = self._items.popleft()
             self._batches -= is_batch
-            self._cond.notify_all()
+            if self._producer_waiting:
+                self._cond.notify_all()
             return item
 
     def starving(self) -> bool:
