@@ -136,18 +136,23 @@ class Feeder(tf.train.experimental.PythonState):
 
     def _read_spec(self, transform) -> SampleSpec:
         """The spec of what producers will make: the first sample, after `transform`."""
-        if hasattr(self._source, "sample"):
-            if self._source.length < 1:
-                raise ValueError("The dataset is empty (0 samples); give the feeder samples.")
-            sample = self._source.sample(0)
-        else:
-            sample = self._source.first_sample()
-        if transform is not None:
-            sample = (
-                transform(sample, sample_rng(self.options.seed, 0, 0))
-                if accepts_rng(transform)
-                else transform(sample)
+        try:
+            if hasattr(self._source, "sample"):
+                sample = self._source.sample(0)
+            else:
+                sample = self._source.first_sample()
+            if transform is not None:
+                sample = (
+                    transform(sample, sample_rng(self.options.seed, 0, 0))
+                    if accepts_rng(transform)
+                    else transform(sample)
+                )
+        except Exception as error:
+            error.add_note(
+                "feedpipe: raised while reading sample 0 (epoch 0) to learn the structure, "
+                "shapes and dtypes of the samples."
             )
+            raise
         return SampleSpec.of(sample)
 
     def _check_stream_length(self) -> None:

@@ -31,6 +31,11 @@ def is_tensor_dtype(dtype: np.dtype) -> bool:
     return dtype.kind not in _NON_TENSOR_KINDS and dtype.type is not np.void
 
 
+def _refuse_empty(length: int) -> None:
+    if length < 1:
+        raise ValueError("`source` is empty (0 samples); give the feeder at least one sample.")
+
+
 def field_name(path: tuple) -> str:
     """The user-facing name of a leaf, e.g. `[0]`, `['image']`, or `sample` for a bare array."""
     return "".join(f"[{key!r}]" for key in path) or "sample"
@@ -136,6 +141,7 @@ class ArraySource:
                 "same number of samples along its first dimension."
             )
         self.length = len(self.arrays[0])
+        _refuse_empty(self.length)
 
     def sample(self, index: int) -> Any:
         return optree.tree_unflatten(self.treespec, [array[index] for array in self.arrays])
@@ -158,6 +164,7 @@ class MapSource:
     def __init__(self, data: Any):
         self.data = data
         self.length = len(data)
+        _refuse_empty(self.length)
 
     def sample(self, index: int) -> Any:
         return self.data[index]
