@@ -143,7 +143,10 @@ def _run(
             stats.producer_wait_s += staging - made
             batch = stager.stage(step, slot.lease(pool.give_back))
             del slot, item
-            stats.producer_busy_s += time.perf_counter() - staging + made - started - paused[0]
+            stats.produced(
+                busy_s=time.perf_counter() - staging + made - started - paused[0],
+                samples=step.num_valid,
+            )
             stats.overflow_slots = pool.overflow_allocations
             handoff.put(batch, is_batch=True)
             del batch

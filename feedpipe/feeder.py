@@ -74,6 +74,15 @@ class FeedOptions:
         _positive_int("depth", self.depth, "use depth=2 to hide one step's transfer")
 
 
+@dataclasses.dataclass(eq=False, slots=True)
+class _Pass:
+    """One loop over the feeder: its mode, where it started, and the stats it started from."""
+
+    host: bool
+    start: Position
+    counters: dict
+
+
 class Feeder(tf.train.experimental.PythonState):
     """Builds each global batch on the host, splits it per replica, and stages it on each device.
 
@@ -131,8 +140,8 @@ class Feeder(tf.train.experimental.PythonState):
         self._stats = StatsRecorder(depth)
         self._pools: dict[bool, SlotPool] = {}
         self._position = Position(0, 0)
-        self._active: tuple[object, bool, Position] | None = None
-        """The pass being iterated: (token, host mode, where it started)."""
+        self._active: _Pass | None = None
+        """The pass being iterated, if any."""
 
     def _read_spec(self, transform) -> SampleSpec:
         """The spec of what producers will make: the first sample, after `transform`."""
@@ -190,6 +199,7 @@ class Feeder(tf.train.experimental.PythonState):
         if self._pipeline is not None and self._pipeline.host == host:
             return self._pipeline
         self._stop_pipeline()
+        self._stats.stream_started()
         stager: Any = (
             HostStager()
             if host
@@ -222,22 +232,20 @@ class Feeder(tf.train.experimental.PythonState):
         if self._closed:
             raise RuntimeError("The feeder is closed; build a new fp.Feeder to read again.")
         if self._active is not None:
-            _, active_host, active_start = self._active
-            if not (host and active_host):
+            if not (host and self._active.host):
                 raise RuntimeError(
                     "The feeder is already being iterated; finish or break that loop first "
                     "(one consumer per feeder)."
                 )
             self._stop_pipeline()
-            self._position = active_start
-        token = object()
-        start = self._position
-        self._active = (token, host, start)
+            self._abandon(self._active)
+        this = _Pass(host, self._position, self._stats.consumer_counters())
+        self._active = this
         fresh = self._pipeline is None or self._pipeline.host != host
         pipeline = self._start(host)
         finished = False
         try:
-            while self._active is not None and self._active[0] is token:
+            while self._active is this:
                 staged = pipeline.handoff.staged()
                 asked = time.perf_counter()
                 item = pipeline.get()
@@ -264,14 +272,19 @@ class Feeder(tf.train.experimental.PythonState):
                 yield item
                 del item
         finally:
-            if self._active is not None and self._active[0] is token:
+            if self._active is this:
                 self._active = None
                 if not finished:
                     self._stats.loop_ended()
                     # Staged batches are dropped and made again by the next pass.
                     self._stop_pipeline()
                     if host:
-                        self._position = start
+                        self._abandon(this)
+
+    def _abandon(self, left: _Pass) -> None:
+        """Undoes a pass of `as_dataset` left early: its batches will be made and taken again."""
+        self._position = left.start
+        self._stats.restore_consumer(left.counters)
 
     def as_dataset(self) -> tf.data.Dataset:
         """A `tf.data.Dataset` of global batches for `model.fit` and other wrappers.
@@ -298,7 +311,9 @@ class Feeder(tf.train.experimental.PythonState):
                 yield self._with_weights(batch, weighting)
 
         dataset = tf.data.Dataset.from_generator(generate, output_signature=signature)
-        if self._sampler is not None or getattr(self._source, "length", None) is not None:
+        known = self._sampler is not None or getattr(self._source, "length", None) is not None
+        # A feeder left or restored mid-epoch first serves the rest of that epoch: shorter.
+        if known and self.get_state()["step"] == 0:
             dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(self)))
         return dataset
 

@@ -175,6 +175,19 @@ class ThreadProducer:
                 return
 
 
+def _numbered(samples: Iterator[Any], epoch: int) -> Iterator[tuple[int, Any]]:
+    """`enumerate(samples)`, adding the origin note to an error the stream itself raises."""
+    for index in itertools.count():
+        try:
+            sample = next(samples)
+        except StopIteration:
+            return
+        except Exception as error:
+            _note_origin(error, index, epoch)
+            raise
+        yield index, sample
+
+
 class _RowStream:
     """The rows of one epoch of a stream source, in blocks or one sample at a time."""
 
@@ -188,7 +201,7 @@ class _RowStream:
         else:
             self._blocks = (
                 [leaf[np.newaxis] for leaf in writer.prepare(sample, index, epoch)]
-                for index, sample in enumerate(source.samples(epoch))
+                for index, sample in _numbered(source.samples(epoch), epoch)
             )
         self._block: list[np.ndarray] | None = None
         self._offset = 0

@@ -133,6 +133,14 @@ class ArraySource:
                     f"Field {field_name(path)} of `source` is a scalar ({array!r}); every array "
                     "needs a first dimension that counts samples."
                 )
+            if not is_tensor_dtype(array.dtype):
+                # Rows are gathered with no per-sample check, so an object array would be cast
+                # silently (1.7 becomes 1 when the first row is an int): refuse it up front.
+                raise TypeError(
+                    f"Field {field_name(path)} of `source` has dtype {array.dtype}, which cannot "
+                    "be staged as a numeric tensor; convert it first (for example "
+                    "np.asarray(x, dtype=np.float32), or strings to integer ids) or drop it."
+                )
         lengths = {field_name(p): len(a) for p, a in zip(paths, self.arrays, strict=True)}
         if len(set(lengths.values())) > 1:
             listed = ", ".join(f"{name} has {n}" for name, n in lengths.items())

@@ -49,7 +49,10 @@ class FeedStats:
     """Time the producer waited for a free host slot: the consumer, or TensorFlow's own
     prefetching behind `as_dataset`, still held every earlier batch. High: raise `depth`."""
     producer_busy_s: float
-    """Time the producer spent reading, transforming, writing and staging batches."""
+    """Time the producer spent reading, transforming, writing and staging batches (the first
+    batch of each stream, which pays one-off set-up costs, is left out)."""
+    produced_samples: int
+    """Real samples in the batches timed by `producer_busy_s`."""
     startup_wait_s: float
     """Time spent waiting for the first batch of each freshly started stream."""
     mean_occupancy: float
@@ -78,7 +81,8 @@ class FeedStats:
     @property
     def producer_samples_per_s(self) -> float:
         """What the producer alone could sustain: real samples per second of its busy time."""
-        return self.samples / self.producer_busy_s if self.producer_busy_s > 0 else 0.0
+        busy = self.producer_busy_s
+        return self.produced_samples / busy if busy > 0 else 0.0
 
     @property
     def consumer_samples_per_s(self) -> float:
@@ -96,6 +100,18 @@ class FeedStats:
         )
 
 
+_CONSUMER_COUNTERS = (
+    "steps",
+    "samples",
+    "consumer_wait_s",
+    "step_s",
+    "occupancy_sum",
+    "occupancy_count",
+    "startup_wait_s",
+    "_last_taken",
+)
+
+
 class StatsRecorder:
     """Accumulates the figures behind `FeedStats`; each side writes only its own counters."""
 
@@ -111,6 +127,8 @@ class StatsRecorder:
         self.producer_wait_s = 0.0
         self.slot_wait_s = 0.0
         self.producer_busy_s = 0.0
+        self.produced_samples = 0
+        self._producer_warm = False
         self.overflow_slots = 0
         self._last_taken: float | None = None
 
@@ -128,6 +146,26 @@ class StatsRecorder:
         self.samples += samples
         self._last_taken = got
 
+    def produced(self, *, busy_s: float, samples: int) -> None:
+        """Records one batch made by the producer; the first of a stream only warms it up."""
+        if self._producer_warm:
+            self.producer_busy_s += busy_s
+            self.produced_samples += samples
+        self._producer_warm = True
+
+    def stream_started(self) -> None:
+        """A fresh stream begins: its first batch pays set-up costs again."""
+        self._producer_warm = False
+
+    def consumer_counters(self) -> dict:
+        """The consumer's counters, to put back with `restore_consumer`."""
+        return {name: getattr(self, name) for name in _CONSUMER_COUNTERS}
+
+    def restore_consumer(self, counters: dict) -> None:
+        """Forgets batches taken by a pass that did not count (see `Feeder.as_dataset`)."""
+        for name, value in counters.items():
+            setattr(self, name, value)
+
     def loop_ended(self, now: float | None = None) -> None:
         """Closes the last step of a loop; time outside loops is not step time."""
         if self._last_taken is not None:
@@ -143,6 +181,7 @@ class StatsRecorder:
             producer_wait_s=self.producer_wait_s,
             slot_wait_s=self.slot_wait_s,
             producer_busy_s=self.producer_busy_s,
+            produced_samples=self.produced_samples,
             startup_wait_s=self.startup_wait_s,
             mean_occupancy=(
                 self.occupancy_sum / self.occupancy_count if self.occupancy_count else 0.0
