@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -272,7 +273,8 @@ class Feeder(tf.train.experimental.PythonState):
                 yield item
                 del item
         finally:
-            if self._active is this:
+            # At interpreter exit a suspended loop is finalised after modules are torn down.
+            if self._active is this and not sys.is_finalizing():
                 self._active = None
                 if not finished:
                     self._stats.loop_ended()

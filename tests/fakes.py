@@ -1,0 +1,165 @@
+"""Fake sources whose samples carry their own index, and helpers to read batches back.
+
+Every field of sample `i` made here holds the value `i` (features filled with it, label = it),
+so the ids a batch delivered can be read from any field, and a row whose fields disagree is a
+row mixed up by the pipeline.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import numpy as np
+import tensorflow as tf
+
+FEATURE_SHAPE = (3,)
+
+
+def index_sample(index: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sample `index`: `(features filled with index, label=index)`."""
+    return np.full(FEATURE_SHAPE, index, np.float32), np.int64(index)
+
+
+def index_arrays(length: int) -> tuple[np.ndarray, np.ndarray]:
+    """The whole dataset of `index_sample`s as `(features [N, 3], labels [N])`."""
+    labels = np.arange(length, dtype=np.int64)
+    features = np.repeat(labels.astype(np.float32)[:, None], FEATURE_SHAPE[0], axis=1)
+    return features, labels
+
+
+class CountingSource:
+    """Map-style source of `index_sample`s that counts how often each index is read."""
+
+    def __init__(self, length: int):
+        self.length = length
+        self.reads: collections.Counter[int] = collections.Counter()
+        self.reader_threads: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int):
+        if not 0 <= index < self.length:
+            raise IndexError(index)
+        with self._lock:
+            self.reads[index] += 1
+            self.reader_threads.add(threading.current_thread().name)
+        return index_sample(index)
+
+
+class SourceBroke(Exception):
+    """The error a `FailingSource` raises; a type of its own, so tests can see it survive."""
+
+
+class FailingSource(CountingSource):
+    """A counting source that raises `SourceBroke` when sample `fail_at` is read."""
+
+    def __init__(self, length: int, fail_at: int):
+        super().__init__(length)
+        self.fail_at = fail_at
+
+    def __getitem__(self, index: int):
+        if index == self.fail_at:
+            raise SourceBroke(f"sample {index} is broken")
+        return super().__getitem__(index)
+
+
+class SlowSource(CountingSource):
+    """A counting source that sleeps `delay_s` per sample (an expensive decode)."""
+
+    def __init__(self, length: int, delay_s: float):
+        super().__init__(length)
+        self.delay_s = delay_s
+
+    def __getitem__(self, index: int):
+        time.sleep(self.delay_s)
+        return super().__getitem__(index)
+
+
+def _leaves(structure) -> list[np.ndarray]:
+    return [np.asarray(leaf) for leaf in tf.nest.flatten(structure)]
+
+
+def _row_ids(leaves: list[np.ndarray]) -> np.ndarray:
+    """The index every row carries; fails if any field of a row holds another value."""
+    first = leaves[0].reshape(len(leaves[0]), -1)[:, 0]
+    for leaf in leaves:
+        flat = leaf.reshape(len(leaf), -1)
+        np.testing.assert_array_equal(
+            flat, np.broadcast_to(first[:, None], flat.shape).astype(flat.dtype)
+        )
+    return first.astype(np.int64)
+
+
+def replica_ids(batch) -> list[np.ndarray]:
+    """Per replica, the sample index of every row (padding rows included), in row order."""
+    return [_row_ids(_leaves(replica)) for replica in batch.replicas]
+
+
+def replica_masks(batch) -> list[np.ndarray]:
+    return [np.asarray(mask) for mask in batch.masks]
+
+
+def real_ids(batch) -> list[int]:
+    """The sample indices of the rows whose mask is True, in global row order."""
+    ids = []
+    for rows, mask in zip(replica_ids(batch), replica_masks(batch), strict=True):
+        ids.extend(rows[mask].tolist())
+    return ids
+
+
+def all_ids(batch) -> list[int]:
+    """Every row's sample index, padding included, in global row order."""
+    return [i for rows in replica_ids(batch) for i in rows.tolist()]
+
+
+def host_batch_ids(element) -> np.ndarray:
+    """Every row's sample index in one element of `feeder.as_dataset()` (weights left out)."""
+    leaves = _leaves(element)
+    return _row_ids(leaves[:2] if len(leaves) > 2 else leaves)
+
+
+def epoch_ids(feeder) -> list[int]:
+    """The real sample indices of one full `for` loop over `feeder`."""
+    return [i for batch in feeder for i in real_ids(batch)]
+
+
+def index_generator(length: int):
+    """A generator function for `fp.from_generator` yielding `index_sample(0..length-1)`."""
+
+    def generate(shard: int, num_shards: int):
+        for index in range(shard, length, num_shards):
+            yield index_sample(index)
+
+    return generate
+
+
+def index_pydataset(length: int, batch_size: int):
+    """A `keras.utils.PyDataset` of `index_sample` rows, counting reads of each of its batches."""
+    import keras
+
+    class IndexPyDataset(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__()
+            self.batch_reads: collections.Counter[tuple[int, int]] = collections.Counter()
+            """Reads of each batch, keyed by (epochs ended so far, batch number)."""
+            self.epochs_ended = 0
+
+        def __len__(self) -> int:
+            return -(-length // batch_size)
+
+        def __getitem__(self, number: int):
+            if not 0 <= number < len(self):
+                raise IndexError(number)
+            self.batch_reads[self.epochs_ended, number] += 1
+            return index_arrays(length)[0][number * batch_size : (number + 1) * batch_size], (
+                np.arange(length, dtype=np.int64)[number * batch_size : (number + 1) * batch_size]
+            )
+
+        def on_epoch_end(self):
+            self.epochs_ended += 1
+
+    return IndexPyDataset()

@@ -1,0 +1,139 @@
+"""Consumers under tf.distribute: `strategy.run` over `Batch.distributed()`, and `model.fit` /
+`model.evaluate` over `Feeder.as_dataset()` with a MirroredStrategy on four logical CPUs."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import feedpipe as fp
+from tests.fakes import index_arrays
+
+NUM_FEATURES = 4
+
+
+def regression_data(length: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((length, NUM_FEATURES)).astype(np.float32)
+    y = (x @ np.arange(1, NUM_FEATURES + 1, dtype=np.float32) + 0.5)[:, None]
+    return x, y
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_strategy_run_sums_each_replicas_rows(strategy, shuffle):
+    x, y = regression_data(21)
+    per_replica = 2
+
+    @tf.function
+    def masked_sums(inputs, mask):
+        def replica_sum(sample, real):
+            features, _ = sample
+            return tf.reduce_sum(tf.where(real[:, None], features, 0.0), axis=0)
+
+        return strategy.run(replica_sum, args=(inputs, mask))
+
+    with fp.Feeder((x, y), 8, strategy=strategy, shuffle=shuffle, seed=1) as feeder:
+        sampler_order = feeder._sampler.order(0)
+        steps = 0
+        for batch in feeder:
+            inputs, mask = batch.distributed()
+            sums = strategy.experimental_local_results(masked_sums(inputs, mask))
+            rows = sampler_order[batch.step * 8 : (batch.step + 1) * 8]
+            assert len(sums) == 4
+            for r, total in enumerate(sums):
+                mine = rows[r * per_replica : (r + 1) * per_replica]  # empty for all-padding
+                np.testing.assert_allclose(total.numpy(), x[mine].sum(axis=0), rtol=1e-6, atol=1e-6)
+            steps += 1
+        assert steps == 3
+
+
+def test_distributed_values_sit_on_the_replica_devices(strategy):
+    with fp.Feeder(index_arrays(8), 8, strategy=strategy) as feeder:
+        inputs, mask = next(iter(feeder)).distributed()
+        for r, (features, real) in enumerate(
+            zip(
+                strategy.experimental_local_results(inputs[0]),
+                strategy.experimental_local_results(mask),
+                strict=True,
+            )
+        ):
+            assert features.device.endswith(f"CPU:{r}") and real.device.endswith(f"CPU:{r}")
+            assert features.numpy()[:, 0].tolist() == [2 * r, 2 * r + 1]
+
+
+def test_distributed_without_a_strategy_uses_the_active_scope(devices, strategy):
+    with fp.Feeder(index_arrays(8), 8, devices=devices) as feeder:
+        batch = next(iter(feeder))
+        with pytest.raises(ValueError, match=r"needs a tf\.distribute strategy"):
+            batch.distributed()
+        with strategy.scope():
+            _, mask = batch.distributed()
+        assert len(strategy.experimental_local_results(mask)) == 4
+        assert len(strategy.experimental_local_results(batch.distributed(strategy)[1])) == 4
+
+
+def test_distributed_refuses_a_strategy_with_another_replica_count(devices, strategy):
+    with fp.Feeder(index_arrays(8), 8, devices=devices[:2]) as feeder:
+        batch = next(iter(feeder))
+        with pytest.raises(ValueError, match=r"4 replicas but the batch was staged for 2"):
+            batch.distributed(strategy)
+
+
+class StepCounter(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.steps = getattr(self, "steps", [])
+        self.steps.append(0)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps[-1] += 1
+
+
+def linear_model(strategy) -> keras.Model:
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((NUM_FEATURES,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    return model
+
+
+def test_model_fit_trains_under_mirrored_strategy(strategy):
+    x, y = regression_data(52)  # 4 steps of 16, the last one padded
+    model = linear_model(strategy)
+    before = [w.copy() for w in model.get_weights()]
+    counter = StepCounter()
+    with fp.Feeder((x, y), 16, strategy=strategy, shuffle=True) as feeder:
+        history = model.fit(
+            feeder.as_dataset(), epochs=3, verbose=0, callbacks=[counter], shuffle=False
+        )
+        assert feeder.get_state()["epoch"] == 3
+    losses = history.history["loss"]
+    assert len(losses) == 3 and np.all(np.isfinite(losses))
+    assert losses[-1] < losses[0]
+    assert counter.steps == [4, 4, 4], "every epoch must run all its steps"
+    assert any(not np.allclose(a, b) for a, b in zip(before, model.get_weights(), strict=True))
+
+
+def test_padded_rows_carry_zero_weight_in_keras(strategy):
+    x, y = regression_data(13)  # batches of 8 real rows, then 5 real rows and 3 padded
+    model = linear_model(strategy)
+    model.set_weights([np.full((NUM_FEATURES, 1), 0.3, np.float32), np.zeros(1, np.float32)])
+    errors = ((x @ model.get_weights()[0] + model.get_weights()[1] - y) ** 2)[:, 0]
+    expected = (errors[:8].mean() + errors[8:].mean()) / 2  # Keras averages batch losses
+    with fp.Feeder((x, y), 8, strategy=strategy) as feeder:
+        loss = model.evaluate(feeder.as_dataset(), verbose=0)
+    padded_expected = (errors[:8].mean() + np.concatenate([errors[8:], errors[8:11]]).mean()) / 2
+    assert abs(expected - padded_expected) > 1e-3, "the data must tell padding from none"
+    assert loss == pytest.approx(expected, rel=1e-5)
+
+
+def test_fit_on_x_y_w_source_scales_given_weights(strategy):
+    x, y = regression_data(13)
+    weights = np.linspace(0.0, 2.0, 13).astype(np.float32)
+    model = linear_model(strategy)
+    model.set_weights([np.full((NUM_FEATURES, 1), 0.3, np.float32), np.zeros(1, np.float32)])
+    errors = ((x @ model.get_weights()[0] + model.get_weights()[1] - y) ** 2)[:, 0] * weights
+    expected = (errors[:8].sum() / 8 + errors[8:].sum() / 5) / 2
+    with fp.Feeder((x, y, weights), 8, strategy=strategy) as feeder:
+        loss = model.evaluate(feeder.as_dataset(), verbose=0)
+    assert loss == pytest.approx(expected, rel=1e-5)

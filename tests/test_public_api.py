@@ -1,0 +1,77 @@
+"""The public surface: every name in `feedpipe.__all__` imports, `__all__` is sorted, and the
+modules worker processes import stay free of TensorFlow."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+import feedpipe as fp
+
+LIGHT_MODULES = [
+    "feedpipe",
+    "feedpipe.source",
+    "feedpipe.sampler",
+    "feedpipe.split",
+    "feedpipe.producers",
+]
+
+
+@pytest.mark.parametrize("name", fp.__all__)
+def test_every_public_name_imports(name):
+    value = getattr(fp, name)
+    assert value is not None
+    assert getattr(fp, name) is value
+    assert name in dir(fp)
+
+
+def test_all_is_sorted_and_unique():
+    assert fp.__all__ == sorted(set(fp.__all__))
+
+
+def test_the_contract_names_are_public():
+    assert {"Batch", "FeedOptions", "FeedStats", "Feeder", "from_generator"} <= set(fp.__all__)
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'Feeeder'"):
+        fp.Feeeder  # noqa: B018
+
+
+@pytest.mark.parametrize("module", LIGHT_MODULES)
+def test_light_modules_do_not_import_tensorflow(module):
+    code = (
+        f"import sys, {module}\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras'))\n"
+        "assert not heavy, heavy[:5]\n"
+    )
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_options_are_frozen_and_validated():
+    options = fp.FeedOptions(global_batch_size=8)
+    assert (options.remainder, options.shuffle, options.seed, options.workers, options.depth) == (
+        "pad",
+        False,
+        0,
+        0,
+        2,
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.depth = 3
+    with pytest.raises(ValueError, match=r"`depth`=0"):
+        fp.FeedOptions(global_batch_size=8, depth=0)
+    with pytest.raises(TypeError, match=r"`shuffle`='yes' must be True or False"):
+        fp.FeedOptions(global_batch_size=8, shuffle="yes")
+
+
+def test_py_typed_ships_with_the_package():
+    assert os.path.exists(os.path.join(os.path.dirname(fp.__file__), "py.typed"))

@@ -1,0 +1,134 @@
+"""FeedStats: steps and samples are counted, the figures are sane, and the input-bound fraction
+tells a starved step from a compute-bound one (with wide margins: this runs on two cores)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+import feedpipe as fp
+from feedpipe.stats import HIGH_FRACTION, MODERATE_FRACTION, StatsRecorder, verdict
+from tests.fakes import SlowSource, index_arrays
+
+
+@pytest.mark.parametrize(
+    ("fraction", "words"),
+    [
+        (0.0, "not input-bound"),
+        (0.049, "not input-bound"),
+        (0.05, "moderately input-bound"),
+        (0.199, "moderately input-bound"),
+        (0.20, "highly input-bound"),
+        (1.0, "highly input-bound"),
+    ],
+)
+def test_verdict_uses_the_profilers_thresholds(fraction, words):
+    assert verdict(fraction) == words
+    assert (MODERATE_FRACTION, HIGH_FRACTION) == (0.05, 0.20)
+
+
+def snapshot(**overrides) -> fp.FeedStats:
+    values = dict(
+        steps=10,
+        samples=80,
+        wall_s=2.0,
+        consumer_wait_s=0.5,
+        producer_wait_s=0.1,
+        producer_busy_s=0.4,
+        produced_samples=80,
+        startup_wait_s=0.2,
+        mean_occupancy=1.5,
+        depth=2,
+        overflow_slots=0,
+    )
+    values.update(overrides)
+    # Fields added later (waits, counters) default to 0 here.
+    for field in dataclasses.fields(fp.FeedStats):
+        values.setdefault(field.name, 0)
+    return fp.FeedStats(**values)
+
+
+def test_derived_figures_follow_from_the_snapshot():
+    stats = snapshot()
+    assert stats.input_bound_fraction == pytest.approx(0.25)
+    assert stats.verdict == "highly input-bound"
+    assert stats.samples_per_s == pytest.approx(40.0)
+    assert stats.producer_samples_per_s == pytest.approx(200.0)
+    assert stats.consumer_samples_per_s == pytest.approx(80 / 1.5)
+    assert "highly input-bound" in str(stats) and "25.0%" in str(stats)
+
+
+def test_an_empty_snapshot_divides_by_nothing():
+    stats = snapshot(steps=0, samples=0, wall_s=0.0, consumer_wait_s=0.0, producer_busy_s=0.0)
+    assert stats.input_bound_fraction == stats.samples_per_s == 0.0
+    assert stats.producer_samples_per_s == stats.consumer_samples_per_s == 0.0
+    assert stats.verdict == "not input-bound"
+
+
+def test_stats_are_a_frozen_snapshot():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        snapshot().steps = 3
+
+
+def test_recorder_keeps_the_first_wait_of_a_stream_out_of_the_steady_state():
+    recorder = StatsRecorder(depth=2)
+    recorder.taken(asked=0.0, got=1.0, occupancy=0, samples=4, startup=True)
+    recorder.taken(asked=1.5, got=1.6, occupancy=2, samples=4, startup=False)
+    recorder.loop_ended(2.0)
+    stats = recorder.snapshot()
+    assert (stats.steps, stats.samples) == (2, 8)
+    assert stats.startup_wait_s == pytest.approx(1.0)
+    assert stats.consumer_wait_s == pytest.approx(0.1)
+    assert stats.wall_s == pytest.approx(0.1 + 0.5 + 0.4)
+    assert stats.mean_occupancy == pytest.approx(2.0)
+
+
+def assert_sane(stats: fp.FeedStats, depth: int) -> None:
+    for field in dataclasses.fields(stats):
+        assert getattr(stats, field.name) >= 0, field.name
+    assert 0.0 <= stats.input_bound_fraction <= 1.0
+    assert 0.0 <= stats.mean_occupancy <= depth
+    assert stats.consumer_wait_s <= stats.wall_s
+    assert stats.depth == depth
+
+
+def test_steps_and_real_samples_are_counted(devices):
+    with fp.Feeder(index_arrays(13), 4, devices=devices[:2]) as feeder:
+        assert feeder.stats().steps == 0
+        for _ in range(3):
+            for _ in feeder:
+                pass
+        stats = feeder.stats()
+    assert stats.steps == 12
+    assert stats.samples == 39, "padding rows are not samples"
+    assert stats.overflow_slots == 0
+    assert_sane(stats, depth=2)
+
+
+def test_a_slow_source_makes_the_step_highly_input_bound(devices):
+    with fp.Feeder(SlowSource(44, delay_s=0.004), 4, devices=devices[:1]) as feeder:
+        for _ in feeder:
+            pass  # the step itself is instant
+        stats = feeder.stats()
+    assert_sane(stats, depth=2)
+    assert stats.steps == 11
+    assert stats.input_bound_fraction > 0.5, stats
+    assert stats.verdict == "highly input-bound"
+    assert stats.mean_occupancy < 1.0
+    assert stats.consumer_wait_s > stats.producer_wait_s
+
+
+def test_a_slow_step_is_not_input_bound(devices):
+    with fp.Feeder(index_arrays(40), 4, devices=devices[:2], depth=2) as feeder:
+        for _ in feeder:
+            time.sleep(0.05)  # a GIL-free step, much longer than making a batch
+        stats = feeder.stats()
+    assert_sane(stats, depth=2)
+    assert stats.steps == 10
+    assert stats.input_bound_fraction < HIGH_FRACTION, stats
+    assert stats.verdict != "highly input-bound"
+    assert stats.mean_occupancy > 1.0
+    assert stats.producer_wait_s > stats.consumer_wait_s
+    assert stats.wall_s >= 9 * 0.05
