@@ -15,6 +15,7 @@ sample against it. Nothing here imports TensorFlow at module level: worker proce
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -51,7 +52,7 @@ class LeafSpec:
 
     @property
     def row_bytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

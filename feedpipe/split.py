@@ -100,29 +100,26 @@ class SlotLayout:
         """Bytes of payload in one global batch (without alignment gaps)."""
         return self.spec.row_bytes * self.split.global_batch_size
 
-    def views(self, buffer) -> list[list[np.ndarray]]:
-        """Arrays over `buffer`: `views[replica][field]`, each `[per_replica, *field_shape]`."""
+    def _view(self, memory: np.ndarray, offset: int, rows: int, field: int) -> np.ndarray:
+        leaf = self.spec.leaves[field]
+        raw = memory[offset : offset + rows * leaf.row_bytes]
+        return raw.view(leaf.dtype).reshape((rows, *leaf.shape))
+
+    def views(self, memory: np.ndarray) -> list[list[np.ndarray]]:
+        """Arrays over the bytes `memory`: `views[replica][field]`, `[per_replica, *shape]`."""
         b = self.split.per_replica
         return [
-            [
-                np.frombuffer(
-                    buffer, leaf.dtype, b * int(np.prod(leaf.shape, dtype=np.int64)), offset
-                ).reshape((b, *leaf.shape))
-                for leaf, offset in zip(self.spec.leaves, row, strict=True)
-            ]
+            [self._view(memory, offset, b, field) for field, offset in enumerate(row)]
             for row in self.offsets
         ]
 
-    def global_views(self, buffer) -> list[np.ndarray]:
-        """Arrays over `buffer`, one per field, each `[global_batch, *field_shape]`."""
+    def global_views(self, memory: np.ndarray) -> list[np.ndarray]:
+        """Arrays over the bytes `memory`, one per field, each `[global_batch, *shape]`."""
         if not self.contiguous:
             raise ValueError("Only a contiguous layout has global views.")
         g = self.split.global_batch_size
         return [
-            np.frombuffer(
-                buffer, leaf.dtype, g * int(np.prod(leaf.shape, dtype=np.int64)), start
-            ).reshape((g, *leaf.shape))
-            for leaf, start in zip(self.spec.leaves, self.field_offsets, strict=True)
+            self._view(memory, start, g, field) for field, start in enumerate(self.field_offsets)
         ]
 
 
@@ -184,11 +181,15 @@ class SlotLease:
         self._owner = (ctypes.c_char * slot.layout.nbytes).from_buffer(slot.buffer)
         weakref.finalize(self._owner, on_free, slot)
 
+    def _memory(self) -> np.ndarray:
+        # One buffer export per lease (slow for ctypes); the views are slices of it.
+        return np.frombuffer(self._owner, np.uint8)
+
     def regions(self) -> list[list[np.ndarray]]:
-        return self.slot.layout.views(self._owner)
+        return self.slot.layout.views(self._memory())
 
     def global_views(self) -> list[np.ndarray]:
-        return self.slot.layout.global_views(self._owner)
+        return self.slot.layout.global_views(self._memory())
 
     def release(self) -> None:
         """Drops the lease's own reference; views already made keep the slot busy."""
