@@ -124,18 +124,22 @@ class Feeder(tf.train.experimental.PythonState):
                 "shuffle inside the generator or the tf.data.Dataset, and pass shuffle=False."
             )
         self.spec = self._read_spec(transform)
-        self._sampler = (
-            Sampler(
-                self._source.length,
+        length = self._source.length
+        self._plan = (
+            None
+            if length is None
+            else Sampler(
+                length,
                 global_batch_size,
                 remainder=remainder,
                 shuffle=shuffle,
                 seed=seed,
-                block_size=self._source.block_size,
+                block_size=getattr(self._source, "block_size", 1),
             )
-            if indexed
-            else self._check_stream_length()
         )
+        """The epoch's batches, where the length is known (it applies the remainder rules)."""
+        self._sampler = self._plan if indexed else None
+        """What chooses the samples of indexed sources; streams keep their own order."""
         writer = SampleWriter(self._source, self.spec, transform, seed)
         self._producer = ThreadProducer(writer, global_batch_size, self._sampler, remainder)
         self._stats = StatsRecorder(depth)
@@ -165,26 +169,16 @@ class Feeder(tf.train.experimental.PythonState):
             raise
         return SampleSpec.of(sample)
 
-    def _check_stream_length(self) -> None:
-        """Applies the remainder rules up front when a stream knows its length."""
-        length = getattr(self._source, "length", None)
-        if length is not None:
-            Sampler(length, self.options.global_batch_size, remainder=self.options.remainder)
-
     # ---- iteration ------------------------------------------------------------------------
 
     def __len__(self) -> int:
         """Steps per epoch."""
-        if self._sampler is not None:
-            return len(self._sampler)
-        length = getattr(self._source, "length", None)
-        if length is None:
+        if self._plan is None:
             raise TypeError(
                 f"The number of steps is unknown: a {type(self._source).__name__} does not say "
                 "how many samples it has."
             )
-        full, leftover = divmod(length, self.options.global_batch_size)
-        return full + (1 if leftover and self.options.remainder == "pad" else 0)
+        return len(self._plan)
 
     def __iter__(self) -> Iterator[Batch]:
         """The batches of the next epoch (or of the rest of an epoch left early)."""
@@ -254,7 +248,7 @@ class Feeder(tf.train.experimental.PythonState):
                 if isinstance(item, EpochEnd):
                     self._stats.loop_ended(asked)
                     self._position = Position(item.epoch + 1, 0)
-                    if item.dropped and self._sampler is None:
+                    if item.dropped and self._plan is None:
                         warnings.warn(
                             f'remainder="drop" left out the last {item.dropped} samples of '
                             f"epoch {item.epoch}.",
@@ -313,9 +307,8 @@ class Feeder(tf.train.experimental.PythonState):
                 yield self._with_weights(batch, weighting)
 
         dataset = tf.data.Dataset.from_generator(generate, output_signature=signature)
-        known = self._sampler is not None or getattr(self._source, "length", None) is not None
         # A feeder left or restored mid-epoch first serves the rest of that epoch: shorter.
-        if known and self.get_state()["step"] == 0:
+        if self._plan is not None and self.get_state()["step"] == 0:
             dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(self)))
         return dataset
 
@@ -347,13 +340,13 @@ class Feeder(tf.train.experimental.PythonState):
     def get_state(self) -> dict:
         """The consumer's position, as a small JSON-serialisable dict."""
         epoch, step = self._position
-        if self._sampler is not None and step >= len(self._sampler):
+        if self._plan is not None and step >= len(self._plan):
             epoch, step = epoch + 1, 0
         return {
             "version": STATE_VERSION,
             "epoch": epoch,
             "step": step,
-            "dataset_length": getattr(self._source, "length", None),
+            "dataset_length": self._source.length,
             "global_batch_size": self.options.global_batch_size,
             "num_replicas": self.split.num_replicas,
             "seed": self.options.seed,
