@@ -95,32 +95,37 @@ class SlotLayout:
         ]
         """`offsets[replica][field]`: where that region starts in the buffer."""
 
+        # Each region as (bytes, dtype, shape), worked out once: views are made every batch.
+        self._regions = [
+            [self._region(offset, split.per_replica, field) for field, offset in enumerate(row)]
+            for row in self.offsets
+        ]
+        self._globals = [
+            self._region(start, split.global_batch_size, field)
+            for field, start in enumerate(self.field_offsets)
+        ]
+
+    def _region(self, offset: int, rows: int, field: int) -> tuple[slice, np.dtype, tuple]:
+        leaf = self.spec.leaves[field]
+        return slice(offset, offset + rows * leaf.row_bytes), leaf.dtype, (rows, *leaf.shape)
+
     @property
     def batch_bytes(self) -> int:
         """Bytes of payload in one global batch (without alignment gaps)."""
         return self.spec.row_bytes * self.split.global_batch_size
 
-    def _view(self, memory: np.ndarray, offset: int, rows: int, field: int) -> np.ndarray:
-        leaf = self.spec.leaves[field]
-        raw = memory[offset : offset + rows * leaf.row_bytes]
-        return raw.view(leaf.dtype).reshape((rows, *leaf.shape))
-
     def views(self, memory: np.ndarray) -> list[list[np.ndarray]]:
         """Arrays over the bytes `memory`: `views[replica][field]`, `[per_replica, *shape]`."""
-        b = self.split.per_replica
         return [
-            [self._view(memory, offset, b, field) for field, offset in enumerate(row)]
-            for row in self.offsets
+            [memory[where].view(dtype).reshape(shape) for where, dtype, shape in row]
+            for row in self._regions
         ]
 
     def global_views(self, memory: np.ndarray) -> list[np.ndarray]:
         """Arrays over the bytes `memory`, one per field, each `[global_batch, *shape]`."""
         if not self.contiguous:
             raise ValueError("Only a contiguous layout has global views.")
-        g = self.split.global_batch_size
-        return [
-            self._view(memory, start, g, field) for field, start in enumerate(self.field_offsets)
-        ]
+        return [memory[where].view(dtype).reshape(shape) for where, dtype, shape in self._globals]
 
 
 def _aligned_buffer(nbytes: int) -> np.ndarray:
