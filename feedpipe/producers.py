@@ -197,7 +197,7 @@ class _RowStream:
         self.position = 0  # samples of this epoch read so far
         source = writer.source
         if isinstance(source, TFDatasetSource) and writer.transform is None:
-            self._blocks = source.blocks(block_rows)
+            self._blocks = self._noted(source.blocks(block_rows))
         else:
             self._blocks = (
                 [leaf[np.newaxis] for leaf in writer.prepare(sample, index, epoch)]
@@ -205,6 +205,21 @@ class _RowStream:
             )
         self._block: list[np.ndarray] | None = None
         self._offset = 0
+
+    def _noted(self, blocks: Iterator[list[np.ndarray]]) -> Iterator[list[np.ndarray]]:
+        """`blocks`, noting on an error where its block began (tf.data reads many at once)."""
+        while True:
+            try:
+                block = next(blocks)
+            except StopIteration:
+                return
+            except Exception as error:
+                error.add_note(
+                    f"feedpipe: raised in {threading.current_thread().name} while reading the "
+                    f"block of samples from index {self.position} of epoch {self.epoch}."
+                )
+                raise
+            yield block
 
     def _next_rows(self, limit: int) -> tuple[list[np.ndarray], int, int] | None:
         """Up to `limit` rows of the current block, as (leaves, first row, count)."""

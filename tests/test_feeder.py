@@ -377,14 +377,18 @@ def test_generator_error_reaches_the_consumer_with_its_type_message_and_note(dev
     assert_closed(feeder)
 
 
-def test_tf_data_error_reaches_the_consumer_with_its_type(devices):
-    # 1 / (9 - i) is infinite at i = 9, which check_numerics turns into an error.
+def test_tf_data_error_reaches_the_consumer_with_its_type_and_its_block(devices):
+    # 1 / (9 - i) is infinite at i = 9, which check_numerics turns into an error; tf.data reads
+    # blocks of one global batch (4), so the note names the block that starts at sample 8.
     dataset = tf.data.Dataset.range(12).map(
         lambda i: tf.debugging.check_numerics(1.0 / tf.cast(9 - i, tf.float32), "dataset broke")
     )
     feeder = fp.Feeder(dataset, 4, devices=devices[:2])
-    with pytest.raises(tf.errors.InvalidArgumentError, match="dataset broke"):
+    with pytest.raises(tf.errors.InvalidArgumentError, match="dataset broke") as raised:
         list(feeder)
+    notes = "\n".join(raised.value.__notes__)
+    assert "feedpipe-producer-0" in notes
+    assert "from index 8 of epoch 0" in notes
     assert_closed(feeder)
 
 
