@@ -81,12 +81,6 @@ class SampleSpec:
             specs.append(LeafSpec(name, array.shape, array.dtype))
         return cls(treespec, tuple(specs))
 
-    @classmethod
-    def of_rows(cls, data: Any) -> SampleSpec:
-        """The spec of one row of `data`, a structure of equal-length arrays."""
-        leaves, treespec = optree.tree_flatten(data)
-        return cls.of(optree.tree_unflatten(treespec, [np.asarray(leaf)[0] for leaf in leaves]))
-
     def flatten(self, sample: Any, index: int | str) -> list[np.ndarray]:
         """The fields of `sample` as arrays, checked against this spec."""
         leaves, treespec = optree.tree_flatten(sample)
