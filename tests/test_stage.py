@@ -92,6 +92,14 @@ def test_stager_places_each_replica_and_mask_on_its_device(devices):
     assert "num_valid=5" in repr(batch)
 
 
+def test_staging_on_a_cpu_device_copies_nothing(devices):
+    # The staged tensors are the slot's own memory: a write into the slot shows through them.
+    batch, _, slot, _ = staged_batch(devices)
+    for r, (_, labels) in enumerate(batch.replicas):
+        slot.regions[r][1][0] = 100 + r
+        assert labels.numpy()[0] == 100 + r
+
+
 def test_the_slot_is_freed_only_after_every_staged_tensor_is_gone(devices):
     batch, _, slot, freed = staged_batch(devices)
     first_replica = batch.replicas[0]
