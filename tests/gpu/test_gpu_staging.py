@@ -26,3 +26,17 @@ def test_each_replica_gets_its_own_rows_on_its_gpu():
                 assert features.device.endswith(f"GPU:{r}") and mask.device.endswith(f"GPU:{r}")
                 ids = labels.numpy()
                 assert features.numpy().tobytes() == x[ids].tobytes()
+
+
+def test_a_kept_gpu_batch_keeps_its_values_while_its_host_slot_is_reused():
+    gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
+    x = np.arange(64 * 3, dtype=np.float32).reshape(64, 3)
+    with fp.Feeder(x, 2 * len(gpus), devices=gpus, depth=1) as feeder:
+        batches = iter(feeder)
+        first = next(batches)
+        expected = [replica.numpy() for replica in first.replicas]
+        for _ in range(10):  # enough batches to cycle every host slot several times
+            next(batches)
+        assert [replica.numpy().tobytes() for replica in first.replicas] == [
+            e.tobytes() for e in expected
+        ]
