@@ -121,15 +121,12 @@ def _run(
         try:
             return pool.acquire(stop, handoff.starving)
         finally:
-            waited = time.perf_counter() - started
-            stats.slot_wait_s += waited
-            paused[0] += waited
+            stats.slot_wait_s += time.perf_counter() - started
 
-    paused = [0.0]
     try:
         slots = producer.slots(start, acquire, pool.give_back)
         while True:
-            started, paused[0] = time.perf_counter(), 0.0
+            started, slot_waits = time.perf_counter(), stats.slot_wait_s
             item = next(slots, None)
             if item is None:
                 return
@@ -142,13 +139,10 @@ def _run(
             staging = time.perf_counter()
             stats.producer_wait_s += staging - made
             batch = stager.stage(step, slot.lease(pool.give_back))
-            del slot, item
-            stats.produced(
-                busy_s=time.perf_counter() - staging + made - started - paused[0],
-                samples=step.num_valid,
-            )
-            stats.overflow_slots = pool.overflow_allocations
+            making = made - started - (stats.slot_wait_s - slot_waits)
+            stats.produced(busy_s=making + time.perf_counter() - staging, samples=step.num_valid)
             handoff.put(batch, is_batch=True)
+            # This frame must not keep the batch alive: its slot returns when the consumer drops it.
             del batch
     except Stopped:
         return
@@ -189,7 +183,6 @@ class Pipeline:
         host: bool,
     ):
         self.host = host
-        self.start = start
         self.handoff = Handoff(depth, on_starve=pool.wake)
         self.stop = threading.Event()
         self.thread = threading.Thread(

@@ -335,7 +335,9 @@ class Feeder(tf.train.experimental.PythonState):
 
     def stats(self) -> FeedStats:
         """A snapshot of how well the step has been fed so far."""
-        return self._stats.snapshot()
+        return self._stats.snapshot(
+            overflow_slots=sum(pool.overflow_allocations for pool in self._pools.values())
+        )
 
     def get_state(self) -> dict:
         """The consumer's position, as a small JSON-serialisable dict."""

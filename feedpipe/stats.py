@@ -129,7 +129,6 @@ class StatsRecorder:
         self.producer_busy_s = 0.0
         self.produced_samples = 0
         self._producer_warm = False
-        self.overflow_slots = 0
         self._last_taken: float | None = None
 
     def taken(self, *, asked: float, got: float, occupancy: int, samples: int, startup: bool):
@@ -172,7 +171,7 @@ class StatsRecorder:
             self.step_s += (now or time.perf_counter()) - self._last_taken
         self._last_taken = None
 
-    def snapshot(self) -> FeedStats:
+    def snapshot(self, overflow_slots: int = 0) -> FeedStats:
         return FeedStats(
             steps=self.steps,
             samples=self.samples,
@@ -187,5 +186,5 @@ class StatsRecorder:
                 self.occupancy_sum / self.occupancy_count if self.occupancy_count else 0.0
             ),
             depth=self.depth,
-            overflow_slots=self.overflow_slots,
+            overflow_slots=overflow_slots,
         )
