@@ -20,7 +20,13 @@ import optree
 import tensorflow as tf
 
 from feedpipe._pipeline import Failure, Pipeline
-from feedpipe.producers import Position, SampleWriter, ThreadProducer, accepts_rng, sample_rng
+from feedpipe.producers import (
+    Position,
+    SampleWriter,
+    ThreadProducer,
+    accepts_rng,
+    apply_transform,
+)
 from feedpipe.sampler import EpochEnd, Sampler, check_remainder
 from feedpipe.source import SampleSpec, as_source
 from feedpipe.split import ReplicaSplit, SlotLayout, SlotPool
@@ -155,18 +161,15 @@ class Feeder(tf.train.experimental.PythonState):
                 sample = self._source.sample(0)
             else:
                 sample = self._source.first_sample()
-            if transform is not None:
-                sample = (
-                    transform(sample, sample_rng(self.options.seed, 0, 0))
-                    if accepts_rng(transform)
-                    else transform(sample)
-                )
         except Exception as error:
             error.add_note(
-                "feedpipe: raised while reading sample 0 (epoch 0) to learn the structure, "
-                "shapes and dtypes of the samples."
+                "feedpipe: raised while reading sample 0 to learn the structure, shapes and "
+                "dtypes of the samples."
             )
             raise
+        if transform is not None:
+            seed = self.options.seed
+            sample = apply_transform(transform, accepts_rng(transform), sample, seed, 0, 0)
         return SampleSpec.of(sample)
 
     # ---- iteration ------------------------------------------------------------------------

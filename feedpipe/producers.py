@@ -53,6 +53,19 @@ def _note_origin(error: BaseException, index: int, epoch: int) -> None:
     )
 
 
+def apply_transform(
+    transform: Transform, with_rng: bool, sample: Any, seed: int, epoch: int, index: int
+) -> Any:
+    """`transform(sample)` or `transform(sample, rng)`; an error gets a note naming the sample."""
+    try:
+        if with_rng:
+            return transform(sample, sample_rng(seed, epoch, index))
+        return transform(sample)
+    except Exception as error:
+        _note_origin(error, index, epoch)
+        raise
+
+
 class SampleWriter:
     """Reads samples, applies `transform`, checks them against the spec and writes rows."""
 
@@ -68,14 +81,7 @@ class SampleWriter:
     def prepare(self, sample: Any, index: int, epoch: int) -> list[np.ndarray]:
         """The fields of one sample after `transform`, as checked arrays."""
         if self.transform is not None:
-            try:
-                if self.with_rng:
-                    sample = self.transform(sample, sample_rng(self.seed, epoch, index))
-                else:
-                    sample = self.transform(sample)
-            except Exception as error:
-                _note_origin(error, index, epoch)
-                raise
+            sample = apply_transform(self.transform, self.with_rng, sample, self.seed, epoch, index)
         return self.spec.flatten(sample, index)
 
     def read(self, index: int, epoch: int) -> list[np.ndarray]:

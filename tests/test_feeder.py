@@ -359,6 +359,19 @@ def test_transform_error_reaches_the_consumer_with_its_type_message_and_note(dev
     assert_closed(feeder)
 
 
+def test_an_error_while_building_the_feeder_keeps_its_type_and_names_sample_0(devices):
+    with pytest.raises(SourceBroke, match="sample 0 is broken") as read:
+        fp.Feeder(FailingSource(8, fail_at=0), 4, devices=devices[:2])
+    assert any("reading sample 0" in note for note in read.value.__notes__)
+
+    def broken(sample):
+        raise TransformBroke("cannot transform")
+
+    with pytest.raises(TransformBroke, match="cannot transform") as transformed:
+        fp.Feeder(CountingSource(8), 4, devices=devices[:2], transform=broken)
+    assert any("sample index 0 of epoch 0" in note for note in transformed.value.__notes__)
+
+
 def test_generator_error_reaches_the_consumer_with_its_type_message_and_note(devices):
     def generate(shard, num_shards):
         for index in range(10):
