@@ -46,10 +46,10 @@ def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
     return np.random.default_rng([seed, epoch, index])
 
 
-def _note_origin(error: BaseException, index: int, epoch: int) -> None:
+def _note_origin(error: BaseException, doing: str, index: int, epoch: int) -> None:
     error.add_note(
-        f"feedpipe: raised in {threading.current_thread().name} while producing sample index "
-        f"{index} of epoch {epoch}."
+        f"feedpipe: raised in {threading.current_thread().name} while {doing} index {index} "
+        f"of epoch {epoch}."
     )
 
 
@@ -62,7 +62,7 @@ def apply_transform(
             return transform(sample, sample_rng(seed, epoch, index))
         return transform(sample)
     except Exception as error:
-        _note_origin(error, index, epoch)
+        _note_origin(error, "producing sample", index, epoch)
         raise
 
 
@@ -89,7 +89,7 @@ class SampleWriter:
         try:
             sample = self.source.sample(index)
         except Exception as error:
-            _note_origin(error, index, epoch)
+            _note_origin(error, "producing sample", index, epoch)
             raise
         return self.prepare(sample, index, epoch)
 
@@ -181,19 +181,6 @@ class ThreadProducer:
                 return
 
 
-def _numbered(samples: Iterator[Any], epoch: int) -> Iterator[tuple[int, Any]]:
-    """`enumerate(samples)`, adding the origin note to an error the stream itself raises."""
-    for index in itertools.count():
-        try:
-            sample = next(samples)
-        except StopIteration:
-            return
-        except Exception as error:
-            _note_origin(error, index, epoch)
-            raise
-        yield index, sample
-
-
 class _RowStream:
     """The rows of one epoch of a stream source, in blocks or one sample at a time."""
 
@@ -203,29 +190,29 @@ class _RowStream:
         self.position = 0  # samples of this epoch read so far
         source = writer.source
         if isinstance(source, TFDatasetSource) and writer.transform is None:
-            self._blocks = self._noted(source.blocks(block_rows))
+            # tf.data reads many samples at once: an error names where its block began.
+            self._blocks = self._noted(source.blocks(block_rows), "reading the samples from")
         else:
             self._blocks = (
                 [leaf[np.newaxis] for leaf in writer.prepare(sample, index, epoch)]
-                for index, sample in _numbered(source.samples(epoch), epoch)
+                for index, sample in enumerate(
+                    self._noted(source.samples(epoch), "producing sample")
+                )
             )
         self._block: list[np.ndarray] | None = None
         self._offset = 0
 
-    def _noted(self, blocks: Iterator[list[np.ndarray]]) -> Iterator[list[np.ndarray]]:
-        """`blocks`, noting on an error where its block began (tf.data reads many at once)."""
+    def _noted(self, items: Iterator, doing: str) -> Iterator:
+        """`items`, adding to an error they raise a note naming the sample reached."""
         while True:
             try:
-                block = next(blocks)
+                item = next(items)
             except StopIteration:
                 return
             except Exception as error:
-                error.add_note(
-                    f"feedpipe: raised in {threading.current_thread().name} while reading the "
-                    f"block of samples from index {self.position} of epoch {self.epoch}."
-                )
+                _note_origin(error, doing, self.position, self.epoch)
                 raise
-            yield block
+            yield item
 
     def _next_rows(self, limit: int) -> tuple[list[np.ndarray], int, int] | None:
         """Up to `limit` rows of the current block, as (leaves, first row, count)."""

@@ -401,7 +401,7 @@ def test_tf_data_error_reaches_the_consumer_with_its_type_and_its_block(devices)
         list(feeder)
     notes = "\n".join(raised.value.__notes__)
     assert "feedpipe-producer-0" in notes
-    assert "from index 8 of epoch 0" in notes
+    assert "reading the samples from index 8 of epoch 0" in notes
     assert_closed(feeder)
 
 
