@@ -198,15 +198,14 @@ class Feeder(tf.train.experimental.PythonState):
             return self._pipeline
         self._stop_pipeline()
         self._stats.stream_started()
+        pool = self._pool(host)
         stager: Any = (
-            HostStager()
-            if host
-            else Stager(self.devices, self.spec, self.split.per_replica, self.strategy)
+            HostStager(pool.layout) if host else Stager(self.devices, pool.layout, self.strategy)
         )
         self._pipeline = Pipeline(
             self._producer,
             stager,
-            self._pool(host),
+            pool,
             self.options.depth,
             self._position,
             self._stats,

@@ -137,9 +137,9 @@ def _aligned_buffer(nbytes: int) -> np.ndarray:
 class HostSlot:
     """One global batch's worth of host memory, laid out per replica."""
 
-    def __init__(self, layout: SlotLayout, buffer: np.ndarray | None = None, overflow=False):
+    def __init__(self, layout: SlotLayout, overflow: bool = False):
         self.layout = layout
-        self.buffer = _aligned_buffer(layout.nbytes) if buffer is None else buffer
+        self.buffer = _aligned_buffer(layout.nbytes)
         self.regions = layout.views(self.buffer)
         """`regions[replica][field]`: where the producer writes the rows of that replica."""
         self.overflow = overflow
@@ -166,39 +166,16 @@ class HostSlot:
             for field in range(len(self.layout.spec.leaves)):
                 self.row(field, row)[...] = self.row(field, row % num_valid)
 
-    def lease(self, on_free: Callable[[HostSlot], None]) -> SlotLease:
-        """Arrays over this slot that report, once all are gone, that the slot is free."""
-        return SlotLease(self, on_free)
+    def lease(self, on_free: Callable[[HostSlot], None]) -> np.ndarray:
+        """This slot's bytes, calling `on_free(slot)` once they and every view of them are gone.
 
-
-class SlotLease:
-    """Views of a slot handed to the consumer side; the slot is free once all have died.
-
-    The views are made over a ctypes array that exists only for this lease. Every array or
-    tensor derived from them keeps that object alive, so its finalizer runs exactly when the
-    last of them is freed, in whichever thread frees it.
-    """
-
-    __slots__ = ("_owner", "slot")
-
-    def __init__(self, slot: HostSlot, on_free: Callable[[HostSlot], None]):
-        self.slot = slot
-        self._owner = (ctypes.c_char * slot.layout.nbytes).from_buffer(slot.buffer)
-        weakref.finalize(self._owner, on_free, slot)
-
-    def _memory(self) -> np.ndarray:
-        # One buffer export per lease (slow for ctypes); the views are slices of it.
-        return np.frombuffer(self._owner, np.uint8)
-
-    def regions(self) -> list[list[np.ndarray]]:
-        return self.slot.layout.views(self._memory())
-
-    def global_views(self) -> list[np.ndarray]:
-        return self.slot.layout.global_views(self._memory())
-
-    def release(self) -> None:
-        """Drops the lease's own reference; views already made keep the slot busy."""
-        self._owner = None
+        The bytes are exported from a ctypes array made for this lease alone: every array or
+        tensor derived from them keeps it alive, so its finalizer runs exactly when the last of
+        them is freed, in whichever thread frees it. Nothing polls.
+        """
+        owner = (ctypes.c_char * self.layout.nbytes).from_buffer(self.buffer)
+        weakref.finalize(owner, on_free, self)
+        return np.frombuffer(owner, np.uint8)
 
 
 class SlotPool:

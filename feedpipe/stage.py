@@ -15,8 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from feedpipe.sampler import Step
-from feedpipe.source import SampleSpec
-from feedpipe.split import SlotLease
+from feedpipe.split import SlotLayout
 
 
 def _canonical(spec: tf.DeviceSpec) -> tuple[str, int]:
@@ -141,31 +140,31 @@ def to_device(array: np.ndarray, device: str) -> tf.Tensor:
 class Stager:
     """Turns filled host slots into `Batch`es whose tensors sit on each replica's device."""
 
-    def __init__(self, devices: Sequence[str], spec: SampleSpec, per_replica: int, strategy=None):
+    def __init__(self, devices: Sequence[str], layout: SlotLayout, strategy=None):
         self.devices = tuple(devices)
-        self.spec = spec
-        self.per_replica = per_replica
+        self.layout = layout
         self.strategy = strategy
         self._masks: dict[int, tuple[tf.Tensor, ...]] = {}
 
     def masks(self, num_valid: int) -> tuple[tf.Tensor, ...]:
         """Per-device masks for `num_valid` real rows; cached, since tensors are immutable."""
         if num_valid not in self._masks:
-            real = np.arange(self.per_replica * len(self.devices)) < num_valid
-            parts = real.reshape(len(self.devices), self.per_replica)
+            per_replica = self.layout.split.per_replica
+            real = np.arange(per_replica * len(self.devices)) < num_valid
             masks = []
-            for device, part in zip(self.devices, parts, strict=True):
+            for device, part in zip(self.devices, real.reshape(-1, per_replica), strict=True):
                 with tf.device(device):
                     masks.append(tf.constant(part))
             self._masks[num_valid] = tuple(masks)
         return self._masks[num_valid]
 
-    def stage(self, step: Step, lease: SlotLease) -> Batch:
+    def stage(self, step: Step, leased: np.ndarray) -> Batch:
+        """The batch in the `leased` bytes of a slot, placed on the devices."""
+        unflatten = self.layout.spec.unflatten
         replicas = tuple(
-            self.spec.unflatten([to_device(region, device) for region in regions])
-            for device, regions in zip(self.devices, lease.regions(), strict=True)
+            unflatten([to_device(region, device) for region in regions])
+            for device, regions in zip(self.devices, self.layout.views(leased), strict=True)
         )
-        lease.release()
         return Batch(
             replicas,
             self.masks(step.num_valid),
@@ -179,10 +178,11 @@ class Stager:
 class HostStager:
     """Keeps batches on the host as whole global arrays (for `Feeder.as_dataset`)."""
 
-    def stage(self, step: Step, lease: SlotLease) -> HostBatch:
-        arrays = lease.global_views()
-        lease.release()
-        return HostBatch(arrays, step.num_valid, step.epoch, step.index)
+    def __init__(self, layout: SlotLayout):
+        self.layout = layout
+
+    def stage(self, step: Step, leased: np.ndarray) -> HostBatch:
+        return HostBatch(self.layout.global_views(leased), step.num_valid, step.epoch, step.index)
 
 
 class HostBatch:

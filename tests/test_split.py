@@ -123,10 +123,9 @@ def test_a_slot_comes_back_only_when_every_view_of_its_lease_is_gone():
     pool = small_pool(1)
     stop = threading.Event()
     slot = pool.acquire(stop, lambda: False)
-    lease = slot.lease(pool.give_back)
-    view = lease.regions()[0][0]
-    lease.release()
-    del lease
+    leased = slot.lease(pool.give_back)
+    view = slot.layout.views(leased)[0][0]
+    del leased
     gc.collect()
     assert pool._free == [], "a live view must keep the slot out of the pool"
     view = view[1:]  # a view of a view keeps it too

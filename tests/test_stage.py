@@ -76,7 +76,7 @@ def staged_batch(devices, num_valid=5):
     slot = HostSlot(SlotLayout(spec, split))
     slot.write_rows(0, [np.arange(16, dtype=np.float32).reshape(8, 2), np.arange(8)], 0, 8)
     freed = []
-    stager = Stager(resolve_devices(devices, None), spec, split.per_replica)
+    stager = Stager(resolve_devices(devices, None), slot.layout)
     batch = stager.stage(Step(0, 0, np.arange(8), num_valid), slot.lease(freed.append))
     return batch, stager, slot, freed
 
