@@ -238,7 +238,6 @@ class Feeder(tf.train.experimental.PythonState):
             self._abandon(self._active)
         this = _Pass(host, self._position, self._stats.consumer_counters())
         self._active = this
-        fresh = self._pipeline is None or self._pipeline.host != host
         pipeline = self._start(host)
         finished = False
         try:
@@ -261,10 +260,7 @@ class Feeder(tf.train.experimental.PythonState):
                 if isinstance(item, Failure):
                     self.close()
                     raise item.error
-                self._stats.taken(
-                    asked=asked, got=got, occupancy=staged, samples=item.num_valid, startup=fresh
-                )
-                fresh = False
+                self._stats.taken(asked=asked, got=got, occupancy=staged, samples=item.num_valid)
                 self._position = Position(item.epoch, item.step + 1)
                 yield item
                 del item

@@ -129,12 +129,14 @@ class StatsRecorder:
         self.producer_busy_s = 0.0
         self.produced_samples = 0
         self._producer_warm = False
+        self._first_of_stream = False
         self._last_taken: float | None = None
 
-    def taken(self, *, asked: float, got: float, occupancy: int, samples: int, startup: bool):
+    def taken(self, *, asked: float, got: float, occupancy: int, samples: int):
         """Records one batch taken by the consumer: asked for at `asked`, received at `got`."""
         if self._last_taken is not None:
             self.step_s += asked - self._last_taken
+        startup, self._first_of_stream = self._first_of_stream, False
         if startup:
             self.startup_wait_s += got - asked
         else:
@@ -153,8 +155,9 @@ class StatsRecorder:
         self._producer_warm = True
 
     def stream_started(self) -> None:
-        """A fresh stream begins: its first batch pays set-up costs again."""
+        """A fresh stream begins: its first batch pays set-up costs and fills the pipeline."""
         self._producer_warm = False
+        self._first_of_stream = True
 
     def consumer_counters(self) -> dict:
         """The consumer's counters, to put back with `restore_consumer`."""

@@ -74,8 +74,9 @@ def test_stats_are_a_frozen_snapshot():
 
 def test_recorder_keeps_the_first_wait_of_a_stream_out_of_the_steady_state():
     recorder = StatsRecorder(depth=2)
-    recorder.taken(asked=0.0, got=1.0, occupancy=0, samples=4, startup=True)
-    recorder.taken(asked=1.5, got=1.6, occupancy=2, samples=4, startup=False)
+    recorder.stream_started()
+    recorder.taken(asked=0.0, got=1.0, occupancy=0, samples=4)
+    recorder.taken(asked=1.5, got=1.6, occupancy=2, samples=4)
     recorder.loop_ended(2.0)
     stats = recorder.snapshot()
     assert (stats.steps, stats.samples) == (2, 8)
