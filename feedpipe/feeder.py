@@ -263,7 +263,7 @@ class Feeder(tf.train.experimental.PythonState):
                 self._stats.taken(asked=asked, got=got, occupancy=staged, samples=item.num_valid)
                 self._position = Position(item.epoch, item.step + 1)
                 yield item
-                del item
+                del item  # the slot returns when the consumer drops the batch, not this frame
         finally:
             # At interpreter exit a suspended loop is finalised after modules are torn down.
             if self._active is this and not sys.is_finalizing():
@@ -284,10 +284,10 @@ class Feeder(tf.train.experimental.PythonState):
         """A `tf.data.Dataset` of global batches for `model.fit` and other wrappers.
 
         Each complete pass over the dataset is the feeder's next epoch; a pass left early does
-        not count (see `_iterate`). With `remainder="pad"` an
-        `(x, y)` source gets a third element, `sample_weight`: 0 on padding rows, and real rows
-        scaled by `global_batch_size / num_valid` so the batch's mean loss is the mean over its
-        real samples (an `(x, y, w)` source has its weights scaled the same way).
+        not count (see `_iterate`). With `remainder="pad"` an `(x, y)` source gets a third
+        element, `sample_weight`: 0 on padding rows, and real rows scaled by
+        `global_batch_size / num_valid` so the batch's mean loss is the mean over its real
+        samples (an `(x, y, w)` source has its weights scaled the same way).
         """
         size = self.options.global_batch_size
         signature = self.spec.unflatten(
