@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import json
 import threading
+import time
 import warnings
 
 import ml_dtypes
@@ -658,6 +659,16 @@ def test_host_slots_never_exceed_depth_plus_two(devices, depth):
         assert pool.allocated <= depth + 2
         assert pool.overflow_allocations == 0
         assert feeder.stats().overflow_slots == 0
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_at_most_depth_batches_wait_on_the_devices(devices, depth):
+    with fp.Feeder(index_arrays(40), 4, devices=devices[:2], depth=depth) as feeder:
+        seen = []
+        for _ in feeder:
+            time.sleep(0.01)  # the producer runs ahead until the staged batches fill up
+            seen.append(feeder._pipeline.handoff.staged())
+    assert max(seen) == depth
 
 
 def list_with_timeout(feeder, timeout_s=20.0):
