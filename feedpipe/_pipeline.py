@@ -105,6 +105,34 @@ class Handoff:
             self._cond.notify_all()
 
 
+class _Supply:
+    """The pool's slots as a producer sees them: waits are timed and stop when asked."""
+
+    def __init__(
+        self, pool: SlotPool, handoff: Handoff, stop: threading.Event, stats: StatsRecorder
+    ):
+        self.pool = pool
+        self.handoff = handoff
+        self.stop = stop
+        self.stats = stats
+        self.give_back = pool.give_back
+        self.take_dropped = pool.take_dropped
+
+    def acquire(self):
+        started = time.perf_counter()
+        try:
+            return self.pool.acquire(self.stop, self.handoff.starving)
+        finally:
+            self.stats.slot_wait_s += time.perf_counter() - started
+
+    def try_acquire(self):
+        return self.pool.try_acquire(self.stop)
+
+    def check_stop(self) -> None:
+        if self.stop.is_set():
+            raise Stopped
+
+
 def _run(
     producer: Producer,
     stager: Any,
@@ -115,16 +143,8 @@ def _run(
     stats: StatsRecorder,
 ) -> None:
     """Fills, stages and hands over batches from `start` on until stopped or failed."""
-
-    def acquire():
-        started = time.perf_counter()
-        try:
-            return pool.acquire(stop, handoff.starving)
-        finally:
-            stats.slot_wait_s += time.perf_counter() - started
-
     try:
-        slots = producer.slots(start, acquire, pool.give_back)
+        slots = producer.slots(start, _Supply(pool, handoff, stop, stats))
         while True:
             started, slot_waits = time.perf_counter(), stats.slot_wait_s
             item = next(slots, None)

@@ -24,18 +24,18 @@ from feedpipe.producers import (
     Position,
     SampleWriter,
     ThreadProducer,
+    WorkerProducer,
     accepts_rng,
     apply_transform,
 )
 from feedpipe.sampler import EpochEnd, Sampler, check_remainder
-from feedpipe.source import SampleSpec, as_source
+from feedpipe.source import SampleSpec, TFDatasetSource, as_source, field_name
 from feedpipe.split import ReplicaSplit, SlotLayout, SlotPool
 from feedpipe.stage import Batch, HostBatch, HostStager, Stager, resolve_devices
 from feedpipe.stats import FeedStats, StatsRecorder
 
 STATE_VERSION = 1
-EXTRA_SLOTS = 2
-"""Host slots beyond `depth`: one the consumer is using, one the producer is filling."""
+WORKER_MODES = ("process", "thread")
 
 
 def _positive_int(name: str, value: Any, fix: str) -> None:
@@ -57,10 +57,18 @@ class FeedOptions:
     seed: int = 0
     """Seeds the order and each sample's `transform` rng, so runs are reproducible."""
     workers: int = 0
-    """0 produces in one background thread."""
+    """0 produces in one background thread; N > 0 in N workers. Default 0: arrays without a
+    `transform` are gathered fastest in one thread; Python per-sample code wants workers."""
     depth: int = 2
     """Batches staged per device ahead of the step. Default 2 hides one transfer behind one
     step while the next is being made."""
+    worker_mode: str = "process"
+    """"process" (each worker its own interpreter and GIL) or "thread" (shares this process's
+    GIL; for code that releases it). Default "process": per-sample Python holds the GIL, and
+    only processes scale it (see kernels_bench/workers.py)."""
+    timeout_s: float | None = None
+    """Longest a worker may spend on one sample before `TimeoutError`; None waits forever
+    (`close()` still ends a hung worker)."""
 
     def __post_init__(self):
         _positive_int("global_batch_size", self.global_batch_size, "pass the samples per step")
@@ -73,12 +81,28 @@ class FeedOptions:
             or self.seed < 0
         ):
             raise ValueError(f"`seed`={self.seed!r} must be an integer >= 0.")
-        if self.workers != 0:
+        if (
+            isinstance(self.workers, bool)
+            or not isinstance(self.workers, int | np.integer)
+            or self.workers < 0
+        ):
             raise ValueError(
-                f"`workers`={self.workers!r}: this version produces in one background thread; "
-                "use workers=0."
+                f"`workers`={self.workers!r} must be an integer >= 0: 0 for one background "
+                "thread, or the number of worker processes (for example os.cpu_count())."
             )
         _positive_int("depth", self.depth, "use depth=2 to hide one step's transfer")
+        if self.worker_mode not in WORKER_MODES:
+            raise ValueError(f'`worker_mode`={self.worker_mode!r} must be "process" or "thread".')
+        if self.timeout_s is not None:
+            if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float):
+                raise TypeError(f"`timeout_s`={self.timeout_s!r} must be a number of seconds.")
+            if not self.timeout_s > 0:
+                raise ValueError(f"`timeout_s`={self.timeout_s!r} must be > 0 seconds or None.")
+            if self.workers == 0:
+                raise ValueError(
+                    f"`timeout_s`={self.timeout_s!r} watches workers, but `workers`=0; use "
+                    "workers >= 1 or timeout_s=None."
+                )
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -111,10 +135,17 @@ class Feeder(tf.train.experimental.PythonState):
         workers: int = 0,
         depth: int = 2,
         transform: Callable[..., Any] | None = None,
+        *,
+        worker_mode: str = "process",
+        timeout_s: float | None = None,
+        transpose: Any = None,
     ):
         self._pipeline: Pipeline | None = None
+        self._workers = None
         self._closed = False
-        self.options = FeedOptions(global_batch_size, remainder, shuffle, seed, workers, depth)
+        self.options = FeedOptions(
+            global_batch_size, remainder, shuffle, seed, workers, depth, worker_mode, timeout_s
+        )
         if transform is not None and not callable(transform):
             raise TypeError(
                 f"`transform` must be callable or None; got {type(transform).__name__}."
@@ -129,7 +160,7 @@ class Feeder(tf.train.experimental.PythonState):
                 f"`shuffle`=True, but a {type(self._source).__name__} has no indices to shuffle; "
                 "shuffle inside the generator or the tf.data.Dataset, and pass shuffle=False."
             )
-        self.spec = self._read_spec(transform)
+        sample_spec = self._read_spec(transform)
         length = self._source.length
         self._plan = (
             None
@@ -146,13 +177,45 @@ class Feeder(tf.train.experimental.PythonState):
         """The epoch's batches, where the length is known (it applies the remainder rules)."""
         self._sampler = self._plan if indexed else None
         """What chooses the samples of indexed sources; streams keep their own order."""
-        writer = SampleWriter(self._source, self.spec, transform, seed)
-        self._producer = ThreadProducer(writer, global_batch_size, self._sampler, remainder)
+        writer = SampleWriter(
+            self._source, sample_spec, transform, seed, _axes(transpose, sample_spec)
+        )
+        self.spec = writer.out_spec
+        """What each batch holds: the samples after `transform` and `transpose`."""
+        self._shared = workers > 0 and worker_mode == "process"
+        if workers:
+            self._producer = self._start_workers(writer, transform)
+        else:
+            self._producer = ThreadProducer(writer, global_batch_size, self._sampler, remainder)
         self._stats = StatsRecorder(depth)
         self._pools: dict[bool, SlotPool] = {}
         self._position = Position(0, 0)
         self._active: _Pass | None = None
         """The pass being iterated, if any."""
+
+    def _start_workers(self, writer: SampleWriter, transform) -> WorkerProducer:
+        from feedpipe import workers as pool
+
+        o = self.options
+        if isinstance(self._source, TFDatasetSource):
+            raise ValueError(
+                f"`workers`={o.workers}, but a tf.data.Dataset runs in TensorFlow's own threads "
+                "and cannot be read by workers; use workers=0 (and num_parallel_calls in "
+                "dataset.map for parallel work)."
+            )
+        if self._shared:
+            pool.check_picklable("source", self._source)
+            pool.check_picklable("transform", transform)
+        setup = {
+            "writer": writer,
+            "layouts": {c: SlotLayout(self.spec, self.split, contiguous=c) for c in (False, True)},
+            "num_shards": o.workers if self._sampler is None else 1,
+        }
+        kind = pool.ProcessWorkers if self._shared else pool.ThreadWorkers
+        self._workers = kind(o.workers, setup, o.timeout_s)
+        return WorkerProducer(
+            self._workers, self._source, o.global_batch_size, self._sampler, o.remainder
+        )
 
     def _read_spec(self, transform) -> SampleSpec:
         """The spec of what producers will make: the first sample, after `transform`."""
@@ -190,7 +253,12 @@ class Feeder(tf.train.experimental.PythonState):
     def _pool(self, host: bool) -> SlotPool:
         if host not in self._pools:
             layout = SlotLayout(self.spec, self.split, contiguous=host)
-            self._pools[host] = SlotPool(layout, self.options.depth + EXTRA_SLOTS, reuse=not host)
+            # Besides the staged batches: one the consumer holds, and those being filled.
+            capacity = self.options.depth + 1 + self._producer.slots_in_flight
+            # Batches handed to tf.data get memory of their own, except from shared slots,
+            # which are copied out instead (see HostStager).
+            reuse = self._shared or not host
+            self._pools[host] = SlotPool(layout, capacity, reuse=reuse, shared=self._shared)
         return self._pools[host]
 
     def _start(self, host: bool) -> Pipeline:
@@ -200,7 +268,9 @@ class Feeder(tf.train.experimental.PythonState):
         self._stats.stream_started()
         pool = self._pool(host)
         stager: Any = (
-            HostStager(pool.layout) if host else Stager(self.devices, pool.layout, self.strategy)
+            HostStager(pool.layout, copy=self._shared)
+            if host
+            else Stager(self.devices, pool.layout, self.strategy)
         )
         self._pipeline = Pipeline(
             self._producer,
@@ -333,8 +403,10 @@ class Feeder(tf.train.experimental.PythonState):
 
     def stats(self) -> FeedStats:
         """A snapshot of how well the step has been fed so far."""
+        pools = self._pools.values()
         return self._stats.snapshot(
-            overflow_slots=sum(pool.overflow_allocations for pool in self._pools.values())
+            overflow_slots=sum(pool.overflow_allocations for pool in pools),
+            slots_allocated=sum(pool.allocated + pool.overflow_allocations for pool in pools),
         )
 
     def get_state(self) -> dict:
@@ -394,9 +466,11 @@ class Feeder(tf.train.experimental.PythonState):
     # ---- lifetime ---------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stops the background thread and frees staged batches; idempotent."""
+        """Stops the background thread and the workers, and frees staged batches; idempotent."""
         self._closed = True
         self._stop_pipeline()
+        if self._workers is not None:
+            self._workers.close()
 
     def __enter__(self) -> Feeder:
         return self
@@ -409,5 +483,51 @@ class Feeder(tf.train.experimental.PythonState):
         return (
             f"Feeder({self._source!r}, global_batch_size={o.global_batch_size}, "
             f"devices={list(self.devices)}, remainder={o.remainder!r}, shuffle={o.shuffle}, "
-            f"seed={o.seed}, workers={o.workers}, depth={o.depth})"
+            f"seed={o.seed}, workers={o.workers}, depth={o.depth}"
+            + (f", worker_mode={o.worker_mode!r}" if o.workers else "")
+            + (f", timeout_s={o.timeout_s}" if o.timeout_s is not None else "")
+            + ")"
         )
+
+
+def _axes(transpose: Any, spec: SampleSpec) -> list[tuple[int, ...] | None]:
+    """`transpose` as one axis order (or None) per field of `spec`, checked.
+
+    `transpose` is an axis order for a sample that is one array, or a dict from field (a key
+    of a dict sample, an index of a tuple sample, or a tuple of those for nested samples) to
+    the order of that field's axes, as in `np.transpose`: `{"image": (2, 0, 1)}` makes HWC
+    images CHW.
+    """
+    if transpose is None:
+        return [None] * len(spec.leaves)
+    paths = [tuple(p) for p in optree.tree_paths(spec.unflatten([0] * len(spec.leaves)))]
+    if not isinstance(transpose, dict):
+        if paths != [()]:
+            raise TypeError(
+                f"`transpose`={transpose!r} is one axis order, but samples have the fields "
+                f"{', '.join(leaf.name for leaf in spec.leaves)}; pass a dict from field to "
+                "axis order, e.g. {'image': (2, 0, 1)}."
+            )
+        transpose = {(): transpose}
+    by_path = {}
+    for key, order in transpose.items():
+        path = key if isinstance(key, tuple) else (key,)
+        if path not in paths:
+            raise ValueError(
+                f"`transpose` names the field {key!r}, which samples do not have; their fields "
+                f"are {', '.join(field_name(p) for p in paths)}."
+            )
+        by_path[path] = order
+    axes = []
+    for path, leaf in zip(paths, spec.leaves, strict=True):
+        order = by_path.get(path)
+        if order is not None:
+            order = tuple(order)
+            if sorted(order) != list(range(len(leaf.shape))):
+                raise ValueError(
+                    f"`transpose` gives field {leaf.name} the axis order {order}, but that field "
+                    f"has shape {leaf.shape}; give a permutation of "
+                    f"{tuple(range(len(leaf.shape)))} (the batch axis is not counted)."
+                )
+        axes.append(order)
+    return axes

@@ -1,17 +1,22 @@
 """Producers: who makes the samples, writing them straight into per-replica host slots.
 
 A producer turns the plan of each epoch into filled slots, in order, behind one small interface
-(`Producer.slots`). `ThreadProducer` runs in the feeder's background thread; it is what
-`workers=0` uses. `SampleWriter` does the per-sample work (read, `transform`, check, write) and
-holds no thread state, so other producers can reuse it.
+(`Producer.slots`). `ThreadProducer` makes them in the feeder's background thread
+(`workers=0`). `WorkerProducer` hands the work to a pool of workers (`feedpipe.workers`):
+the rows of each batch of an indexed source are split among them, and each worker of a
+generator fills whole batches from its own shard. Either way the batches come out in the same
+order with the same rows. `SampleWriter` does the per-sample work (read, `transform`, check,
+write) wherever it runs.
 """
 
 from __future__ import annotations
 
+import collections
 import inspect
 import itertools
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -67,25 +72,58 @@ def apply_transform(
 
 
 class SampleWriter:
-    """Reads samples, applies `transform`, checks them against the spec and writes rows."""
+    """Reads samples, applies `transform`, checks them against the spec and writes rows.
 
-    def __init__(self, source: Source, spec: SampleSpec, transform: Transform | None, seed: int):
+    `spec` is what `transform` returns; `axes[field]`, where given, reorders that field's axes
+    as it is written (for example HWC to CHW), so the slot holds `out_spec` and no transpose
+    ever runs later. `status`, where given, is a float64 array that the writer keeps at
+    `[sample index, epoch, time.monotonic() when it started]` (index -1 when idle), so a hang
+    can be named from outside.
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        spec: SampleSpec,
+        transform: Transform | None,
+        seed: int,
+        axes: Sequence[tuple[int, ...] | None] | None = None,
+    ):
         self.source = source
         self.spec = spec
         self.transform = transform
         self.seed = seed
+        self.axes = list(axes) if axes is not None else [None] * len(spec.leaves)
+        self.out_spec = spec.transposed(self.axes)
         self.with_rng = transform is not None and accepts_rng(transform)
         # Arrays without a transform are gathered with one vectorised copy per field.
-        self.vectorised = transform is None and isinstance(source, ArraySource)
+        self.vectorised = (
+            transform is None
+            and isinstance(source, ArraySource)
+            and all(a is None for a in self.axes)
+        )
+        self.status: np.ndarray | None = None
+
+    def mark(self, index: int, epoch: int) -> None:
+        """Notes that sample `index` of `epoch` is being made (-1: idle)."""
+        if self.status is not None:
+            self.status[2] = time.monotonic()
+            self.status[1] = epoch
+            self.status[0] = index
 
     def prepare(self, sample: Any, index: int, epoch: int) -> list[np.ndarray]:
-        """The fields of one sample after `transform`, as checked arrays."""
+        """The fields of one sample after `transform`, as checked arrays in the slot's layout."""
         if self.transform is not None:
             sample = apply_transform(self.transform, self.with_rng, sample, self.seed, epoch, index)
-        return self.spec.flatten(sample, index)
+        leaves = self.spec.flatten(sample, index)
+        return [
+            leaf if axes is None else leaf.transpose(axes)
+            for leaf, axes in zip(leaves, self.axes, strict=True)
+        ]
 
     def read(self, index: int, epoch: int) -> list[np.ndarray]:
         """The checked fields of sample `index` of an indexed source."""
+        self.mark(index, epoch)
         try:
             sample = self.source.sample(index)
         except Exception as error:
@@ -93,29 +131,77 @@ class SampleWriter:
             raise
         return self.prepare(sample, index, epoch)
 
+    def fill_rows(self, slot: HostSlot, epoch: int, first_row: int, indices: np.ndarray) -> None:
+        """Writes samples `indices` to global rows `first_row`, `first_row + 1`, ... of `slot`."""
+        b = slot.layout.split.per_replica
+        done = 0
+        while done < len(indices):
+            replica, offset = divmod(first_row + done, b)
+            count = min(len(indices) - done, b - offset)
+            rows = indices[done : done + count]
+            outs = [out[offset : offset + count] for out in slot.regions[replica]]
+            if self.vectorised:
+                self.mark(int(rows[0]), epoch)
+                self.source.take(rows, outs)
+            else:
+                for row, index in enumerate(rows.tolist()):
+                    for out, leaf in zip(outs, self.read(index, epoch), strict=True):
+                        out[row] = leaf
+            done += count
+        self.mark(-1, epoch)
+
     def fill(self, slot: HostSlot, step: Step) -> None:
         """Writes the real rows of `step` into `slot`, then pads the rest of the batch."""
-        b = slot.layout.split.per_replica
-        for replica, outs in enumerate(slot.regions):
-            rows = step.rows[replica * b : (replica + 1) * b]
-            if self.vectorised:
-                self.source.take(rows, [out[: len(rows)] for out in outs])
-                continue
-            for row, index in enumerate(rows.tolist()):
-                for out, leaf in zip(outs, self.read(index, step.epoch), strict=True):
-                    out[row] = leaf
+        self.fill_rows(slot, step.epoch, 0, step.rows)
         slot.pad(step.num_valid)
+
+
+class SlotSupply(Protocol):
+    """Where a producer gets host slots, and how it learns that it should stop."""
+
+    def acquire(self) -> HostSlot:
+        """A free slot; waits for one (raises `Stopped` when asked to stop)."""
+
+    def try_acquire(self) -> HostSlot | None:
+        """A free slot if there is one now, else None."""
+
+    def give_back(self, slot: HostSlot) -> None:
+        """Returns a slot the producer will not deliver."""
+
+    def check_stop(self) -> None:
+        """Raises `Stopped` if the pipeline is stopping."""
+
+    def take_dropped(self) -> list[int]:
+        """Idents of one-off shared slots dropped since the last call."""
 
 
 class Producer(Protocol):
     """Makes the filled slots of every epoch from `start` on, in order."""
 
     def slots(
-        self,
-        start: Position,
-        acquire: Callable[[], HostSlot],
-        give_back: Callable[[HostSlot], None],
+        self, start: Position, supply: SlotSupply
     ) -> Iterator[tuple[Step, HostSlot] | EpochEnd]: ...
+
+
+def _last_batch(
+    epoch: int, index: int, slot: HostSlot, count: int, remainder: str, read: int, supply
+) -> Iterator[tuple[Step, HostSlot] | EpochEnd]:
+    """The end of a stream's epoch: its last `count` rows in `slot`, after `read` samples."""
+    size = slot.layout.split.global_batch_size
+    if count and remainder == "error":
+        supply.give_back(slot)
+        raise ValueError(
+            f'`remainder`="error", but epoch {epoch} of the stream ended with {read} samples, '
+            f'{count} past a multiple of `global_batch_size`={size}; use remainder="pad" or '
+            '"drop".'
+        )
+    if count == 0 or remainder == "drop":
+        supply.give_back(slot)
+        yield EpochEnd(epoch, dropped=count)
+        return
+    slot.pad(count)
+    yield Step(epoch, index, None, count), slot
+    yield EpochEnd(epoch)
 
 
 class ThreadProducer:
@@ -133,22 +219,22 @@ class ThreadProducer:
         self.sampler = sampler
         self.remainder = remainder
 
+    slots_in_flight = 1
+    """Slots being filled at once."""
+
     def slots(
-        self,
-        start: Position,
-        acquire: Callable[[], HostSlot],
-        give_back: Callable[[HostSlot], None],
+        self, start: Position, supply: SlotSupply
     ) -> Iterator[tuple[Step, HostSlot] | EpochEnd]:
         for epoch in itertools.count(start.epoch):
             first = start.step if epoch == start.epoch else 0
             if self.sampler is not None:
-                yield from self._indexed_epoch(epoch, first, acquire)
+                yield from self._indexed_epoch(epoch, first, supply)
             else:
-                yield from self._stream_epoch(epoch, first, acquire, give_back)
+                yield from self._stream_epoch(epoch, first, supply)
 
-    def _indexed_epoch(self, epoch: int, first: int, acquire) -> Iterator:
+    def _indexed_epoch(self, epoch: int, first: int, supply: SlotSupply) -> Iterator:
         for step in self.sampler.steps(epoch, first):
-            slot = acquire()
+            slot = supply.acquire()
             self.writer.fill(slot, step)
             yield step, slot
         on_epoch_end = getattr(self.writer.source, "on_epoch_end", None)
@@ -156,29 +242,268 @@ class ThreadProducer:
             on_epoch_end()
         yield EpochEnd(epoch, self.sampler.dropped_per_epoch)
 
-    def _stream_epoch(self, epoch: int, first: int, acquire, give_back) -> Iterator:
+    def _stream_epoch(self, epoch: int, first: int, supply: SlotSupply) -> Iterator:
         size = self.global_batch_size
         rows = _RowStream(self.writer, epoch, size)
         rows.skip(first * size)
         for index in itertools.count(first):
-            slot = acquire()
+            slot = supply.acquire()
             count = rows.read_into(slot)
-            if count == 0 or (count < size and self.remainder == "drop"):
-                give_back(slot)
-                yield EpochEnd(epoch, dropped=count)
-                return
-            if count < size and self.remainder == "error":
-                give_back(slot)
-                raise ValueError(
-                    f'`remainder`="error", but epoch {epoch} of the stream ended with '
-                    f"{rows.position} samples, {count} past a multiple of `global_batch_size`="
-                    f'{size}; use remainder="pad" or "drop".'
-                )
-            slot.pad(count)
-            yield Step(epoch, index, None, count), slot
             if count < size:
-                yield EpochEnd(epoch)
+                yield from _last_batch(
+                    epoch, index, slot, count, self.remainder, rows.position, supply
+                )
                 return
+            yield Step(epoch, index, None, count), slot
+
+
+MAX_TASKS_PER_WORKER = 2
+"""Tasks queued at each worker: one running and one waiting, so no worker idles between them."""
+WAIT_SLICE_S = 0.05
+"""How long one wait for worker replies lasts before the stop flag is checked again."""
+
+
+class _Filling:
+    """A slot that workers are filling: the step it will hold and the tasks still out."""
+
+    __slots__ = ("abandoned", "errors", "give_back", "rows", "slot", "step", "tasks", "worker")
+
+    def __init__(self, step: Step, slot: HostSlot, give_back, tasks: int, worker: int = -1):
+        self.step = step
+        self.slot = slot
+        self.give_back = give_back
+        self.tasks = tasks
+        self.worker = worker
+        self.rows = 0
+        self.errors: list[tuple[int, BaseException]] = []
+        self.abandoned = False
+
+    def check(self) -> None:
+        """Raises the error of the lowest row that failed, if any."""
+        if self.errors:
+            raise min(self.errors, key=lambda pair: pair[0])[1]
+
+
+class WorkerProducer:
+    """Produces with a pool of workers, delivering filled slots in the order of the plan.
+
+    An indexed source's batch is cut into one run of rows per worker, so every worker helps
+    with the oldest batch first and a batch is ready as soon as possible. A generator's workers
+    each fill whole batches from their own shard, taken in strict rotation; when a shard runs
+    out, its last partial batch is set aside, and at the end of the epoch those rows are
+    merged into full batches and one last partial batch, which follows `remainder`.
+    Invariant: a slot goes back to the pool only when no worker will write to it again.
+    """
+
+    def __init__(
+        self,
+        workers,
+        source: Source,
+        global_batch_size: int,
+        sampler: Sampler | None,
+        remainder: str,
+    ):
+        self.workers = workers
+        self.size = global_batch_size
+        self.sampler = sampler
+        self.remainder = remainder
+        self.block_size = getattr(source, "block_size", 1)
+        self.epoch_end_tasks = hasattr(source, "on_epoch_end")
+        self._ids = itertools.count()
+        self._tasks: dict[int, tuple[_Filling | None, int]] = {}
+        """Tasks out: what each fills and its first row (None: a task without a slot)."""
+        self._queued = [0] * workers.count
+        self._held: set[_Filling] = set()
+        self._generation = 0
+
+    @property
+    def slots_in_flight(self) -> int:
+        """Slots being filled at once: two batches of an indexed source, one per shard."""
+        return 2 if self.sampler is not None else self.workers.count
+
+    def slots(
+        self, start: Position, supply: SlotSupply
+    ) -> Iterator[tuple[Step, HostSlot] | EpochEnd]:
+        self._generation += 1
+        try:
+            if self.sampler is not None:
+                yield from self._indexed(start, supply)
+            else:
+                for epoch in itertools.count(start.epoch):
+                    first = start.step if epoch == start.epoch else 0
+                    yield from self._stream_epoch(epoch, first, supply)
+        finally:
+            # Tasks still out go on writing their slots: those return once they answer.
+            for filling in self._held:
+                if filling.tasks:
+                    filling.abandoned = True
+                else:
+                    filling.give_back(filling.slot)
+            self._held.clear()
+
+    # ---- talking to the workers -----------------------------------------------------------
+
+    def _send(self, worker: int, filling: _Filling | None, first_row: int, task: tuple) -> None:
+        task_id = next(self._ids)
+        self._tasks[task_id] = (filling, first_row)
+        self._queued[worker] += 1
+        if filling is not None:
+            self.workers.share(worker, filling.slot)
+        self.workers.submit(worker, (task[0], task_id, *task[1:]))
+
+    def _collect(self, supply: SlotSupply) -> None:
+        """Waits a little for replies and books them; raises if stopped or a worker failed."""
+        supply.check_stop()
+        self.workers.forget(supply.take_dropped())
+        for reply in self.workers.replies(WAIT_SLICE_S):
+            self._queued[reply.worker] -= 1
+            filling, first_row = self._tasks.pop(reply.task)
+            if filling is None:
+                if reply.kind == "error":
+                    raise reply.value
+                continue
+            filling.tasks -= 1
+            if reply.kind == "error":
+                filling.errors.append((first_row, reply.value))
+            else:
+                filling.rows += reply.value
+            if filling.abandoned and not filling.tasks:
+                filling.give_back(filling.slot)
+
+    def _deliver(self, filling: _Filling) -> None:
+        self._held.discard(filling)
+        filling.check()
+
+    # ---- indexed sources ------------------------------------------------------------------
+
+    def _plan(self, start: Position) -> Iterator[Step | EpochEnd]:
+        for epoch in itertools.count(start.epoch):
+            yield from self.sampler.steps(epoch, start.step if epoch == start.epoch else 0)
+            yield EpochEnd(epoch, self.sampler.dropped_per_epoch)
+
+    def _runs(self, rows: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+        """The batch's rows cut into one run per worker, on whole source blocks where it can."""
+        size = -(-len(rows) // self.workers.count)
+        size = -(-size // self.block_size) * self.block_size
+        for lo in range(0, len(rows), size):
+            yield lo, rows[lo : lo + size]
+
+    def _indexed(self, start: Position, supply: SlotSupply) -> Iterator:
+        plan = self._plan(start)
+        upcoming = next(plan)
+        order: collections.deque[_Filling | EpochEnd] = collections.deque()
+        runs: collections.deque = collections.deque()
+        filling_now = 0
+        while True:
+            while filling_now < self.slots_in_flight:
+                if isinstance(upcoming, EpochEnd):
+                    order.append(upcoming)
+                    if self.epoch_end_tasks:
+                        runs.append(upcoming)
+                    upcoming = next(plan)
+                    continue
+                slot = supply.try_acquire() if filling_now else supply.acquire()
+                if slot is None:
+                    break
+                pieces = list(self._runs(upcoming.rows))
+                filling = _Filling(upcoming, slot, supply.give_back, tasks=len(pieces))
+                self._held.add(filling)
+                order.append(filling)
+                runs.extend((filling, lo, rows) for lo, rows in pieces)
+                filling_now += 1
+                upcoming = next(plan)
+            self._dispatch(runs)
+            delivered = False
+            while order and (isinstance(order[0], EpochEnd) or not order[0].tasks):
+                head = order.popleft()
+                delivered = True
+                if isinstance(head, EpochEnd):
+                    yield head
+                    continue
+                self._deliver(head)
+                filling_now -= 1
+                head.slot.pad(head.step.num_valid)
+                yield head.step, head.slot
+            if not delivered:
+                self._collect(supply)
+
+    def _dispatch(self, runs: collections.deque) -> None:
+        """Sends queued runs of rows to the least busy workers, up to their task limit."""
+        while runs:
+            if isinstance(runs[0], EpochEnd):
+                epoch = runs.popleft().epoch
+                for worker in range(self.workers.count):
+                    self._send(worker, None, 0, ("epoch_end", epoch))
+                continue
+            worker = min(range(self.workers.count), key=self._queued.__getitem__)
+            if self._queued[worker] >= MAX_TASKS_PER_WORKER:
+                return
+            filling, lo, rows = runs.popleft()
+            task = ("rows", filling.slot.ident, filling.step.epoch, lo, rows)
+            self._send(worker, filling, lo, task)
+
+    # ---- generators -----------------------------------------------------------------------
+
+    def _stream_epoch(self, epoch: int, first: int, supply: SlotSupply) -> Iterator:
+        rotation = collections.deque(range(self.workers.count))
+        order: collections.deque[_Filling] = collections.deque()
+        busy: set[int] = set()
+        tails: list[_Filling] = []
+        index = read = 0
+        while rotation or order:
+            while rotation and rotation[0] not in busy:
+                slot = supply.try_acquire() if order else supply.acquire()
+                if slot is None:
+                    break
+                worker = rotation[0]
+                rotation.rotate(-1)
+                filling = _Filling(None, slot, supply.give_back, tasks=1, worker=worker)
+                self._held.add(filling)
+                order.append(filling)
+                busy.add(worker)
+                self._send(worker, filling, 0, ("stream", slot.ident, epoch, self._generation))
+            delivered = False
+            while order and not order[0].tasks:
+                head = order.popleft()
+                delivered = True
+                busy.discard(head.worker)
+                self._deliver(head)
+                read += head.rows
+                if head.rows < self.size:  # this shard is exhausted
+                    rotation.remove(head.worker)
+                    self._held.add(head)
+                    tails.append(head)
+                elif index >= first:
+                    yield Step(epoch, index, None, self.size), head.slot
+                    index += 1
+                else:  # replayed to reach the position being resumed
+                    head.give_back(head.slot)
+                    index += 1
+            if not delivered:
+                self._collect(supply)
+        yield from self._merge_tails(epoch, index, first, tails, read, supply)
+
+    def _merge_tails(self, epoch, index, first, tails, read, supply) -> Iterator:
+        """The rows of the shards' partial batches, as full batches and one last batch."""
+        rows = [(tail.slot, row) for tail in tails for row in range(tail.rows)]
+        done = 0
+        while True:
+            count = min(self.size, len(rows) - done)
+            slot = supply.acquire()
+            for row in range(count):
+                slot.copy_row(row, *rows[done + row])
+            done += count
+            if count < self.size:
+                for tail in tails:
+                    self._held.discard(tail)
+                    tail.give_back(tail.slot)
+                yield from _last_batch(epoch, index, slot, count, self.remainder, read, supply)
+                return
+            if index >= first:
+                yield Step(epoch, index, None, count), slot
+            else:
+                supply.give_back(slot)
+            index += 1
 
 
 class _RowStream:
@@ -189,7 +514,11 @@ class _RowStream:
         self.epoch = epoch
         self.position = 0  # samples of this epoch read so far
         source = writer.source
-        if isinstance(source, TFDatasetSource) and writer.transform is None:
+        if (
+            isinstance(source, TFDatasetSource)
+            and writer.transform is None
+            and not any(writer.axes)
+        ):
             # tf.data reads many samples at once: an error names where its block began.
             self._blocks = self._noted(source.blocks(block_rows), "reading the samples from")
         else:
@@ -205,6 +534,7 @@ class _RowStream:
     def _noted(self, items: Iterator, doing: str) -> Iterator:
         """`items`, adding to an error they raise a note naming the sample reached."""
         while True:
+            self.writer.mark(self.position, self.epoch)
             try:
                 item = next(items)
             except StopIteration:
@@ -245,4 +575,5 @@ class _RowStream:
             leaves, lo, count = taken
             slot.write_rows(filled, leaves, lo, count)
             filled += count
+        self.writer.mark(-1, self.epoch)
         return filled

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -101,6 +102,16 @@ class SampleSpec:
                 )
             arrays.append(array)
         return arrays
+
+    def transposed(self, axes: Sequence[tuple[int, ...] | None]) -> SampleSpec:
+        """This spec with the axes of field `i` reordered by `axes[i]` (None: unchanged)."""
+        leaves = tuple(
+            leaf
+            if order is None
+            else LeafSpec(leaf.name, tuple(leaf.shape[a] for a in order), leaf.dtype)
+            for leaf, order in zip(self.leaves, axes, strict=True)
+        )
+        return SampleSpec(self.treespec, leaves)
 
     def unflatten(self, leaves: Sequence[Any]) -> Any:
         return optree.tree_unflatten(self.treespec, list(leaves))
@@ -196,12 +207,27 @@ class PyDatasetSource:
         self.block_size = self._rows_of(0)
         last = self._rows_of(self.num_batches - 1)
         self.length = self.block_size * (self.num_batches - 1) + last
-        self._cache: dict[int, tuple[list[np.ndarray], optree.PyTreeSpec]] = {}
+        self._local = threading.local()
+
+    def __getstate__(self) -> dict:
+        return {key: value for key, value in self.__dict__.items() if key != "_local"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
+
+    @property
+    def _cache(self) -> dict[int, tuple[list[np.ndarray], optree.PyTreeSpec]]:
+        """The batches this thread is reading (each worker thread keeps its own)."""
+        if not hasattr(self._local, "cache"):
+            self._local.cache = {}
+        return self._local.cache
 
     def _batch(self, number: int) -> tuple[list[np.ndarray], optree.PyTreeSpec]:
-        if number not in self._cache:
-            if len(self._cache) >= 2:
-                self._cache.pop(next(iter(self._cache)))
+        cache = self._cache
+        if number not in cache:
+            if len(cache) >= 2:
+                cache.pop(next(iter(cache)))
             leaves, treespec = optree.tree_flatten(self.dataset[number])
             arrays = [np.asarray(leaf) for leaf in leaves]
             expected = self.block_size if number < self.num_batches - 1 else None
@@ -211,8 +237,8 @@ class PyDatasetSource:
                     f"PyDataset batch {number} has fields with {sorted(sizes)} rows; every "
                     f"batch but the last must have {self.block_size} rows in every field."
                 )
-            self._cache[number] = (arrays, treespec)
-        return self._cache[number]
+            cache[number] = (arrays, treespec)
+        return cache[number]
 
     def _rows_of(self, number: int) -> int:
         leaves = optree.tree_leaves(self.dataset[number])
@@ -237,22 +263,30 @@ class GeneratorSource:
     """Samples come from `fn(shard, num_shards)`, a generator function called once per epoch.
 
     Build one with `fp.from_generator(fn)`. With one producer, `fn(0, 1)` yields the whole
-    epoch; with N workers each calls `fn(i, N)` and yields its share.
+    epoch; with N workers, worker `i` reads the `sharded(i, N)` copy, which calls `fn(i, N)`.
     """
 
     length = None
 
-    def __init__(self, fn: Callable[[int, int], Iterable[Any]]):
+    def __init__(
+        self, fn: Callable[[int, int], Iterable[Any]], shard: int = 0, num_shards: int = 1
+    ):
         if not callable(fn):
             raise TypeError(
                 f"fp.from_generator needs a callable fn(shard, num_shards) that yields samples; "
                 f"got {type(fn).__name__}."
             )
         self.fn = fn
+        self.shard = shard
+        self.num_shards = num_shards
+
+    def sharded(self, shard: int, num_shards: int) -> GeneratorSource:
+        """The source of shard `shard` of `num_shards`."""
+        return GeneratorSource(self.fn, shard, num_shards)
 
     def samples(self, epoch: int) -> Iterator[Any]:
         del epoch  # the generator decides its own order
-        return iter(self.fn(0, 1))
+        return iter(self.fn(self.shard, self.num_shards))
 
     def first_sample(self) -> Any:
         for sample in self.samples(0):

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import itertools
 import threading
 import weakref
 from collections.abc import Callable
 
 import numpy as np
 
+from feedpipe._shm import SharedBuffer
 from feedpipe.source import SampleSpec
 
 ALIGN_BYTES = 64
@@ -134,12 +136,31 @@ def _aligned_buffer(nbytes: int) -> np.ndarray:
     return raw[start : start + nbytes]
 
 
-class HostSlot:
-    """One global batch's worth of host memory, laid out per replica."""
+_slot_ids = itertools.count()
 
-    def __init__(self, layout: SlotLayout, overflow: bool = False):
+
+class HostSlot:
+    """One global batch's worth of host memory, laid out per replica.
+
+    Its bytes are private to this process, or `shared` with worker processes that map them;
+    a worker that receives a slot builds its own `HostSlot` over them with the same `ident`.
+    """
+
+    def __init__(
+        self,
+        layout: SlotLayout,
+        overflow: bool = False,
+        *,
+        shared: bool = False,
+        buffer: np.ndarray | None = None,
+        ident: int | None = None,
+    ):
         self.layout = layout
-        self.buffer = _aligned_buffer(layout.nbytes)
+        self.ident = next(_slot_ids) if ident is None else ident
+        self.shared = SharedBuffer(layout.nbytes, "slot") if shared else None
+        if buffer is None:
+            buffer = self.shared.array if shared else _aligned_buffer(layout.nbytes)
+        self.buffer = buffer
         self.regions = layout.views(self.buffer)
         """`regions[replica][field]`: where the producer writes the rows of that replica."""
         self.overflow = overflow
@@ -149,6 +170,11 @@ class HostSlot:
         """A one-row view of `field` at global row `row` (writable, even for scalar fields)."""
         replica, offset = divmod(row, self.layout.split.per_replica)
         return self.regions[replica][field][offset : offset + 1]
+
+    def copy_row(self, row: int, source: HostSlot, source_row: int) -> None:
+        """Copies global row `source_row` of `source` to global row `row` of this slot."""
+        for field in range(len(self.layout.spec.leaves)):
+            self.row(field, row)[...] = source.row(field, source_row)
 
     def write_rows(self, start: int, leaves: list[np.ndarray], lo: int, count: int) -> None:
         """Copies rows `lo:lo+count` of `leaves` to global rows `start:start+count`."""
@@ -163,8 +189,7 @@ class HostSlot:
     def pad(self, num_valid: int) -> None:
         """Fills rows `num_valid:` by repeating the real rows `0:num_valid` in order."""
         for row in range(num_valid, self.layout.split.global_batch_size):
-            for field in range(len(self.layout.spec.leaves)):
-                self.row(field, row)[...] = self.row(field, row % num_valid)
+            self.copy_row(row, self, row % num_valid)
 
     def lease(self, on_free: Callable[[HostSlot], None]) -> np.ndarray:
         """This slot's bytes, calling `on_free(slot)` once they and every view of them are gone.
@@ -186,13 +211,19 @@ class SlotPool:
     a one-off overflow slot is made rather than deadlock; it is dropped when freed.
 
     With `reuse=False` every batch gets fresh memory that its consumer keeps: for batches handed
-    to TensorFlow's own input pipeline, which holds them for as long as it prefetches.
+    to TensorFlow's own input pipeline, which holds them for as long as it prefetches. With
+    `shared`, slots are memory that worker processes can map.
     """
 
-    def __init__(self, layout: SlotLayout, capacity: int, *, reuse: bool = True):
+    def __init__(
+        self, layout: SlotLayout, capacity: int, *, reuse: bool = True, shared: bool = False
+    ):
         self.layout = layout
         self.capacity = capacity
         self.reuse = reuse
+        self.shared = shared
+        self.dropped: list[int] = []
+        """Idents of one-off slots dropped since the last `take_dropped` (workers unmap them)."""
         self.allocated = 0
         self.overflow_allocations = 0
         self._free: list[HostSlot] = []
@@ -201,10 +232,17 @@ class SlotPool:
 
     def acquire(self, stop: threading.Event, may_overflow: Callable[[], bool]) -> HostSlot:
         """A free slot; waits while all are in use, raising `Stopped` if `stop` is set."""
+        return self._acquire(stop, may_overflow, block=True)
+
+    def try_acquire(self, stop: threading.Event) -> HostSlot | None:
+        """A free slot if one is ready now (or can still be allocated), else None."""
+        return self._acquire(stop, lambda: False, block=False)
+
+    def _acquire(self, stop, may_overflow, *, block: bool) -> HostSlot | None:
         if not self.reuse:
             if stop.is_set():
                 raise Stopped
-            return HostSlot(self.layout, overflow=True)
+            return HostSlot(self.layout, overflow=True, shared=self.shared)
         with self._cond:
             while True:
                 if stop.is_set():
@@ -213,10 +251,12 @@ class SlotPool:
                     return self._free.pop()
                 if self.allocated < self.capacity:
                     self.allocated += 1
-                    return HostSlot(self.layout)
+                    return HostSlot(self.layout, shared=self.shared)
                 if may_overflow():
                     self.overflow_allocations += 1
-                    return HostSlot(self.layout, overflow=True)
+                    return HostSlot(self.layout, overflow=True, shared=self.shared)
+                if not block:
+                    return None
                 self._cond.wait(WAIT_SLICE_S)
 
     def wake(self) -> None:
@@ -227,9 +267,18 @@ class SlotPool:
     def give_back(self, slot: HostSlot) -> None:
         """Returns a slot to the pool (a producer that did not use it, or a freed lease)."""
         with self._cond:
-            if not slot.overflow:
-                self._free.append(slot)
-                self._cond.notify()
+            if slot.overflow:
+                if slot.shared is not None:
+                    self.dropped.append(slot.ident)
+                return
+            self._free.append(slot)
+            self._cond.notify()
+
+    def take_dropped(self) -> list[int]:
+        """The idents of shared one-off slots dropped since the last call."""
+        with self._cond:
+            dropped, self.dropped = self.dropped, []
+        return dropped
 
     def __repr__(self) -> str:
         return (

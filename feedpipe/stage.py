@@ -176,13 +176,21 @@ class Stager:
 
 
 class HostStager:
-    """Keeps batches on the host as whole global arrays (for `Feeder.as_dataset`)."""
+    """Keeps batches on the host as whole global arrays (for `Feeder.as_dataset`).
 
-    def __init__(self, layout: SlotLayout):
+    With `copy`, the arrays are copied out of the slot, which then returns to the pool at once:
+    for slots shared with worker processes, which cannot be handed to TensorFlow to keep.
+    """
+
+    def __init__(self, layout: SlotLayout, copy: bool = False):
         self.layout = layout
+        self.copy = copy
 
     def stage(self, step: Step, leased: np.ndarray) -> HostBatch:
-        return HostBatch(self.layout.global_views(leased), step.num_valid, step.epoch, step.index)
+        arrays = self.layout.global_views(leased)
+        if self.copy:
+            arrays = [array.copy() for array in arrays]
+        return HostBatch(arrays, step.num_valid, step.epoch, step.index)
 
 
 class HostBatch:

@@ -62,6 +62,10 @@ class FeedStats:
     """Batches the feeder keeps staged per device ahead of the step."""
     overflow_slots: int
     """One-off host slots made because the consumer kept batches it had taken (0 normally)."""
+    slots_allocated: int
+    """Host slots made so far, overflow included. It stops growing once the pipeline runs:
+    `depth + 2` with one producer thread, `depth + 3` with workers over an indexed source,
+    `depth + 1 + workers` with workers over a generator (per mode: loop or `as_dataset`)."""
 
     @property
     def input_bound_fraction(self) -> float:
@@ -174,7 +178,7 @@ class StatsRecorder:
             self.step_s += (now or time.perf_counter()) - self._last_taken
         self._last_taken = None
 
-    def snapshot(self, overflow_slots: int = 0) -> FeedStats:
+    def snapshot(self, overflow_slots: int = 0, slots_allocated: int = 0) -> FeedStats:
         return FeedStats(
             steps=self.steps,
             samples=self.samples,
@@ -190,4 +194,5 @@ class StatsRecorder:
             ),
             depth=self.depth,
             overflow_slots=overflow_slots,
+            slots_allocated=slots_allocated,
         )
