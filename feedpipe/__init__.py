@@ -5,9 +5,12 @@ The pipeline, left to right, one module per box:
     source ──► sampler ──► producers ──► split ──► stage ──► feeder (the consumer's end)
     what the   which       who makes     which     onto      iterator, as_dataset(),
     samples    indices,    the samples   rows go   each      state, checkpoints
-    are        what order  (a thread)    where     device
+    are        what order  (a thread,    where     device
+                           or workers)
                                  stats observe every hop
 
+`feedpipe.workers` holds the worker pools (processes or threads), `feedpipe._worker` the code
+that runs inside a worker, `feedpipe._shm` the memory shared with worker processes. Those and
 `feedpipe.source`, `feedpipe.sampler`, `feedpipe.producers` and `feedpipe.split` never import
 TensorFlow; the public names below load lazily, so `import feedpipe` stays light.
 """
@@ -24,16 +27,18 @@ _EXPORTS = {
     "FeedOptions": "feedpipe.feeder",
     "FeedStats": "feedpipe.stats",
     "Feeder": "feedpipe.feeder",
+    "WorkerError": "feedpipe.workers",
     "from_generator": "feedpipe.source",
 }
 
-__all__ = ["Batch", "FeedOptions", "FeedStats", "Feeder", "from_generator"]
+__all__ = ["Batch", "FeedOptions", "FeedStats", "Feeder", "WorkerError", "from_generator"]
 
 if TYPE_CHECKING:
     from feedpipe.feeder import Feeder, FeedOptions
     from feedpipe.source import from_generator
     from feedpipe.stage import Batch
     from feedpipe.stats import FeedStats
+    from feedpipe.workers import WorkerError
 
 
 def __getattr__(name: str) -> Any:

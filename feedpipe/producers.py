@@ -497,6 +497,10 @@ class WorkerProducer:
                 for tail in tails:
                     self._held.discard(tail)
                     tail.give_back(tail.slot)
+                if index < first:  # resumed after the epoch's last batch
+                    supply.give_back(slot)
+                    yield EpochEnd(epoch)
+                    return
                 yield from _last_batch(epoch, index, slot, count, self.remainder, read, supply)
                 return
             if index >= first:

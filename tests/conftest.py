@@ -1,8 +1,10 @@
 """Shared test setup: four logical CPU devices, a MirroredStrategy over them, a GPU marker, and
-a leak check that fails any test leaving a `feedpipe*` thread alive."""
+a leak check that fails any test leaving a `feedpipe*` thread, worker process or shared-memory
+segment behind."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import threading
@@ -10,8 +12,11 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import psutil
 import pytest
 import tensorflow as tf
+
+from feedpipe._shm import SHM_DIR
 
 NUM_CPU_DEVICES = 4
 LEAK_WAIT_S = 2.0
@@ -72,10 +77,34 @@ def wait_for_no_feedpipe_threads(timeout_s: float = LEAK_WAIT_S) -> list[str]:
     return alive
 
 
+def feedpipe_processes() -> list[str]:
+    """This process's live worker processes, as `name (pid)`."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            cmdline = child.cmdline()
+            if "feedpipe._worker" in cmdline and child.status() != psutil.STATUS_ZOMBIE:
+                found.append(f"{cmdline[-2]} (pid {child.pid})")
+    return found
+
+
+def feedpipe_segments() -> list[str]:
+    """Shared-memory files of this process (none should ever outlive a call)."""
+    return sorted(p.name for p in SHM_DIR.glob(f"feedpipe-{os.getpid()}-*"))
+
+
 @pytest.fixture(autouse=True)
 def no_feedpipe_thread_left():
-    """Fails the test if any `feedpipe*` thread outlives it."""
+    """Fails the test if any `feedpipe*` thread, worker process or segment outlives it."""
     yield
     alive = wait_for_no_feedpipe_threads()
     if alive:
         pytest.fail(f"feedpipe threads still alive after the test: {alive}", pytrace=False)
+    deadline = time.monotonic() + LEAK_WAIT_S
+    while (procs := feedpipe_processes()) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    if procs:
+        pytest.fail(f"feedpipe worker processes still alive after the test: {procs}", pytrace=False)
+    if feedpipe_segments():
+        pytest.fail(f"shared-memory segments left: {feedpipe_segments()}", pytrace=False)
