@@ -72,14 +72,18 @@ class Handoff:
             if self.consumer_waiting:
                 self._cond.notify_all()
 
-    def get(self, thread: threading.Thread) -> Any:
-        """The next item; raises if the thread has died without sending one."""
+    def get(self, thread: threading.Thread, stop: threading.Event) -> Any:
+        """The next item; raises if the feeder closed or the thread died without sending one."""
         with self._cond:
             if not self._items:
                 self.consumer_waiting = True
                 self._on_starve()
                 try:
                     while not self._items:
+                        if stop.is_set():
+                            raise RuntimeError(
+                                "The feeder was closed while this loop waited for a batch."
+                            )
                         if not thread.is_alive():
                             raise RuntimeError(
                                 f"{thread.name} stopped without delivering a batch, an error "
@@ -215,7 +219,7 @@ class Pipeline:
         self._finalizer = weakref.finalize(self, _shutdown, self.stop, self.handoff, self.thread)
 
     def get(self) -> Any:
-        return self.handoff.get(self.thread)
+        return self.handoff.get(self.thread, self.stop)
 
     def close(self) -> None:
         self._finalizer()

@@ -71,13 +71,21 @@ class TaskRunner:
         raise ValueError(f"Unknown task {kind!r}.")
 
 
-def pack_error(error: BaseException) -> bytes | None:
-    """`error` pickled, if it survives the round trip (its type and message intact), else None."""
+def pack_error(error: BaseException) -> bytes:
+    """`error` pickled; one that does not survive the round trip goes as a RuntimeError that
+    names its type and message and keeps its notes."""
     try:
         packed = pickle.dumps(error)
         pickle.loads(packed)
     except Exception:
-        return None
+        kind = type(error)
+        stand_in = RuntimeError(
+            f"{kind.__module__}.{kind.__qualname__}: {error} (raised in a worker; it cannot be "
+            "pickled, so it arrives as a RuntimeError)"
+        )
+        for note in getattr(error, "__notes__", []):
+            stand_in.add_note(note)
+        packed = pickle.dumps(stand_in)
     return packed
 
 

@@ -471,6 +471,7 @@ class Feeder(tf.train.experimental.PythonState):
         self._stop_pipeline()
         if self._workers is not None:
             self._workers.close()
+        self._pools.clear()  # staged batches still held keep their own slots alive
 
     def __enter__(self) -> Feeder:
         return self

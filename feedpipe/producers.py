@@ -115,7 +115,11 @@ class SampleWriter:
         """The fields of one sample after `transform`, as checked arrays in the slot's layout."""
         if self.transform is not None:
             sample = apply_transform(self.transform, self.with_rng, sample, self.seed, epoch, index)
-        leaves = self.spec.flatten(sample, index)
+        try:
+            leaves = self.spec.flatten(sample, index)
+        except ValueError as error:
+            _note_origin(error, "checking sample", index, epoch)
+            raise
         return [
             leaf if axes is None else leaf.transpose(axes)
             for leaf, axes in zip(leaves, self.axes, strict=True)

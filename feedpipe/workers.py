@@ -117,17 +117,17 @@ def _status(count: int) -> np.ndarray:
     return status
 
 
-def _timeout_error(
+def _overdue(
     status: np.ndarray, names: list[str], timeout_s: float | None, pids: list[int | None]
-) -> TimeoutError | None:
-    """The error for the first worker that has spent over `timeout_s` on one sample."""
+) -> tuple[int, TimeoutError] | None:
+    """The first worker that has spent over `timeout_s` on one sample, and its error."""
     if timeout_s is None:
         return None
     now = time.monotonic()
     for worker, (index, epoch, started) in enumerate(status.tolist()):
         if index >= 0 and now - started > timeout_s:
             pid = f" (pid {pids[worker]})" if pids[worker] is not None else ""
-            return TimeoutError(
+            return worker, TimeoutError(
                 f"{names[worker]}{pid} has spent {now - started:.1f} s on sample {int(index)} "
                 f"of epoch {int(epoch)}, more than `timeout_s`={timeout_s:g}; fix the hang in "
                 "the source or `transform`, or raise `timeout_s`."
@@ -135,13 +135,9 @@ def _timeout_error(
     return None
 
 
-def _rebuild(packed: bytes | None, text: str, name: str) -> BaseException:
-    """A worker's error as the consumer gets it: same type and message where it pickles."""
-    if packed is not None:
-        error = pickle.loads(packed)
-    else:
-        last = text.strip().splitlines()[-1] if text.strip() else "an error"
-        error = RuntimeError(f"{name} raised an error that cannot be pickled: {last}")
+def _rebuild(packed: bytes, text: str, name: str) -> BaseException:
+    """A worker's error as the consumer gets it, with the worker's traceback as a note."""
+    error = pickle.loads(packed)
     error.add_note(f"feedpipe: the traceback in {name}:\n{text.rstrip()}")
     return error
 
@@ -267,8 +263,10 @@ class ProcessWorkers:
                     replies.append(Reply(worker, kind, task, value))
             except (EOFError, OSError):
                 raise self._death(worker) from None
-        error = _timeout_error(self.status, self.names, self.timeout_s, self.pids)
-        if error is not None:
+        overdue = _overdue(self.status, self.names, self.timeout_s, self.pids)
+        if overdue is not None:
+            worker, error = overdue
+            self.procs[worker].kill()  # it is stuck in user code: closing would wait for it
             raise error
         return replies
 
@@ -347,9 +345,9 @@ class ThreadWorkers:
             replies.append(self._replies.get(timeout=timeout_s))
             while True:
                 replies.append(self._replies.get_nowait())
-        error = _timeout_error(self.status, self.names, self.timeout_s, [None] * self.count)
-        if error is not None:
-            raise error
+        overdue = _overdue(self.status, self.names, self.timeout_s, [None] * self.count)
+        if overdue is not None:
+            raise overdue[1]
         return replies
 
     def close(self) -> None:
