@@ -19,7 +19,7 @@ from pathlib import Path
 
 from kernels_bench import harness
 
-SCRIPTS = ("overlap", "get_latency", "mirrored", "copy_cost")
+SCRIPTS = ("overlap", "get_latency", "mirrored", "copy_cost", "workers")
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,155 @@
+"""Map-style sources for `kernels_bench.workers` whose per-sample work is pure Python code.
+
+This module imports only numpy and the standard library: worker processes unpickle these
+sources by module reference (`kernels_bench.gil_source.GilSource`) and must never import
+TensorFlow. Each source calibrates its work once, at construction, in the process that builds
+it; the calibrated amount (an iteration count, a buffer size) travels with the pickle, so every
+process and every peer does exactly the same work per sample.
+
+* `GilSource`: about 1 ms per sample of an integer-arithmetic loop, which holds the GIL
+  throughout: threads of one process cannot run it in parallel.
+* `GilFreeSource`: about 1 ms per sample of `hashlib.sha256` over one buffer, which releases
+  the GIL while it hashes: threads can run it in parallel.
+
+Both return `(x, y)`: `x` float32 (32, 32, 3) filled deterministically from the index, `y` an
+int64 label. `make_batch` is the serial loop every peer without its own batching runs: 64
+samples read one by one, then `np.stack`; `timed_batches` runs it in a bare worker process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+import time
+
+import numpy as np
+
+SAMPLE_SHAPE = (32, 32, 3)
+BATCH = 64
+"""Samples per global batch in `make_batch`."""
+NUM_CLASSES = 10
+_PATTERN = np.arange(np.prod(SAMPLE_SHAPE), dtype=np.float32).reshape(SAMPLE_SHAPE) / 4096.0
+
+
+def make_sample(index: int) -> tuple[np.ndarray, np.int64]:
+    """The sample at `index`: a fixed pattern shifted by `index`, and the label `index % 10`."""
+    x = _PATTERN + np.float32(index % 1000)
+    return x, np.int64(index % NUM_CLASSES)
+
+
+def spin(iterations: int) -> int:
+    """Pure-Python integer arithmetic that holds the GIL for `iterations` loop turns."""
+    acc = 0
+    for k in range(iterations):
+        acc = (acc * 31 + k) & 0xFFFFFFFF
+    return acc
+
+
+def _typical(fn, arg, trials: int = 9, calls: int = 20) -> float:
+    """The time of one `fn(arg)`: the median over `trials` spaced 10 ms apart, each timing
+    `calls` calls in a row.
+
+    The median of spaced trials, not the fastest: on virtual CPUs the same Python loop runs
+    now and then ~1.5x faster than usual for a moment, and a calibration on such a moment
+    would make samples take ~1.5 ms most of the time.
+    """
+    times = []
+    for _ in range(trials):
+        time.sleep(0.01)
+        started = time.perf_counter()
+        for _ in range(calls):
+            fn(arg)
+        times.append((time.perf_counter() - started) / calls)
+    return statistics.median(times)
+
+
+class GilSource:
+    """`length` samples, each costing about `sample_s` of GIL-holding Python code."""
+
+    kind = "GIL-bound (pure-Python integer loop)"
+
+    def __init__(self, length: int, sample_s: float = 0.001):
+        self.length = length
+        self.iterations = 5_000
+        for _ in range(2):  # a first guess from a probe, then refined at about the target
+            per_iteration_s = _typical(spin, self.iterations) / self.iterations
+            self.iterations = max(1, round(sample_s / per_iteration_s))
+        self.calibrated_s = _typical(spin, self.iterations)
+        """What one sample's work took when calibrated (see `_typical`)."""
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, np.int64]:
+        spin(self.iterations)
+        return make_sample(int(index))
+
+    def as_dict(self) -> dict:
+        return {
+            "kind": self.kind,
+            "iterations": self.iterations,
+            "calibrated_sample_s": self.calibrated_s,
+            "length": self.length,
+        }
+
+
+class GilFreeSource:
+    """`length` samples, each costing about `sample_s` of `hashlib.sha256` over one buffer
+    (`hashlib` releases the GIL while it hashes more than 2 KiB)."""
+
+    kind = "GIL-releasing (hashlib.sha256 over one buffer)"
+
+    def __init__(self, length: int, sample_s: float = 0.001):
+        self.length = length
+        self.nbytes = 1 << 20
+        for _ in range(2):  # a first guess from a probe, then refined at about the target
+            per_byte_s = _typical(self._hash, bytes(self.nbytes)) / self.nbytes
+            self.nbytes = max(4096, round(sample_s / per_byte_s))
+        self._buffer: bytes | None = None
+        self.calibrated_s = _typical(self._hash, self.buffer)
+
+    @staticmethod
+    def _hash(buffer: bytes) -> bytes:
+        return hashlib.sha256(buffer).digest()
+
+    @property
+    def buffer(self) -> bytes:
+        """The bytes hashed per sample, made on first use in each process (not pickled)."""
+        if self._buffer is None:
+            self._buffer = bytes(self.nbytes)
+        return self._buffer
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_buffer": None}
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, np.int64]:
+        self._hash(self.buffer)
+        return make_sample(int(index))
+
+    def as_dict(self) -> dict:
+        return {
+            "kind": self.kind,
+            "buffer_bytes": self.nbytes,
+            "calibrated_sample_s": self.calibrated_s,
+            "length": self.length,
+        }
+
+
+def make_batch(source, number: int) -> tuple[np.ndarray, np.ndarray]:
+    """Global batch `number` of `source`: its samples read one by one and stacked."""
+    first = number * BATCH
+    samples = [source[i] for i in range(first, first + BATCH)]
+    return np.stack([x for x, _ in samples]), np.stack([y for _, y in samples])
+
+
+def timed_batches(source, first_batch: int, count: int) -> tuple[int, float]:
+    """Makes batches `first_batch`, ..., `first_batch + count - 1` of `source` with
+    `make_batch` and drops them; returns (samples made, seconds taken). What a bare worker
+    process does, with no pipeline around it."""
+    started = time.perf_counter()
+    for number in range(first_batch, first_batch + count):
+        make_batch(source, number)
+    return count * BATCH, time.perf_counter() - started

@@ -1,0 +1,630 @@
+"""How much faster do worker processes turn GIL-bound Python data code into batches than the
+serial loop and the usual peers?
+
+The source (`kernels_bench.gil_source.GilSource`) is a map-style object whose `__getitem__(i)`
+runs about 1 ms of pure-Python integer arithmetic (calibrated once, when it is built; the
+GIL is held throughout) and returns `(x, y)`: float32 (32, 32, 3) filled from `i`, an int64
+label. Global batch 64, one CPU device. Each peer starts at sample 0, is warmed up (worker
+start-up and the first batches untimed), then takes the same number of batches as fast as it
+can; samples/s, and the ratios of peers measured in the same repetition (order rotated).
+
+Peers:
+
+* serial: the same code in the main process, `source[i]` 64 times and `np.stack`.
+* bare (the machine's ceiling, no target): the serial loop in 2 spawned processes at once,
+  each timing its own half of the batches, nothing passed back. On a 2-vCPU machine two busy
+  cores may each run Python slower than one does alone; `bare_over_serial` says by how much,
+  and `process_over_bare` how much of that ceiling feedpipe's workers reach.
+* feedpipe, 2 worker processes: `fp.Feeder(source, 64, devices=[cpu], workers=2,
+  worker_mode="process")`, iterated across epochs (`harness.endless`). The mode is named so
+  that this peer stays the processes whichever mode is the default.
+* feedpipe, 2 worker threads (`worker_mode="thread"`): GIL-bound code cannot scale there; it
+  is measured to show by how much it does not.
+* feedpipe, `workers=0`: the one background thread, for reference.
+* Keras: a `keras.utils.PyDataset` (`workers=2, use_multiprocessing=True`) whose
+  `__getitem__(batch)` stacks 64 samples, iterated as `model.fit` does with the TensorFlow
+  backend: `PyDatasetAdapter.get_tf_dataset()` (a `from_generator` over its `OrderedEnqueuer`,
+  a `multiprocessing.Pool` forked from this process, so the dataset is inherited, not
+  pickled), after `on_epoch_begin()`.
+* tf.data: `Dataset.from_generator(gen, output_signature=...).batch(64).prefetch(AUTOTUNE)`
+  over the same samples.
+
+Targets (case "GIL-bound"): feedpipe processes >= 1.8x serial (DESIGN.md's generator
+speedup), >= 1.3x Keras, >= 2.5x tf.data. Case "GIL-releasing" repeats serial, bare, processes
+and threads over `GilFreeSource` (about 1 ms of `hashlib.sha256` per sample, GIL released), and
+the row "thread vs process" sets process/thread of both sources side by side: the measurement
+that chooses the default `worker_mode` (no target).
+
+Case "interference": the duration of an emulated accelerator's step (`harness.EmulatedStep`,
+a GIL-free `time.sleep` of `--step-ms`, default 20) timed alone, then while 2 worker
+processes produce (one batch taken before each step; only the step call is timed). Target:
+mean step with workers / mean step alone <= 1.03.
+
+Case "steady-state memory": 2 worker processes, the consumer holding each batch until it takes
+the next. After warm-up, host slots allocated during the measured window
+(`stats().slots_allocated`, overflow included): target 0 (on the median; the worst repetition
+is noted). Host bytes held by the slots (`slots_allocated` x slot bytes) and the peak RSS
+growth of the main process (as in `copy_cost.py`; the workers' own interpreters are not
+counted), each against slots x batch bytes + 16 MB, slots being the pool's fixed capacity
+(depth + 1 + the slots filled at once): target <= 1. Like `copy_cost.py`, the script
+re-executes itself with `MALLOC_MMAP_THRESHOLD_=131072` so that freed buffers leave the RSS.
+
+Each repetition also records `other_cores`: the CPU that other processes on the machine used
+during its timed windows (`/proc/stat` less this process tree). On 2 cores a repetition with
+more than ~0.1 core of other work does not measure the peers alone; look at it before trusting
+a ratio.
+
+The sources live in `kernels_bench.gil_source`, which imports only numpy and the standard
+library: feedpipe's worker processes are fresh interpreters that unpickle the source by module
+reference, and must never import TensorFlow. This module, too, imports neither TensorFlow nor
+feedpipe at the top.
+
+Run: `python -m kernels_bench.workers [--quick] [--step-ms 20] [--sample-ms 1]`; writes
+`kernels_bench/results/workers.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import gc
+import itertools
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+from kernels_bench import harness
+from kernels_bench.copy_cost import MMAP_THRESHOLD, SLACK_BYTES, rss_bytes
+from kernels_bench.gil_source import (
+    BATCH,
+    SAMPLE_SHAPE,
+    GilFreeSource,
+    GilSource,
+    make_batch,
+    timed_batches,
+)
+
+GLOBAL_BATCH = BATCH
+WORKERS = 2
+LENGTH = GLOBAL_BATCH * 1000
+"""More batches than any measurement takes from a fresh peer (at most ~170): no epoch boundary
+falls inside one. No more: the feeder holds each epoch's order, 8 bytes per sample."""
+BATCH_BYTES = GLOBAL_BATCH * (int(np.prod(SAMPLE_SHAPE)) * 4 + 8)
+
+GIL_PEERS = ("serial", "bare", "process", "thread", "w0", "pydataset", "tfdata")
+GIL_FREE_PEERS = ("serial", "bare", "process", "thread")
+PEER_NAMES = {
+    "serial": "serial loop in the main process (source[i] x 64, np.stack)",
+    "bare": (
+        f"the machine's ceiling: the serial loop in {WORKERS} bare spawned processes at once, "
+        "no pipeline, batches dropped"
+    ),
+    "process": f'fp.Feeder(workers={WORKERS}, worker_mode="process")',
+    "thread": f'fp.Feeder(workers={WORKERS}, worker_mode="thread")',
+    "w0": "fp.Feeder(workers=0): one background thread",
+    "pydataset": (
+        f"keras.utils.PyDataset(workers={WORKERS}, use_multiprocessing=True) via "
+        "PyDatasetAdapter.get_tf_dataset(), as model.fit on TensorFlow"
+    ),
+    "tfdata": "tf.data.Dataset.from_generator(...).batch(64).prefetch(AUTOTUNE)",
+}
+
+
+# ---- other work on the machine ----------------------------------------------------------------
+
+
+def _machine_busy_s() -> float:
+    """CPU-seconds the machine's cores have been busy, all processes (`/proc/stat`)."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(
+            int, f.readline().split()[1:9]
+        )
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    """CPU-seconds of this process and its live children (worker processes, Keras' pool)."""
+    import psutil
+
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:2])
+    for child in me.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            total += sum(child.cpu_times()[:2])
+    return total
+
+
+class OtherLoad:
+    """Cores that other processes kept busy during a `with` block: the machine's busy time less
+    this process tree's, over the block's wall time. On a shared 2-core machine a repetition
+    with other work beside it (say above 0.1 core) does not measure the peers alone."""
+
+    cores = 0.0
+
+    def __enter__(self) -> OtherLoad:
+        self._start = (time.perf_counter(), _machine_busy_s(), _own_cpu_s())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wall0, busy0, own0 = self._start
+        wall = time.perf_counter() - wall0
+        other = (_machine_busy_s() - busy0) - (_own_cpu_s() - own0)
+        self.cores = max(0.0, other / wall) if wall > 0 else 0.0
+
+
+# ---- the peers -------------------------------------------------------------------------------
+
+
+def serial_batches(source) -> Iterator:
+    for number in itertools.count():
+        yield make_batch(source, number)
+
+
+@contextlib.contextmanager
+def feedpipe_batches(source, device: str, workers: int, mode: str | None) -> Iterator[Iterator]:
+    import feedpipe as fp
+
+    options = {} if mode is None else {"worker_mode": mode}
+    with fp.Feeder(
+        source, global_batch_size=GLOBAL_BATCH, devices=[device], workers=workers, **options
+    ) as feeder:
+        yield harness.endless(feeder)
+
+
+def pydataset_class():
+    """The Keras peer's `PyDataset` (built on first use: Keras imports TensorFlow)."""
+    import keras
+
+    class GilPyDataset(keras.utils.PyDataset):
+        def __init__(self, source, **kwargs):
+            super().__init__(**kwargs)
+            self.source = source
+
+        def __len__(self) -> int:
+            return len(self.source) // GLOBAL_BATCH
+
+        def __getitem__(self, number: int):
+            return make_batch(self.source, number)
+
+    return GilPyDataset
+
+
+@contextlib.contextmanager
+def pydataset_batches(source) -> Iterator[Iterator]:
+    """Batches as Keras' `TFEpochIterator` takes them (one epoch, left early), less the
+    default strategy's `experimental_distribute_dataset` wrapper."""
+    from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
+
+    dataset = pydataset_class()(source, workers=WORKERS, use_multiprocessing=True)
+    adapter = PyDatasetAdapter(dataset, shuffle=False)
+    tf_dataset = adapter.get_tf_dataset()  # reads 2 batches here, for the signature
+    adapter.on_epoch_begin()  # starts the enqueuer's pool
+    try:
+        yield iter(tf_dataset)
+    finally:
+        adapter.on_epoch_end()  # stops the enqueuer: its pending batches are drained
+
+
+@contextlib.contextmanager
+def tfdata_batches(source) -> Iterator[Iterator]:
+    import tensorflow as tf
+
+    def samples():
+        for index in itertools.count():
+            yield source[index % len(source)]
+
+    dataset = (
+        tf.data.Dataset.from_generator(
+            samples,
+            output_signature=(
+                tf.TensorSpec(SAMPLE_SHAPE, tf.float32),
+                tf.TensorSpec((), tf.int64),
+            ),
+        )
+        .batch(GLOBAL_BATCH)
+        .prefetch(tf.data.AUTOTUNE)
+    )
+    yield iter(dataset)
+
+
+def open_peer(peer: str, source, device: str):
+    if peer == "serial":
+        return contextlib.nullcontext(serial_batches(source))
+    if peer == "process":
+        return feedpipe_batches(source, device, WORKERS, "process")
+    if peer == "thread":
+        return feedpipe_batches(source, device, WORKERS, "thread")
+    if peer == "w0":
+        return feedpipe_batches(source, device, 0, None)
+    if peer == "pydataset":
+        return pydataset_batches(source)
+    if peer == "tfdata":
+        return tfdata_batches(source)
+    raise ValueError(peer)
+
+
+def bare_samples_per_s(source, warmup: int, count: int) -> tuple[float, float]:
+    """Samples/s of `WORKERS` bare processes each making `count / WORKERS` batches at once
+    (timed inside each; the slowest sets the wall time), after `warmup` batches each, and the
+    cores other processes used meanwhile."""
+    context = multiprocessing.get_context("spawn")
+    share = -(-count // WORKERS)
+    with concurrent.futures.ProcessPoolExecutor(WORKERS, mp_context=context) as pool:
+        for future in [pool.submit(timed_batches, source, 0, warmup) for _ in range(WORKERS)]:
+            future.result()
+        with OtherLoad() as other:
+            futures = [pool.submit(timed_batches, source, k * share, share) for k in range(WORKERS)]
+            done = [future.result() for future in futures]
+    return sum(samples for samples, _ in done) / max(seconds for _, seconds in done), other.cores
+
+
+def samples_per_s(peer: str, source, device: str, warmup: int, count: int) -> tuple[float, float]:
+    """Samples/s of a fresh `peer` over `count` batches taken back to back, after `warmup`
+    untimed ones, and the cores other processes used meanwhile. Everything the peer made is
+    freed on return (a tf.data iterator keeps prefetching until it is freed: not beside the
+    next peer)."""
+    if peer == "bare":
+        return bare_samples_per_s(source, warmup, count)
+    with open_peer(peer, source, device) as batches:
+        for _ in range(warmup):
+            next(batches)
+        with OtherLoad() as other:
+            started = time.perf_counter()
+            for _ in range(count):
+                next(batches)
+            elapsed = time.perf_counter() - started
+        return count * GLOBAL_BATCH / elapsed, other.cores
+
+
+# ---- case 1: throughput ----------------------------------------------------------------------
+
+
+def throughput_case(report, settings, name, source, peers, device, warmup, count) -> list[dict]:
+    rows = []
+    for rep in range(settings.reps):
+        rates, other_cores = {}, []
+        for peer in harness.rotate(peers, rep):
+            rates[peer], other = samples_per_s(peer, source, device, warmup, count)
+            other_cores.append(other)
+            gc.collect()
+        row = {f"{peer}_samples_s": rates[peer] for peer in peers}
+        for peer in peers:
+            if peer != "process":
+                row[f"process_over_{peer}"] = rates["process"] / rates[peer]
+        for peer in peers:
+            if peer not in ("serial", "process"):
+                row[f"{peer}_over_serial"] = rates[peer] / rates["serial"]
+        row["other_cores"] = max(other_cores)
+        rows.append(row)
+        print(
+            f"  {name} rep {rep + 1}/{settings.reps}: "
+            + "  ".join(f"{peer} {rates[peer]:,.0f}/s" for peer in peers)
+            + f"  (other processes: up to {row['other_cores']:.2f} core)",
+            flush=True,
+        )
+    report.add_case(
+        name,
+        {
+            "source": source.as_dict(),
+            "peers": {peer: PEER_NAMES[peer] for peer in peers},
+            "global_batch": GLOBAL_BATCH,
+            "workers": WORKERS,
+            "warmup_batches": warmup,
+            "batches": count,
+        },
+        rows,
+        units={f"{peer}_samples_s": "samples/s" for peer in peers},
+    )
+    return rows
+
+
+# ---- case 2: interference --------------------------------------------------------------------
+
+
+def step_durations(step, count: int, batches: Iterator | None = None) -> list[float]:
+    """The durations of `count` step calls; with `batches`, one batch is taken before each
+    step (and held through it, as a training step holds its input), outside the timing."""
+    durations = []
+    batch = None
+    for _ in range(count):
+        if batches is not None:
+            batch = next(batches)
+        started = time.perf_counter()
+        step()
+        durations.append(time.perf_counter() - started)
+    del batch
+    return durations
+
+
+def fed_step_durations(step, source, device: str, warmup: int, count: int) -> tuple:
+    """Step durations while 2 worker processes produce, the input-bound fraction, and the
+    cores other processes used meanwhile."""
+    import feedpipe as fp
+
+    with fp.Feeder(
+        source,
+        global_batch_size=GLOBAL_BATCH,
+        devices=[device],
+        workers=WORKERS,
+        worker_mode="process",
+    ) as feeder:
+        batches = harness.endless(feeder)
+        step_durations(step, warmup, batches)
+        before = feeder.stats()
+        with OtherLoad() as other:
+            durations = step_durations(step, count, batches)
+        after = feeder.stats()
+    wall = after.wall_s - before.wall_s
+    waited = after.consumer_wait_s - before.consumer_wait_s
+    return durations, waited / wall if wall > 0 else 0.0, other.cores
+
+
+def interference_case(report, settings, source, device, step_s, warmup, count) -> None:
+    step = harness.EmulatedStep(step_s)
+    rows = []
+    for rep in range(settings.reps):
+        measured: dict = {}
+        for peer in harness.rotate(["alone", "fed"], rep):
+            step.reset()
+            if peer == "alone":
+                step_durations(step, warmup)
+                with OtherLoad() as other:
+                    measured["alone"] = step_durations(step, count)
+                measured["alone_other"] = other.cores
+            else:
+                measured["fed"], measured["input_bound"], measured["fed_other"] = (
+                    fed_step_durations(step, source, device, warmup, count)
+                )
+            gc.collect()
+        alone, fed = measured["alone"], measured["fed"]
+        row = {
+            "step_ratio": statistics.fmean(fed) / statistics.fmean(alone),
+            "p50_ratio": harness.percentile(fed, 50) / harness.percentile(alone, 50),
+            "p99_ratio": harness.percentile(fed, 99) / harness.percentile(alone, 99),
+            "alone_step_ms": statistics.fmean(alone) * 1e3,
+            "fed_step_ms": statistics.fmean(fed) * 1e3,
+            "alone_p99_ms": harness.percentile(alone, 99) * 1e3,
+            "fed_p99_ms": harness.percentile(fed, 99) * 1e3,
+            "fed_input_bound": measured["input_bound"],
+            "other_cores": max(measured["alone_other"], measured["fed_other"]),
+        }
+        rows.append(row)
+        print(
+            f"  interference rep {rep + 1}/{settings.reps}: step alone "
+            f"{row['alone_step_ms']:.3f} ms, with workers {row['fed_step_ms']:.3f} ms "
+            f"(ratio {row['step_ratio']:.4f}; other processes: up to "
+            f"{row['other_cores']:.2f} core)",
+            flush=True,
+        )
+    name = "interference"
+    report.add_case(
+        name,
+        {
+            "source": source.as_dict(),
+            "step": step.as_dict(),
+            "workers": WORKERS,
+            "worker_mode": "process",
+            "warmup_steps": warmup,
+            "steps": count,
+        },
+        rows,
+        units={k: "ms" for k in rows[0] if k.endswith("_ms")},
+    )
+    report.target(name, "step_ratio", "<=", 1.03, "mean step with workers / alone")
+
+
+# ---- case 3: steady-state memory -------------------------------------------------------------
+
+
+def held_memory(source, device: str, warmup: int, count: int) -> dict:
+    """A fresh feeder with 2 worker processes, each batch held until the next is taken: the
+    stats before and after the measured window, the pool's size, and the peak RSS."""
+    import feedpipe as fp
+
+    with fp.Feeder(
+        source,
+        global_batch_size=GLOBAL_BATCH,
+        devices=[device],
+        workers=WORKERS,
+        worker_mode="process",
+    ) as feeder:
+        batches = harness.endless(feeder)
+        batch = None
+        for _ in range(warmup):
+            batch = next(batches)
+        before = feeder.stats()
+        peak = rss_bytes()
+        for _ in range(count):
+            new = next(batches)
+            peak = max(peak, rss_bytes())
+            batch = new
+            del new
+            peak = max(peak, rss_bytes())
+        after = feeder.stats()
+        del batch
+        pool = feeder._pools[False]
+        return {
+            "before": before,
+            "after": after,
+            "slot_bytes": pool.layout.nbytes,
+            "slots": pool.capacity,
+            "peak_rss": peak,
+        }
+
+
+def memory_case(report, settings, source, device, warmup, count) -> None:
+    rows = []
+    slot_bytes = slots = bound = None
+    for rep in range(settings.reps):
+        gc.collect()
+        baseline = rss_bytes()
+        seen = held_memory(source, device, warmup, count)
+        before, after, peak = seen["before"], seen["after"], seen["peak_rss"]
+        slot_bytes, slots = seen["slot_bytes"], seen["slots"]
+        bound = slots * BATCH_BYTES + SLACK_BYTES
+        held = after.slots_allocated * slot_bytes
+        row = {
+            "allocations": after.slots_allocated - before.slots_allocated,
+            "overflow_in_window": after.overflow_slots - before.overflow_slots,
+            "slots_allocated": after.slots_allocated,
+            "overflow_slots": after.overflow_slots,
+            "slot_held_bytes": held,
+            "peak_rss_growth_bytes": peak - baseline,
+            "slot_held_over_bound": held / bound,
+            "rss_over_bound": (peak - baseline) / bound,
+        }
+        rows.append(row)
+        print(
+            f"  memory rep {rep + 1}/{settings.reps}: {row['allocations']} slots allocated in "
+            f"the window, {after.slots_allocated} in all ({after.overflow_slots} overflow) of "
+            f"{slots} ({held / 2**20:.1f} MiB); peak RSS growth "
+            f"{row['peak_rss_growth_bytes'] / 2**20:.1f} MiB; bound {bound / 2**20:.1f} MiB",
+            flush=True,
+        )
+    name = "steady-state memory"
+    report.add_case(
+        name,
+        {
+            "workers": WORKERS,
+            "worker_mode": "process",
+            "batch_bytes": BATCH_BYTES,
+            "slot_bytes": slot_bytes,
+            "slots": slots,
+            "bound_bytes": bound,
+            "bound": "slots x batch bytes + 16 MB",
+            "warmup_batches": warmup,
+            "batches": count,
+        },
+        rows,
+        units={k: "bytes" for k in rows[0] if k.endswith("_bytes")},
+    )
+    report.target(name, "allocations", "<=", 0, "slots allocated in steady state")
+    report.target(name, "slot_held_over_bound", "<=", 1.0, "slot bytes held / bound")
+    report.target(name, "rss_over_bound", "<=", 1.0, "peak RSS growth / bound")
+    worst = max(row["allocations"] for row in rows)
+    report.note(
+        f"steady-state memory: at most {worst} slot(s) allocated in one repetition's window "
+        "(the target is on the median). The slots are shared memory that the workers write: "
+        "the main process's RSS counts only the pages it touches itself."
+    )
+
+
+# ---- main ------------------------------------------------------------------------------------
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--sample-ms", type=float, default=1.0, help="Python work per sample (default 1)"
+    )
+    parser.add_argument(
+        "--step-ms", type=float, default=20.0, help="interference: emulated step (default 20)"
+    )
+
+
+def main(argv=None) -> None:
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD:
+        args = list(sys.argv[1:] if argv is None else argv)
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}
+        os.execve(sys.executable, [sys.executable, "-m", "kernels_bench.workers", *args], env)
+
+    settings = harness.parse_settings(__doc__, add_args, argv)
+    (device,) = harness.configure_tf(1)
+    import feedpipe as fp
+
+    report = harness.Report(
+        "workers",
+        "samples/s of GIL-bound Python code: feedpipe worker processes vs serial and peers",
+        settings,
+        "kernels_bench.workers",
+    )
+    sample_s = settings.args.sample_ms / 1000
+    warmup, count = settings.pick((6, 20), (8, 48))
+    gil = GilSource(LENGTH, sample_s)
+    gil_free = GilFreeSource(LENGTH, sample_s)
+    print(
+        f"per sample: GIL-bound {gil.calibrated_s * 1e3:.3f} ms ({gil.iterations} iterations), "
+        f"GIL-releasing {gil_free.calibrated_s * 1e3:.3f} ms (sha256 of {gil_free.nbytes:,} "
+        "bytes)",
+        flush=True,
+    )
+
+    # First use of TensorFlow's eager placement happens here, not inside a measurement.
+    with fp.Feeder(make_batch(gil, 0), 16, devices=[device]) as warm:
+        for _ in warm:
+            pass
+
+    case = "GIL-bound"
+    bound_rows = throughput_case(report, settings, case, gil, GIL_PEERS, device, warmup, count)
+    report.target(case, "process_over_serial", ">=", 1.8, "processes / serial")
+    report.target(case, "process_over_pydataset", ">=", 1.3, "processes / Keras PyDataset")
+    report.target(case, "process_over_tfdata", ">=", 2.5, "processes / tf.data from_generator")
+
+    free_rows = throughput_case(
+        report, settings, "GIL-releasing", gil_free, GIL_FREE_PEERS, device, warmup, count
+    )
+    report.add_case(
+        "thread vs process",
+        {"ratio": "process samples/s / thread samples/s, same repetition", "workers": WORKERS},
+        [
+            {
+                "gil_bound_process_over_thread": bound["process_over_thread"],
+                "gil_releasing_process_over_thread": free["process_over_thread"],
+            }
+            for bound, free in zip(bound_rows, free_rows, strict=True)
+        ],
+    )
+    report.note(
+        "thread vs process (no target): process/thread = "
+        f"{report.median('thread vs process', 'gil_bound_process_over_thread'):.2f} on the "
+        "GIL-bound source, "
+        f"{report.median('thread vs process', 'gil_releasing_process_over_thread'):.2f} on the "
+        "GIL-releasing one; above 1, processes produce faster."
+    )
+
+    interference_case(
+        report,
+        settings,
+        gil,
+        device,
+        settings.args.step_ms / 1000,
+        10,
+        settings.pick(60, 150),
+    )
+    memory_case(report, settings, gil, device, warmup, settings.pick(24, 40))
+
+    report.note(
+        "samples/s: batches taken back to back after warm-up (worker start-up untimed), each "
+        "peer from sample 0; ratios within each repetition, peers in rotating order. "
+        "other_cores: the most CPU (in cores) that other processes on the machine used during "
+        "one of the repetition's timed windows; a repetition with more than ~0.1 did not "
+        "measure the peers alone."
+    )
+    report.finish(
+        columns=[
+            "process_over_serial",
+            "process_over_bare",
+            "bare_over_serial",
+            "process_over_pydataset",
+            "process_over_tfdata",
+            "process_over_thread",
+            "thread_over_serial",
+            "gil_bound_process_over_thread",
+            "gil_releasing_process_over_thread",
+            "step_ratio",
+            "p99_ratio",
+            "allocations",
+            "slot_held_over_bound",
+            "rss_over_bound",
+            "other_cores",
+        ]
+    )
+
+
+if __name__ == "__main__":
+    main()
