@@ -9,9 +9,11 @@ The pipeline, left to right, one module per box:
                            or workers)
                                  stats observe every hop
 
-`feedpipe.workers` holds the worker pools (processes or threads), `feedpipe._worker` the code
-that runs inside a worker, `feedpipe._shm` the memory shared with worker processes. Those and
-`feedpipe.source`, `feedpipe.sampler`, `feedpipe.producers` and `feedpipe.split` never import
+`feedpipe.diagnosis` answers "is the step starved, and what would help" (`fp.diagnose`, the
+command `feedpipe diagnose`); `feedpipe.report` draws its HTML report. `feedpipe.workers` holds
+the worker pools (processes or threads), `feedpipe._worker` the code that runs inside a
+worker, `feedpipe._shm` the memory shared with worker processes. Those and `feedpipe.source`,
+`feedpipe.sampler`, `feedpipe.producers` and `feedpipe.split` never import
 TensorFlow; the public names below load lazily, so `import feedpipe` stays light.
 """
 
@@ -24,16 +26,28 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Batch": "feedpipe.stage",
+    "Diagnosis": "feedpipe.diagnosis",
     "FeedOptions": "feedpipe.feeder",
     "FeedStats": "feedpipe.stats",
     "Feeder": "feedpipe.feeder",
     "WorkerError": "feedpipe.workers",
+    "diagnose": "feedpipe.diagnosis",
     "from_generator": "feedpipe.source",
 }
 
-__all__ = ["Batch", "FeedOptions", "FeedStats", "Feeder", "WorkerError", "from_generator"]
+__all__ = [
+    "Batch",
+    "Diagnosis",
+    "FeedOptions",
+    "FeedStats",
+    "Feeder",
+    "WorkerError",
+    "diagnose",
+    "from_generator",
+]
 
 if TYPE_CHECKING:
+    from feedpipe.diagnosis import Diagnosis, diagnose
     from feedpipe.feeder import Feeder, FeedOptions
     from feedpipe.source import from_generator
     from feedpipe.stage import Batch

@@ -52,6 +52,61 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_diagnose(subcommands: argparse._SubParsersAction) -> None:
+    parser = subcommands.add_parser(
+        "diagnose",
+        help="is the step starved of input? measure, give the verdict and the remedies",
+        description=(
+            "Runs the input alone, the step alone on a batch already on its devices, and both "
+            "together; prints the verdict (the TensorFlow profiler's thresholds), the rates, "
+            "the overlap efficiency and real/synthetic, and remedies ranked by expected gain."
+        ),
+    )
+    parser.add_argument(
+        "target",
+        metavar="TARGET",
+        help="module:function or path/to/file.py:function returning (input, step)",
+    )
+    parser.add_argument(
+        "--steps", type=_positive_int, default=50, help="steps timed per measurement (default 50)"
+    )
+    parser.add_argument(
+        "--warmup", type=_positive_int, default=5, help="untimed steps first (default 5)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    parser.add_argument("--report", metavar="DIR", help="write an HTML report with plots to DIR")
+    parser.set_defaults(run=_run_diagnose)
+
+
+def _run_diagnose(args: argparse.Namespace) -> int:
+    import json
+    import sys
+
+    from feedpipe.diagnosis import TargetError, diagnose, load_target
+
+    try:
+        source, step = load_target(args.target)
+    except TargetError as error:
+        print(f"feedpipe diagnose: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        diagnosis = diagnose(
+            source,
+            step,
+            steps=args.steps,
+            warmup=args.warmup,
+            report_dir=args.report,
+        )
+    finally:
+        close = getattr(source, "close", None)
+        if callable(close):
+            close()
+    print(json.dumps(diagnosis.to_dict(), indent=1) if args.json else diagnosis)
+    if args.report and not args.json:
+        print(f"report: {args.report}/index.html")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser, with one subparser per subcommand."""
     parser = argparse.ArgumentParser(
@@ -60,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subcommands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     _add_demo(subcommands)
+    _add_diagnose(subcommands)
     return parser
 
 

@@ -409,6 +409,10 @@ class Feeder(tf.train.experimental.PythonState):
             slots_allocated=sum(pool.allocated + pool.overflow_allocations for pool in pools),
         )
 
+    def _staged(self) -> int:
+        """Batches staged and not yet taken (0 when no loop runs): `diagnose`'s occupancy."""
+        return 0 if self._pipeline is None else self._pipeline.handoff.staged()
+
     def get_state(self) -> dict:
         """The consumer's position, as a small JSON-serialisable dict."""
         epoch, step = self._position

@@ -1,0 +1,667 @@
+"""Diagnose: is the step starved of input, by how much, and what would help most.
+
+Three measurements on the user's own input and step, DESIGN.md's headspace A/B:
+
+1. *producer alone*: batches taken from the input as fast as it makes them;
+2. *consumer alone*: the step on one batch already on its devices, the synthetic upper bound;
+3. *both together*: the real training rate, each step's wait for its batch and its compute.
+
+From them: the input-bound fraction (judged with the TensorFlow profiler's thresholds), the
+overlap efficiency (together ÷ the slower side alone), real ÷ synthetic, and remedies ranked by
+the rate each could reach. The step is a callable taking one batch, or a compiled Keras model,
+which then runs its own compiled train function exactly as `model.fit` does; its waits sit
+inside that compiled step, so they are derived from the consumer-alone time (a headspace
+measurement). The model's variables are put back when the diagnosis ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import importlib.util
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from feedpipe.feeder import Feeder
+from feedpipe.stats import verdict
+
+DEFAULT_STEPS = 50
+"""Steps timed per measurement: enough for a median that one slow step does not move."""
+DEFAULT_WARMUP = 5
+"""Untimed steps before each measurement: tracing, worker start-up and a full staging ring."""
+OVERLAP_SLACK = 0.95
+"""Together within 5 % of the slower side alone counts as fully overlapped."""
+
+
+class TargetError(ValueError):
+    """A diagnose target that cannot be loaded, or returns something other than (input, step)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepTiming:
+    """One step of the together measurement."""
+
+    wait_s: float
+    """Time the step waited for its batch."""
+    compute_s: float
+    """Time the step itself took."""
+    staged: int | None
+    """Batches already staged when the step asked (a `Feeder` input only)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Remedy:
+    """One change that would feed the step better, with the rate it could reach."""
+
+    action: str
+    """What to change."""
+    why: str
+    """The measurement behind it."""
+    expected_steps_per_s: float
+    """The rate the change could reach: an estimate from the three measurements."""
+    gain: float
+    """`expected_steps_per_s` over the rate measured together."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Diagnosis:
+    """What `diagnose` measured and concluded; `str()` is the printed report."""
+
+    input_kind: str
+    step_kind: str
+    batch_bytes: int
+    producer_batch_s: tuple[float, ...]
+    """Seconds to take each batch, producer alone."""
+    consumer_step_s: tuple[float, ...]
+    """Seconds of each step on a batch already on the devices, consumer alone."""
+    together: tuple[StepTiming, ...]
+    waits_derived: bool
+    """True when the waits are derived (step time less the consumer-alone time), because the
+    input is read inside a compiled step; False when they were timed directly."""
+    remedies: tuple[Remedy, ...] = ()
+
+    @property
+    def producer_steps_per_s(self) -> float:
+        """Batches per second the input makes on its own."""
+        return _rate(self.producer_batch_s)
+
+    @property
+    def consumer_steps_per_s(self) -> float:
+        """Steps per second the step runs on batches already on its devices."""
+        return _rate(self.consumer_step_s)
+
+    @property
+    def together_steps_per_s(self) -> float:
+        """Steps per second of real training: input and step together."""
+        return _rate([s.wait_s + s.compute_s for s in self.together])
+
+    @property
+    def input_bound_fraction(self) -> float:
+        """Share of the together time the step waited for its batch."""
+        total = sum(s.wait_s + s.compute_s for s in self.together)
+        return sum(s.wait_s for s in self.together) / total if total > 0 else 0.0
+
+    @property
+    def verdict(self) -> str:
+        """`not`, `moderately` or `highly input-bound`, by the profiler's thresholds."""
+        return verdict(self.input_bound_fraction)
+
+    @property
+    def overlap_efficiency(self) -> float:
+        """Together ÷ the slower side alone: 1.0 when input and step fully overlap."""
+        bound = min(self.producer_steps_per_s, self.consumer_steps_per_s)
+        return self.together_steps_per_s / bound if bound > 0 else 0.0
+
+    @property
+    def real_over_synthetic(self) -> float:
+        """Together ÷ consumer alone: near 1.0, the input costs the step nothing."""
+        consumer = self.consumer_steps_per_s
+        return self.together_steps_per_s / consumer if consumer > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        """Every figure, the per-step timings and the remedies, JSON-serialisable."""
+        return {
+            "verdict": self.verdict,
+            "input_bound_fraction": self.input_bound_fraction,
+            "producer_steps_per_s": self.producer_steps_per_s,
+            "consumer_steps_per_s": self.consumer_steps_per_s,
+            "together_steps_per_s": self.together_steps_per_s,
+            "overlap_efficiency": self.overlap_efficiency,
+            "real_over_synthetic": self.real_over_synthetic,
+            "input_kind": self.input_kind,
+            "step_kind": self.step_kind,
+            "batch_bytes": self.batch_bytes,
+            "waits_derived": self.waits_derived,
+            "remedies": [dataclasses.asdict(r) for r in self.remedies],
+            "producer_batch_s": list(self.producer_batch_s),
+            "consumer_step_s": list(self.consumer_step_s),
+            "together": [dataclasses.asdict(s) for s in self.together],
+        }
+
+    def __str__(self) -> str:
+        lines = [
+            f"{self.verdict}: the step waited for input {self.input_bound_fraction:.1%} of the "
+            f"time ({len(self.together)} steps; {self.step_kind} fed by {self.input_kind})",
+            f"  producer alone   {self.producer_steps_per_s:10.1f} steps/s",
+            f"  consumer alone   {self.consumer_steps_per_s:10.1f} steps/s  (batch already on "
+            "the devices: the synthetic upper bound)",
+            f"  together         {self.together_steps_per_s:10.1f} steps/s  "
+            f"(overlap efficiency {self.overlap_efficiency:.2f}, real/synthetic "
+            f"{self.real_over_synthetic:.2f})",
+        ]
+        if self.waits_derived:
+            lines.append(
+                "  (the input is read inside the compiled step: waits are each step's time "
+                "less the consumer-alone time)"
+            )
+        lines.append("remedies, by the rate each could reach:")
+        for rank, remedy in enumerate(self.remedies, 1):
+            lines.append(
+                f"  {rank}. {remedy.action}: up to {remedy.expected_steps_per_s:,.1f} steps/s "
+                f"({remedy.gain:.2f}x)\n     {remedy.why}"
+            )
+        return "\n".join(lines)
+
+
+def _rate(durations) -> float:
+    total = math.fsum(durations)
+    return len(durations) / total if total > 0 else 0.0
+
+
+# ---- the input and the step -------------------------------------------------------------------
+
+
+def _is_keras_model(step: Any) -> bool:
+    keras = sys.modules.get("keras")
+    return keras is not None and isinstance(step, keras.Model)
+
+
+def _input_kind(source: Any) -> str:
+    if isinstance(source, Feeder):
+        return f"fp.Feeder(workers={source.options.workers}, depth={source.options.depth})"
+    if isinstance(source, tf.data.Dataset):
+        return "tf.data.Dataset"
+    keras = sys.modules.get("keras")
+    if keras is not None and isinstance(source, keras.utils.PyDataset):
+        return f"keras PyDataset (workers={source.workers})"
+    return type(source).__name__
+
+
+def _endless(source: Any) -> Iterator:
+    """The input's batches, starting a new pass whenever one ends."""
+    while True:
+        empty = True
+        for batch in source:
+            empty = False
+            yield batch
+        if empty:
+            raise ValueError(f"The input {_input_kind(source)} yielded no batch; give it data.")
+
+
+def _keras_dataset(source: Any) -> tf.data.Dataset:
+    """The input as the `tf.data.Dataset` that `model.fit` would read."""
+    if isinstance(source, Feeder):
+        return source.as_dataset()
+    if isinstance(source, tf.data.Dataset):
+        return source
+    from keras.src.trainers.data_adapters import get_data_adapter
+
+    adapter = get_data_adapter(source)
+    adapter.on_epoch_begin()
+    return adapter.get_tf_dataset()
+
+
+def _on_device(batch: Any) -> Any:
+    """`batch` with every array leaf as a tensor on the step's default device."""
+    device = "/gpu:0" if tf.config.list_logical_devices("GPU") else "/cpu:0"
+    with tf.device(device):
+        return tf.nest.map_structure(
+            lambda leaf: tf.identity(leaf) if isinstance(leaf, tf.Tensor | np.ndarray) else leaf,
+            batch,
+        )
+
+
+def _finish(result: Any) -> None:
+    """Waits until the step's small outputs (its loss, its metrics) exist."""
+    for leaf in tf.nest.flatten(result):
+        if isinstance(leaf, tf.Tensor) and leaf.shape.num_elements() <= 1024:
+            leaf.numpy()
+
+
+def _nbytes(batch: Any) -> int:
+    from feedpipe.stage import Batch
+
+    if isinstance(batch, Batch):
+        batch = batch.replicas
+    total = 0
+    for leaf in tf.nest.flatten(batch):
+        if isinstance(leaf, tf.Tensor | np.ndarray):
+            total += int(np.prod(leaf.shape)) * tf.as_dtype(leaf.dtype).size
+    return total
+
+
+class _Progress:
+    """One bar over every timed and untimed step, on stderr so `--json` output stays clean."""
+
+    def __init__(self, total: int, enabled: bool):
+        self._bar = None
+        if enabled:
+            import keras
+
+            verbose = 1 if sys.stderr.isatty() else 2
+            self._bar = keras.utils.Progbar(total, verbose=verbose, unit_name="step")
+        self._done = 0
+
+    def step(self) -> None:
+        self._done += 1
+        if self._bar is not None:
+            with contextlib.redirect_stdout(sys.stderr):
+                self._bar.update(self._done)
+
+
+class _CallableRun:
+    """Measures a callable step fed from the input's own iterator; waits are timed directly."""
+
+    waits_derived = False
+
+    def __init__(self, source: Any, step: Callable[[Any], Any]):
+        self.source, self.step = source, step
+        self.batches = _endless(source)
+        self.kept = None
+
+    def warm_up(self, count: int, progress: _Progress) -> Any:
+        for _ in range(count):
+            batch = next(self.batches)
+            _finish(self.step(batch))
+            progress.step()
+        self.kept = batch if isinstance(self.source, Feeder) else _on_device(batch)
+        return batch
+
+    def consumer_alone(self, count: int, progress: _Progress) -> list[float]:
+        times = []
+        for _ in range(count):
+            started = time.perf_counter()
+            _finish(self.step(self.kept))
+            times.append(time.perf_counter() - started)
+            progress.step()
+        self.kept = None  # a kept Feeder batch would hold a host slot
+        return times
+
+    def producer_alone(self, count: int, progress: _Progress) -> list[float]:
+        times = []
+        for _ in range(count):
+            started = time.perf_counter()
+            next(self.batches)
+            times.append(time.perf_counter() - started)
+            progress.step()
+        return times
+
+    def together(self, warmup: int, count: int, progress: _Progress) -> list[StepTiming]:
+        timings = []
+        for i in range(warmup + count):
+            staged = self.source._staged() if isinstance(self.source, Feeder) else None
+            asked = time.perf_counter()
+            batch = next(self.batches)
+            got = time.perf_counter()
+            _finish(self.step(batch))
+            done = time.perf_counter()
+            del batch
+            if i >= warmup:
+                timings.append(StepTiming(got - asked, done - got, staged))
+            progress.step()
+        return timings
+
+
+class _KerasRun(_CallableRun):
+    """Measures a compiled Keras model through its own train function, as `model.fit` runs it.
+
+    Producer alone takes batches from the distributed iterator `fit` would use; consumer alone
+    runs the compiled step on one of them, already on the devices; together runs the train
+    function on the iterator, which reads the input inside the compiled step, so each step's
+    wait is derived from the consumer-alone time. Every variable is put back at the end.
+    """
+
+    waits_derived = True
+
+    def __init__(self, source: Any, model: Any):
+        if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None:
+            raise TypeError(
+                "The step is a Keras model that is not compiled; call model.compile(...) "
+                "before diagnosing it."
+            )
+        self.source = source
+        self.model = model
+        dataset = _keras_dataset(source).repeat()
+        strategy = model.distribute_strategy
+        self.batches = iter(strategy.experimental_distribute_dataset(dataset))
+        model.make_train_function()
+        self.train = model.train_function
+        variables = {id(v): v for v in [*model.variables, *model.optimizer.variables]}
+        variables.update({id(v): v for v in model.metrics_variables})
+        self._variables = list(variables.values())
+        self._values = None
+        self.kept = None
+        self._alone_s = None
+
+    def warm_up(self, count: int, progress: _Progress) -> Any:
+        batch = next(self.batches)
+        if not self.model.built or not self.model.optimizer.built:
+            self.train([batch])  # builds the model and its optimizer from the batch
+        self._values = [v.numpy() for v in self._variables]
+        for _ in range(count):
+            _finish(self.train(self.batches))
+            progress.step()
+        self.kept = batch
+        return batch
+
+    def consumer_alone(self, count: int, progress: _Progress) -> list[float]:
+        _finish(self.train([self.kept]))  # the eager path traces its step once
+        times = super().consumer_alone(count, progress)
+        self._alone_s = statistics.median(times)
+        return times
+
+    def step(self, batch: Any) -> Any:
+        return self.train([batch])
+
+    def together(self, warmup: int, count: int, progress: _Progress) -> list[StepTiming]:
+        timings = []
+        for i in range(warmup + count):
+            started = time.perf_counter()
+            _finish(self.train(self.batches))
+            took = time.perf_counter() - started
+            if i >= warmup:
+                wait = max(0.0, took - self._alone_s)
+                timings.append(StepTiming(wait, took - wait, None))
+            progress.step()
+        return timings
+
+    def restore(self) -> None:
+        if self._values is not None:
+            for variable, value in zip(self._variables, self._values, strict=True):
+                variable.assign(value)
+
+
+# ---- remedies ---------------------------------------------------------------------------------
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def _memcpy_s(nbytes: int) -> float:
+    """Seconds one memcpy of `nbytes` takes here (the fastest of three)."""
+    src = np.ones(max(nbytes, 1), np.uint8)
+    dst = np.empty_like(src)
+    best = math.inf
+    for _ in range(3):
+        started = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def _image_like(batch: Any) -> bool:
+    """Whether the batch holds uint8 images (rank 4 with 1, 3 or 4 channels first or last)."""
+    from feedpipe.stage import Batch
+
+    leaves = tf.nest.flatten(batch.replicas if isinstance(batch, Batch) else batch)
+    for leaf in leaves:
+        shape = getattr(leaf, "shape", ())
+        if (
+            getattr(leaf, "dtype", None) in (np.uint8, tf.uint8)
+            and len(shape) == 4
+            and (shape[-1] in (1, 3, 4) or shape[1] in (1, 3, 4))
+        ):
+            return True
+    return False
+
+
+def _memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _epoch_bytes(feeder: Feeder | None, batch_bytes: int) -> int | None:
+    """The bytes of one epoch's batches, where the input says how many there are."""
+    try:
+        return None if feeder is None else len(feeder) * batch_bytes
+    except TypeError:
+        return None
+
+
+def rank_remedies(
+    diagnosis: Diagnosis,
+    source: Any,
+    *,
+    cores: int,
+    memcpy_s: float,
+    memory_bytes: int,
+    image_like: bool = False,
+) -> tuple[Remedy, ...]:
+    """Remedies for what `diagnosis` measured, best first, each with the rate it could reach.
+
+    Estimates, from the three rates: staging deeper or ahead can reach the slower side alone;
+    parallel production scales the producer with the free cores up to the step's rate;
+    caching removes the producer's per-sample work (one gather per batch remains); fewer host
+    copies save the copies a Python pipeline makes beyond the one into a slot.
+    """
+    producer = diagnosis.producer_steps_per_s
+    consumer = diagnosis.consumer_steps_per_s
+    achieved = diagnosis.together_steps_per_s
+    feeder = source if isinstance(source, Feeder) else None
+    found: list[tuple[str, str, float]] = []
+
+    def add(action: str, why: str, expected: float) -> None:
+        if expected > achieved * 1.02:
+            found.append((action, why, expected))
+
+    bound = min(producer, consumer)
+    if diagnosis.verdict == "not input-bound":
+        return (
+            Remedy(
+                "none for the input: the step is the bottleneck",
+                f"the step waits {diagnosis.input_bound_fraction:.1%} of the time; make the "
+                "step itself faster (mixed precision, jit_compile, a larger per-replica batch)",
+                consumer,
+                consumer / achieved if achieved > 0 else 1.0,
+            ),
+        )
+    if achieved < OVERLAP_SLACK * bound:
+        why = (
+            f"together reaches {diagnosis.overlap_efficiency:.2f} of the slower side alone "
+            f"({bound:,.1f} steps/s): production and the step do not fully overlap"
+        )
+        if feeder is not None:
+            depth = feeder.options.depth
+            add(f"deeper staging: depth={2 * depth} (now {depth})", why, bound)
+        else:
+            add("stage batches ahead on the devices: fp.Feeder(...)", why, bound)
+    if producer < consumer:
+        why = (
+            f"the input alone makes {producer:,.1f} batches/s, the step could take "
+            f"{consumer:,.1f}/s"
+        )
+        if feeder is not None:
+            used = max(feeder.options.workers, 1)
+            if used < cores:
+                add(
+                    f"more workers: workers={cores} (now {feeder.options.workers})",
+                    why + f"; {cores} cores can run the per-sample work in parallel",
+                    min(consumer, producer * cores / used),
+                )
+        else:
+            add(
+                f"move the per-sample work into a map-style source or `transform` and run it "
+                f"in fp.Feeder(..., workers={cores})",
+                why + f"; {cores} cores can run it in parallel, free of the GIL",
+                min(consumer, producer * cores),
+            )
+        epoch_bytes = _epoch_bytes(feeder, diagnosis.batch_bytes)
+        if epoch_bytes is None or epoch_bytes <= memory_bytes / 2:
+            size = "" if epoch_bytes is None else f" ({epoch_bytes / 2**20:,.0f} MiB an epoch)"
+            gather_s = 2 * memcpy_s
+            add(
+                "cache the decoded samples in memory (numpy arrays as the source)",
+                why + f"; if the samples are the same every epoch{size}, only a gather per "
+                "batch remains from the second epoch on",
+                min(consumer, 1 / gather_s if gather_s > 0 else consumer),
+            )
+        extra_copies_s = 2 * memcpy_s
+        if feeder is None and 1 / producer > extra_copies_s:
+            add(
+                "fewer host copies: fp.Feeder writes each sample once, into its replica's slot",
+                why + f"; a batch's memcpy costs {memcpy_s * 1e3:.2f} ms here, and a Python "
+                "pipeline usually copies it about three times",
+                min(consumer, 1 / (1 / producer - extra_copies_s)),
+            )
+        if image_like:
+            add(
+                "decode and augment the images with DALI (feedpipe.dali; pip install "
+                "feedpipe[dali]), on the GPU where there is one",
+                why + "; the batches hold uint8 images",
+                min(consumer, producer * cores),
+            )
+    found.sort(key=lambda item: -item[2])
+    return tuple(
+        Remedy(action, why, expected, expected / achieved if achieved > 0 else math.inf)
+        for action, why, expected in found
+    )
+
+
+# ---- the measurement --------------------------------------------------------------------------
+
+
+def diagnose(
+    source: Any,
+    step: Any,
+    *,
+    steps: int = DEFAULT_STEPS,
+    warmup: int = DEFAULT_WARMUP,
+    progress: bool = True,
+    report_dir: str | os.PathLike | None = None,
+) -> Diagnosis:
+    """Measures the producer alone, the consumer alone and both together; ranks remedies.
+
+    Args:
+        source: the input: an `fp.Feeder`, a `tf.data.Dataset`, a `keras.utils.PyDataset`, or
+            any iterable of batches (a generator is read on, never restarted).
+        step: a callable taking one batch (a `Batch` for a Feeder), or a compiled Keras model,
+            which is trained as `model.fit` trains it; its variables are put back afterwards.
+        steps: steps timed in each measurement.
+        warmup: untimed steps before the first and the together measurement.
+        progress: show a progress bar on stderr.
+        report_dir: also write an HTML report with plots there (see `feedpipe.report`).
+
+    Returns:
+        The `Diagnosis`; `print(diagnosis)` gives the verdict, the rates and the remedies.
+    """
+    for name, value in (("steps", steps), ("warmup", warmup)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}`={value!r} must be an integer >= 1.")
+    if _is_keras_model(step):
+        run: _CallableRun = _KerasRun(source, step)
+        step_kind = f"Keras model {step.name!r} (its compiled train function)"
+    elif callable(step):
+        run = _CallableRun(source, step)
+        step_kind = f"step {getattr(step, '__name__', type(step).__name__)}"
+    else:
+        raise TypeError(
+            f"`step` must be a callable taking one batch or a compiled Keras model; got "
+            f"{type(step).__name__}."
+        )
+    bar = _Progress(2 * warmup + 3 * steps, progress)
+    try:
+        first = run.warm_up(warmup, bar)
+        batch_bytes = _nbytes(first)
+        image_like = _image_like(first)
+        del first
+        consumer = run.consumer_alone(steps, bar)
+        producer = run.producer_alone(steps, bar)
+        together = run.together(warmup, steps, bar)
+    finally:
+        if isinstance(run, _KerasRun):
+            run.restore()
+    measured = Diagnosis(
+        _input_kind(source),
+        step_kind,
+        batch_bytes,
+        tuple(producer),
+        tuple(consumer),
+        tuple(together),
+        run.waits_derived,
+    )
+    diagnosis = dataclasses.replace(
+        measured,
+        remedies=rank_remedies(
+            measured,
+            source,
+            cores=_cores(),
+            memcpy_s=_memcpy_s(batch_bytes),
+            memory_bytes=_memory_bytes(),
+            image_like=image_like,
+        ),
+    )
+    if report_dir is not None:
+        from feedpipe.report import write_report
+
+        write_report(diagnosis, report_dir)
+    return diagnosis
+
+
+# ---- targets ----------------------------------------------------------------------------------
+
+
+def load_target(target: str) -> tuple[Any, Any]:
+    """Calls `module:function` or `path/to/file.py:function`; returns its (input, step)."""
+    where, sep, name = target.rpartition(":")
+    if not sep or not where or not name.isidentifier():
+        raise TargetError(
+            f"TARGET {target!r} must be `module:function` or `path/to/file.py:function`."
+        )
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise TargetError(f"TARGET {target!r}: there is no file {where!r}.")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, str(path.resolve().parent))
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            sys.path.remove(str(path.resolve().parent))
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as error:
+            raise TargetError(f"TARGET {target!r}: no module named {where!r}.") from error
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise TargetError(f"TARGET {target!r}: {where!r} has no function {name!r}.")
+    returned = function()
+    if not isinstance(returned, tuple) or len(returned) != 2:
+        raise TargetError(
+            f"TARGET {target!r} returned {type(returned).__name__}; it must return "
+            "(input, step): the input (an fp.Feeder, tf.data.Dataset, PyDataset or iterable "
+            "of batches) and the step (a callable taking one batch, or a compiled Keras model)."
+        )
+    source, step = returned
+    if not (callable(step) or _is_keras_model(step)):
+        raise TargetError(
+            f"TARGET {target!r} returned a step of type {type(step).__name__}; the step must be "
+            "a callable taking one batch or a compiled Keras model."
+        )
+    if not hasattr(source, "__iter__"):
+        raise TargetError(
+            f"TARGET {target!r} returned an input of type {type(source).__name__}, which cannot "
+            "be iterated; return an fp.Feeder, tf.data.Dataset, PyDataset or iterable of batches."
+        )
+    return source, step

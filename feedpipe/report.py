@@ -1,0 +1,143 @@
+"""Report: a `Diagnosis` as an HTML page with plots, viewable offline.
+
+The page and its PNGs live in one directory and reference nothing outside it: the per-step
+wait against compute, the staged batches over time (for a `Feeder` input), and the three rates
+side by side. matplotlib draws them with its file-only Agg backend, imported here alone, so
+diagnosing without a report never needs it.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+from pathlib import Path
+
+from feedpipe.diagnosis import Diagnosis
+
+PLOTS = ("timeline.png", "occupancy.png", "rates.png")
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError as error:
+        raise ImportError(
+            "Writing a report needs matplotlib; install it with `pip install feedpipe[report]`."
+        ) from error
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _timeline(plt, diagnosis: Diagnosis, path: Path) -> None:
+    steps = range(1, len(diagnosis.together) + 1)
+    compute_ms = [s.compute_s * 1e3 for s in diagnosis.together]
+    wait_ms = [s.wait_s * 1e3 for s in diagnosis.together]
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    ax.bar(steps, compute_ms, width=1.0, color="#4c72b0", label="step (compute)")
+    ax.bar(steps, wait_ms, width=1.0, bottom=compute_ms, color="#dd8452", label="wait for input")
+    ax.set_xlabel("step (together)")
+    ax.set_ylabel("ms")
+    title = "Per-step wait for input vs compute"
+    if diagnosis.waits_derived:
+        title += " (waits derived from the consumer-alone time)"
+    ax.set_title(title)
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _occupancy(plt, diagnosis: Diagnosis, path: Path) -> bool:
+    staged = [s.staged for s in diagnosis.together]
+    if any(value is None for value in staged):
+        return False
+    fig, ax = plt.subplots(figsize=(9, 2.8))
+    ax.step(range(1, len(staged) + 1), staged, where="mid", color="#55a868")
+    ax.set_xlabel("step (together)")
+    ax.set_ylabel("batches staged")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Device-buffer occupancy when the step asked (0: the step is starved)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _rates(plt, diagnosis: Diagnosis, path: Path) -> None:
+    names = ["producer alone", "consumer alone\n(synthetic)", "together"]
+    rates = [
+        diagnosis.producer_steps_per_s,
+        diagnosis.consumer_steps_per_s,
+        diagnosis.together_steps_per_s,
+    ]
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    bars = ax.bar(names, rates, color=["#dd8452", "#4c72b0", "#8172b3"])
+    ax.bar_label(bars, fmt="%.1f")
+    ax.set_ylabel("steps/s")
+    ax.set_title("Rates")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_report(diagnosis: Diagnosis, directory: str | os.PathLike) -> Path:
+    """Writes `index.html` and its plots into `directory` (made if missing); returns the page."""
+    plt = _pyplot()
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    _timeline(plt, diagnosis, out / "timeline.png")
+    has_occupancy = _occupancy(plt, diagnosis, out / "occupancy.png")
+    if not has_occupancy:
+        (out / "occupancy.png").unlink(missing_ok=True)  # a stale plot of an earlier report
+    _rates(plt, diagnosis, out / "rates.png")
+
+    e = html.escape
+    rows = [
+        ("verdict", diagnosis.verdict),
+        ("input-bound fraction", f"{diagnosis.input_bound_fraction:.1%}"),
+        ("producer alone", f"{diagnosis.producer_steps_per_s:,.1f} steps/s"),
+        ("consumer alone (synthetic)", f"{diagnosis.consumer_steps_per_s:,.1f} steps/s"),
+        ("together", f"{diagnosis.together_steps_per_s:,.1f} steps/s"),
+        ("overlap efficiency", f"{diagnosis.overlap_efficiency:.2f}"),
+        ("real / synthetic", f"{diagnosis.real_over_synthetic:.2f}"),
+        ("input", diagnosis.input_kind),
+        ("step", diagnosis.step_kind),
+        ("batch", f"{diagnosis.batch_bytes / 2**20:,.2f} MiB"),
+    ]
+    table = "\n".join(f"<tr><th>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in rows)
+    remedies = "\n".join(
+        f"<li><b>{e(r.action)}</b>: up to {r.expected_steps_per_s:,.1f} steps/s "
+        f"({r.gain:.2f}x)<br>{e(r.why)}</li>"
+        for r in diagnosis.remedies
+    )
+    occupancy = (
+        '<img src="occupancy.png" alt="device-buffer occupancy">'
+        if has_occupancy
+        else "<p>Occupancy is measured for an fp.Feeder input only.</p>"
+    )
+    page = f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>feedpipe diagnose: {e(diagnosis.verdict)}</title>
+<style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}}
+th{{text-align:left;padding-right:2em}}img{{max-width:100%}}</style></head>
+<body>
+<h1>{e(diagnosis.verdict)}</h1>
+<table>
+{table}
+</table>
+<h2>Remedies, by the rate each could reach</h2>
+<ol>
+{remedies}
+</ol>
+<h2>Wait vs compute, step by step</h2>
+<img src="timeline.png" alt="per-step wait and compute">
+<h2>Device-buffer occupancy</h2>
+{occupancy}
+<h2>Rates</h2>
+<img src="rates.png" alt="producer, consumer and together rates">
+</body></html>
+"""
+    index = out / "index.html"
+    index.write_text(page, encoding="utf-8")
+    return index

@@ -1,0 +1,313 @@
+"""diagnose: verdicts against emulated ground truth, remedies, the report and the command.
+
+The step is emulated with `time.sleep` (GIL-free, as an accelerator step is) and the producer
+with a source whose batches take a known time, so the true input-bound fraction is known:
+with the input read ahead, a producer of P seconds per batch and a step of S leave the step
+waiting (P - S) / P of the time; read in line with the step, P / (P + S).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import feedpipe as fp
+from feedpipe import cli
+from feedpipe.diagnosis import (
+    Diagnosis,
+    Remedy,
+    StepTiming,
+    TargetError,
+    load_target,
+    rank_remedies,
+)
+from feedpipe.report import write_report
+from tests.fakes import SlowSource
+
+STEP_S = 0.010
+BATCH = 8
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "diagnose_target.py"
+
+
+def sleeping_step(batch) -> None:
+    time.sleep(STEP_S)
+
+
+def slow_batches(batch_s: float):
+    """An endless plain generator (read in line with the step) of batches taking `batch_s`."""
+    while True:
+        time.sleep(batch_s)
+        yield np.zeros((BATCH, 3), np.float32)
+
+
+def slow_feeder(batch_s: float) -> fp.Feeder:
+    """A feeder (read ahead of the step) whose batches take about `batch_s` to make."""
+    return fp.Feeder(SlowSource(10_000, batch_s / BATCH), BATCH, devices=["/cpu:0"])
+
+
+def run(source, step=sleeping_step, steps=20, **kwargs) -> Diagnosis:
+    return fp.diagnose(source, step, steps=steps, warmup=3, progress=False, **kwargs)
+
+
+def test_producer_three_times_slower_than_the_step_is_highly_input_bound():
+    with slow_feeder(3 * STEP_S) as feeder:
+        diagnosis = run(feeder)
+    assert diagnosis.verdict == "highly input-bound"
+    assert diagnosis.input_bound_fraction == pytest.approx(2 / 3, abs=0.1)
+    assert diagnosis.consumer_steps_per_s == pytest.approx(1 / STEP_S, rel=0.3)
+    assert diagnosis.producer_steps_per_s < diagnosis.consumer_steps_per_s / 2
+
+
+def test_producer_three_times_faster_than_the_step_is_not_input_bound():
+    with slow_feeder(STEP_S / 3) as feeder:
+        diagnosis = run(feeder)
+    assert diagnosis.verdict == "not input-bound"
+    assert diagnosis.input_bound_fraction < 0.05
+    assert diagnosis.overlap_efficiency > 0.85
+    assert diagnosis.remedies[0].action.startswith("none for the input")
+
+
+def test_an_input_read_in_line_with_the_step_is_measured_as_such():
+    diagnosis = run(slow_batches(STEP_S))
+    # Read in line: the step waits P / (P + S) = 1/2 of the time, and overlapping could
+    # double the rate; staging ahead is among the remedies.
+    assert diagnosis.input_bound_fraction == pytest.approx(0.5, abs=0.1)
+    assert diagnosis.overlap_efficiency == pytest.approx(0.5, abs=0.1)
+    assert any("fp.Feeder" in r.action for r in diagnosis.remedies)
+    assert diagnosis.remedies[0].gain == pytest.approx(2.0, rel=0.3)
+
+
+def test_a_starved_feeder_is_told_to_use_more_workers(monkeypatch):
+    monkeypatch.setattr("feedpipe.diagnosis._cores", lambda: 4)
+    with slow_feeder(3 * STEP_S) as feeder:
+        diagnosis = run(feeder)
+    actions = [r.action for r in diagnosis.remedies]
+    assert any(a.startswith("more workers: workers=4") for a in actions), actions
+    gains = [r.gain for r in diagnosis.remedies]
+    assert gains == sorted(gains, reverse=True)
+
+
+def test_occupancy_is_recorded_for_a_feeder_and_absent_otherwise():
+    with slow_feeder(STEP_S / 3) as feeder:
+        fed = run(feeder, steps=10)
+    assert all(s.staged is not None for s in fed.together)
+    assert max(s.staged for s in fed.together) >= 1
+    plain = run(slow_batches(0.001), steps=5)
+    assert all(s.staged is None for s in plain.together)
+
+
+def diagnosis_of(producer_s: float, consumer_s: float, together_s: float, wait_s: float):
+    return Diagnosis(
+        "test input",
+        "test step",
+        1024,
+        (producer_s,) * 10,
+        (consumer_s,) * 10,
+        (StepTiming(wait_s, together_s - wait_s, None),) * 10,
+        False,
+    )
+
+
+def test_remedies_are_ranked_by_the_rate_each_could_reach():
+    # Producer 10 batches/s, step 100/s, together 9/s: the producer is the bottleneck.
+    measured = diagnosis_of(0.1, 0.01, 0.111, 0.101)
+    remedies = rank_remedies(measured, object(), cores=2, memcpy_s=1e-4, memory_bytes=2**34)
+    expected = [r.expected_steps_per_s for r in remedies]
+    assert expected == sorted(expected, reverse=True)
+    assert all(r.gain == pytest.approx(r.expected_steps_per_s * 0.111) for r in remedies)
+    parallel = next(r for r in remedies if "workers=2" in r.action)
+    assert parallel.expected_steps_per_s == pytest.approx(20.0)
+    assert all(r.expected_steps_per_s <= 100.0 + 1e-9 for r in remedies)
+
+
+def test_caching_is_suggested_only_when_an_epoch_fits_in_memory():
+    measured = diagnosis_of(0.1, 0.01, 0.111, 0.101)
+    with slow_feeder(0.0) as feeder:  # 1250 batches of 1024 bytes: 1.25 MB an epoch
+        fits = rank_remedies(measured, feeder, cores=2, memcpy_s=1e-4, memory_bytes=2**30)
+        too_big = rank_remedies(measured, feeder, cores=2, memcpy_s=1e-4, memory_bytes=2**20)
+    assert any(r.action.startswith("cache") and "1 MiB an epoch" in r.why for r in fits)
+    assert not any(r.action.startswith("cache") for r in too_big)
+
+
+def test_dali_is_suggested_only_for_image_batches():
+    measured = diagnosis_of(0.1, 0.01, 0.111, 0.101)
+    plain = rank_remedies(measured, object(), cores=2, memcpy_s=1e-4, memory_bytes=2**34)
+    images = rank_remedies(
+        measured, object(), cores=2, memcpy_s=1e-4, memory_bytes=2**34, image_like=True
+    )
+    assert not any("DALI" in r.action for r in plain)
+    assert any("DALI" in r.action for r in images)
+
+
+# ---- a Keras model as the step ----------------------------------------------------------------
+
+
+class Sleep(keras.layers.Layer):
+    """Sleeps `STEP_S` once per call, GIL-free, inside the compiled step."""
+
+    def call(self, x):
+        slept = tf.numpy_function(lambda: np.float32(time.sleep(STEP_S) or 0), [], tf.float32)
+        return x + tf.reshape(slept, [])
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+
+def sleeping_model() -> keras.Model:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), Sleep(), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    return model
+
+
+def slow_dataset(batch_s: float) -> tf.data.Dataset:
+    def make(_):
+        time.sleep(batch_s)
+        return np.zeros((BATCH, 3), np.float32), np.ones((BATCH, 1), np.float32)
+
+    dataset = tf.data.Dataset.range(10_000).map(
+        lambda i: tf.numpy_function(make, [i], (tf.float32, tf.float32))
+    )
+    dataset = dataset.map(
+        lambda x, y: (tf.ensure_shape(x, (BATCH, 3)), tf.ensure_shape(y, (BATCH, 1)))
+    )
+    return dataset.prefetch(2)
+
+
+@pytest.mark.parametrize(("batch_s", "expected"), [(3 * STEP_S, 2 / 3), (STEP_S / 3, 0.0)])
+def test_a_keras_model_is_diagnosed_through_its_compiled_step(batch_s, expected):
+    model = sleeping_model()
+    diagnosis = run(slow_dataset(batch_s), model, steps=15)
+    assert diagnosis.waits_derived
+    assert diagnosis.input_bound_fraction == pytest.approx(expected, abs=0.1)
+
+
+def test_diagnosing_a_keras_model_leaves_its_variables_as_they_were():
+    model = sleeping_model()
+    model.fit(slow_dataset(0.0).take(2), verbose=0, shuffle=False)
+    before = [v.numpy().copy() for v in [*model.variables, *model.optimizer.variables]]
+    run(slow_dataset(0.0), model, steps=3)
+    after = [v.numpy() for v in [*model.variables, *model.optimizer.variables]]
+    for old, new in zip(before, after, strict=True):
+        np.testing.assert_array_equal(old, new)
+
+
+def test_an_uncompiled_keras_model_is_refused():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    with pytest.raises(TypeError, match=r"not compiled; call model\.compile"):
+        run(slow_dataset(0.0), model)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"steps": 0}, "`steps`=0 must be an integer >= 1"), ({"warmup": 1.5}, "`warmup`=1.5")],
+)
+def test_bad_arguments_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fp.diagnose(slow_batches(0.0), sleeping_step, progress=False, **kwargs)
+
+
+def test_a_step_that_is_not_callable_is_refused():
+    with pytest.raises(TypeError, match="`step` must be a callable"):
+        fp.diagnose(slow_batches(0.0), 42, progress=False)
+
+
+# ---- the report -------------------------------------------------------------------------------
+
+
+def test_the_report_references_only_files_it_wrote_and_its_plots_are_images(tmp_path):
+    with slow_feeder(STEP_S) as feeder:
+        run(feeder, steps=8, report_dir=tmp_path / "report")
+    page = (tmp_path / "report" / "index.html").read_text()
+    referenced = re.findall(r'(?:src|href)="([^"]+)"', page)
+    assert referenced, page
+    written = {p.name for p in (tmp_path / "report").iterdir()}
+    assert set(referenced) <= written
+    assert {"timeline.png", "occupancy.png", "rates.png"} <= written
+    for name in referenced:
+        data = (tmp_path / "report" / name).read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
+        image = keras.utils.load_img(tmp_path / "report" / name)
+        assert min(image.size) > 100
+
+
+def test_a_report_without_occupancy_says_so(tmp_path):
+    diagnosis = diagnosis_of(0.1, 0.01, 0.111, 0.101)
+    diagnosis = Diagnosis(**{**diagnosis.__dict__, "remedies": (Remedy("a", "b", 2.0, 1.5),)})
+    page = write_report(diagnosis, tmp_path).read_text()
+    assert "occupancy.png" not in page and "fp.Feeder input only" in page
+    assert not (tmp_path / "occupancy.png").exists()
+
+
+# ---- targets and the command ------------------------------------------------------------------
+
+
+def emulated_target():
+    """A module:function target: a plain generator and a sleeping step."""
+    return slow_batches(0.001), sleeping_step
+
+
+def test_a_module_target_is_loaded_and_called():
+    source, step = load_target("tests.test_diagnosis:emulated_target")
+    assert step is sleeping_step and next(source).shape == (BATCH, 3)
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("no_colon", "must be `module:function`"),
+        ("missing/file.py:f", "there is no file 'missing/file.py'"),
+        ("tests.no_such_module:f", "no module named 'tests.no_such_module'"),
+        ("tests.test_diagnosis:no_such_function", "has no function 'no_such_function'"),
+        ("tests.test_diagnosis:sleeping_model", "returned Sequential; it must return"),
+        ("tests.test_diagnosis:returns_a_bad_step", "the step must be a callable"),
+    ],
+)
+def test_a_bad_target_is_a_clear_error_naming_it(target, message):
+    with pytest.raises(TargetError, match=re.escape(message)) as caught:
+        load_target(target)
+    assert target in str(caught.value)
+
+
+def returns_a_bad_step():
+    return [], "not a step"
+
+
+def test_the_command_prints_json_that_parses(capsys):
+    status = cli.main(["diagnose", f"{EXAMPLE}:arrays", "--json", "--steps", "4", "--warmup", "2"])
+    assert status == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["verdict"] in ("not input-bound", "moderately input-bound", "highly input-bound")
+    assert len(result["together"]) == 4 and result["remedies"]
+
+
+def test_the_command_prints_a_verdict_and_writes_the_report(capsys, tmp_path):
+    status = cli.main(
+        [
+            "diagnose",
+            f"{EXAMPLE}:slow_reads",
+            "--steps",
+            "4",
+            "--warmup",
+            "2",
+            "--report",
+            str(tmp_path),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert status == 0
+    assert re.search(r"(not|moderately|highly) input-bound", out)
+    assert "remedies" in out and (tmp_path / "index.html").is_file()
+
+
+def test_the_command_names_a_bad_target(capsys):
+    assert cli.main(["diagnose", "tests.test_diagnosis:no_such_function"]) == 2
+    err = capsys.readouterr().err
+    assert "tests.test_diagnosis:no_such_function" in err and "no function" in err
