@@ -74,6 +74,17 @@ def test_producer_three_times_faster_than_the_step_is_not_input_bound():
     assert diagnosis.remedies[0].action.startswith("none for the input")
 
 
+def test_a_balanced_producer_and_step_are_shown_as_balanced():
+    with slow_feeder(STEP_S) as feeder:
+        diagnosis = run(feeder)
+    # Balanced, the step waits only for the producer's jitter: at most moderately
+    # input-bound, and the rates alone show why (neither side is much faster).
+    assert diagnosis.verdict in ("not input-bound", "moderately input-bound")
+    assert diagnosis.producer_steps_per_s / diagnosis.consumer_steps_per_s == pytest.approx(
+        1.0, rel=0.35
+    )
+
+
 def test_an_input_read_in_line_with_the_step_is_measured_as_such():
     diagnosis = run(slow_batches(STEP_S))
     # Read in line: the step waits P / (P + S) = 1/2 of the time, and overlapping could
