@@ -30,6 +30,7 @@ _EXPORTS = {
     "FeedOptions": "feedpipe.feeder",
     "FeedStats": "feedpipe.stats",
     "Feeder": "feedpipe.feeder",
+    "StarvationMonitor": "feedpipe.monitor",
     "WorkerError": "feedpipe.workers",
     "diagnose": "feedpipe.diagnosis",
     "from_generator": "feedpipe.source",
@@ -41,6 +42,7 @@ __all__ = [
     "FeedOptions",
     "FeedStats",
     "Feeder",
+    "StarvationMonitor",
     "WorkerError",
     "diagnose",
     "from_generator",
@@ -49,6 +51,7 @@ __all__ = [
 if TYPE_CHECKING:
     from feedpipe.diagnosis import Diagnosis, diagnose
     from feedpipe.feeder import Feeder, FeedOptions
+    from feedpipe.monitor import StarvationMonitor
     from feedpipe.source import from_generator
     from feedpipe.stage import Batch
     from feedpipe.stats import FeedStats

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from feedpipe._headspace import finish, on_step_device, save_state
 from feedpipe.feeder import Feeder
 from feedpipe.stats import verdict
 
@@ -221,23 +222,6 @@ def _keras_dataset(source: Any) -> tf.data.Dataset:
     return adapter.get_tf_dataset()
 
 
-def _on_device(batch: Any) -> Any:
-    """`batch` with every array leaf as a tensor on the step's default device."""
-    device = "/gpu:0" if tf.config.list_logical_devices("GPU") else "/cpu:0"
-    with tf.device(device):
-        return tf.nest.map_structure(
-            lambda leaf: tf.identity(leaf) if isinstance(leaf, tf.Tensor | np.ndarray) else leaf,
-            batch,
-        )
-
-
-def _finish(result: Any) -> None:
-    """Waits until the step's small outputs (its loss, its metrics) exist."""
-    for leaf in tf.nest.flatten(result):
-        if isinstance(leaf, tf.Tensor) and leaf.shape.num_elements() <= 1024:
-            leaf.numpy()
-
-
 def _nbytes(batch: Any) -> int:
     from feedpipe.stage import Batch
 
@@ -282,16 +266,16 @@ class _CallableRun:
     def warm_up(self, count: int, progress: _Progress) -> Any:
         for _ in range(count):
             batch = next(self.batches)
-            _finish(self.step(batch))
+            finish(self.step(batch))
             progress.step()
-        self.kept = batch if isinstance(self.source, Feeder) else _on_device(batch)
+        self.kept = batch if isinstance(self.source, Feeder) else on_step_device(batch)
         return batch
 
     def consumer_alone(self, count: int, progress: _Progress) -> list[float]:
         times = []
         for _ in range(count):
             started = time.perf_counter()
-            _finish(self.step(self.kept))
+            finish(self.step(self.kept))
             times.append(time.perf_counter() - started)
             progress.step()
         self.kept = None  # a kept Feeder batch would hold a host slot
@@ -313,13 +297,16 @@ class _CallableRun:
             asked = time.perf_counter()
             batch = next(self.batches)
             got = time.perf_counter()
-            _finish(self.step(batch))
+            finish(self.step(batch))
             done = time.perf_counter()
             del batch
             if i >= warmup:
                 timings.append(StepTiming(got - asked, done - got, staged))
             progress.step()
         return timings
+
+    def restore(self) -> None:
+        """Puts back what the measurement changed: nothing of a callable step's."""
 
 
 class _KerasRun(_CallableRun):
@@ -346,10 +333,7 @@ class _KerasRun(_CallableRun):
         self.batches = iter(strategy.experimental_distribute_dataset(dataset))
         model.make_train_function()
         self.train = model.train_function
-        variables = {id(v): v for v in [*model.variables, *model.optimizer.variables]}
-        variables.update({id(v): v for v in model.metrics_variables})
-        self._variables = list(variables.values())
-        self._values = None
+        self._restore: Callable[[], None] = lambda: None
         self.kept = None
         self._alone_s = None
 
@@ -357,15 +341,15 @@ class _KerasRun(_CallableRun):
         batch = next(self.batches)
         if not self.model.built or not self.model.optimizer.built:
             self.train([batch])  # builds the model and its optimizer from the batch
-        self._values = [v.numpy() for v in self._variables]
+        self._restore = save_state(self.model)
         for _ in range(count):
-            _finish(self.train(self.batches))
+            finish(self.train(self.batches))
             progress.step()
-        self.kept = batch
+        self.kept = on_step_device(batch, self.model.distribute_strategy)
         return batch
 
     def consumer_alone(self, count: int, progress: _Progress) -> list[float]:
-        _finish(self.train([self.kept]))  # the eager path traces its step once
+        finish(self.train([self.kept]))  # the eager path traces its step once
         times = super().consumer_alone(count, progress)
         self._alone_s = statistics.median(times)
         return times
@@ -377,7 +361,7 @@ class _KerasRun(_CallableRun):
         timings = []
         for i in range(warmup + count):
             started = time.perf_counter()
-            _finish(self.train(self.batches))
+            finish(self.train(self.batches))
             took = time.perf_counter() - started
             if i >= warmup:
                 wait = max(0.0, took - self._alone_s)
@@ -386,9 +370,8 @@ class _KerasRun(_CallableRun):
         return timings
 
     def restore(self) -> None:
-        if self._values is not None:
-            for variable, value in zip(self._variables, self._values, strict=True):
-                variable.assign(value)
+        """Puts every variable back as it was before the warm-up."""
+        self._restore()
 
 
 # ---- remedies ---------------------------------------------------------------------------------
@@ -588,8 +571,7 @@ def diagnose(
         producer = run.producer_alone(steps, bar)
         together = run.together(warmup, steps, bar)
     finally:
-        if isinstance(run, _KerasRun):
-            run.restore()
+        run.restore()
     measured = Diagnosis(
         _input_kind(source),
         step_kind,
@@ -646,7 +628,11 @@ def load_target(target: str) -> tuple[Any, Any]:
     function = getattr(module, name, None)
     if not callable(function):
         raise TargetError(f"TARGET {target!r}: {where!r} has no function {name!r}.")
-    returned = function()
+    try:
+        returned = function()
+    except Exception as error:
+        error.add_note(f"feedpipe diagnose: raised by TARGET {target!r}.")
+        raise
     if not isinstance(returned, tuple) or len(returned) != 2:
         raise TargetError(
             f"TARGET {target!r} returned {type(returned).__name__}; it must return "

@@ -11,6 +11,7 @@ import collections
 import threading
 import time
 
+import keras
 import numpy as np
 import tensorflow as tf
 
@@ -163,3 +164,28 @@ def index_pydataset(length: int, batch_size: int):
             self.epochs_ended += 1
 
     return IndexPyDataset()
+
+
+class Sleep(keras.layers.Layer):
+    """Passes its input through after sleeping `seconds`, once per step, inside the graph."""
+
+    def __init__(self, seconds: float, **kwargs):
+        super().__init__(**kwargs)
+        self.seconds = seconds
+
+    def _sleep(self, _):
+        time.sleep(self.seconds)
+        return np.float32(0)
+
+    def call(self, x):
+        slept = tf.numpy_function(self._sleep, [x], tf.float32, stateful=True)
+        slept.set_shape(())
+        return x + slept
+
+
+def sleeping_model(step_s: float, steps_per_execution: int = 1) -> keras.Model:
+    """A Dense model whose compiled step also sleeps `step_s` (an emulated accelerator)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), Sleep(step_s), keras.layers.Dense(1)])
+    model.compile("adam", "mse", jit_compile=False, steps_per_execution=steps_per_execution)
+    return model

@@ -29,7 +29,7 @@ from feedpipe.diagnosis import (
     rank_remedies,
 )
 from feedpipe.report import write_report
-from tests.fakes import SlowSource
+from tests.fakes import SlowSource, sleeping_model
 
 STEP_S = 0.010
 BATCH = 8
@@ -160,24 +160,6 @@ def test_dali_is_suggested_only_for_image_batches():
 # ---- a Keras model as the step ----------------------------------------------------------------
 
 
-class Sleep(keras.layers.Layer):
-    """Sleeps `STEP_S` once per call, GIL-free, inside the compiled step."""
-
-    def call(self, x):
-        slept = tf.numpy_function(lambda: np.float32(time.sleep(STEP_S) or 0), [], tf.float32)
-        return x + tf.reshape(slept, [])
-
-    def compute_output_shape(self, input_shape):
-        return input_shape
-
-
-def sleeping_model() -> keras.Model:
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((3,)), Sleep(), keras.layers.Dense(1)])
-    model.compile("sgd", "mse")
-    return model
-
-
 def slow_dataset(batch_s: float) -> tf.data.Dataset:
     def make(_):
         time.sleep(batch_s)
@@ -194,14 +176,14 @@ def slow_dataset(batch_s: float) -> tf.data.Dataset:
 
 @pytest.mark.parametrize(("batch_s", "expected"), [(3 * STEP_S, 2 / 3), (STEP_S / 3, 0.0)])
 def test_a_keras_model_is_diagnosed_through_its_compiled_step(batch_s, expected):
-    model = sleeping_model()
+    model = sleeping_model(STEP_S)
     diagnosis = run(slow_dataset(batch_s), model, steps=15)
     assert diagnosis.waits_derived
     assert diagnosis.input_bound_fraction == pytest.approx(expected, abs=0.1)
 
 
 def test_diagnosing_a_keras_model_leaves_its_variables_as_they_were():
-    model = sleeping_model()
+    model = sleeping_model(STEP_S)
     model.fit(slow_dataset(0.0).take(2), verbose=0, shuffle=False)
     before = [v.numpy().copy() for v in [*model.variables, *model.optimizer.variables]]
     run(slow_dataset(0.0), model, steps=3)
@@ -277,7 +259,7 @@ def test_a_module_target_is_loaded_and_called():
         ("missing/file.py:f", "there is no file 'missing/file.py'"),
         ("tests.no_such_module:f", "no module named 'tests.no_such_module'"),
         ("tests.test_diagnosis:no_such_function", "has no function 'no_such_function'"),
-        ("tests.test_diagnosis:sleeping_model", "returned Sequential; it must return"),
+        ("tests.test_diagnosis:returns_a_model", "returned Sequential; it must return"),
         ("tests.test_diagnosis:returns_a_bad_step", "the step must be a callable"),
     ],
 )
@@ -285,6 +267,20 @@ def test_a_bad_target_is_a_clear_error_naming_it(target, message):
     with pytest.raises(TargetError, match=re.escape(message)) as caught:
         load_target(target)
     assert target in str(caught.value)
+
+
+def returns_a_model():
+    return sleeping_model(STEP_S)
+
+
+def raises():
+    raise KeyError("no such dataset")
+
+
+def test_an_error_raised_by_the_target_keeps_its_type_and_names_the_target():
+    with pytest.raises(KeyError, match="no such dataset") as caught:
+        load_target("tests.test_diagnosis:raises")
+    assert "TARGET 'tests.test_diagnosis:raises'" in "\n".join(caught.value.__notes__)
 
 
 def returns_a_bad_step():
