@@ -19,7 +19,7 @@ from pathlib import Path
 
 from kernels_bench import harness
 
-SCRIPTS = ("overlap", "get_latency", "mirrored", "copy_cost", "workers")
+SCRIPTS = ("overlap", "get_latency", "mirrored", "copy_cost", "workers", "monitor_overhead")
 
 
 def main(argv=None) -> int:
