@@ -199,22 +199,26 @@ def _input_kind(source: Any) -> str:
 
 
 def _endless(source: Any) -> Iterator:
-    """The input's batches, starting a new pass whenever one ends."""
+    """The input's batches, starting a new pass whenever one ends, until a pass is empty."""
     while True:
         empty = True
         for batch in source:
             empty = False
             yield batch
         if empty:
-            raise ValueError(f"The input {_input_kind(source)} yielded no batch; give it data.")
+            return
 
 
 def _keras_dataset(source: Any) -> tf.data.Dataset:
-    """The input as the `tf.data.Dataset` that `model.fit` would read."""
+    """The input as the `tf.data.Dataset` that `model.fit` would read, epoch after epoch.
+
+    A generator or `PyDataset` goes through Keras's own adapter, as in `fit`; it is read for
+    one pass (Keras would replay the batches it peeked at if it were repeated).
+    """
     if isinstance(source, Feeder):
-        return source.as_dataset()
+        return source.as_dataset().repeat()
     if isinstance(source, tf.data.Dataset):
-        return source
+        return source.repeat()
     from keras.src.trainers.data_adapters import get_data_adapter
 
     adapter = get_data_adapter(source)
@@ -229,8 +233,10 @@ def _nbytes(batch: Any) -> int:
         batch = batch.replicas
     total = 0
     for leaf in tf.nest.flatten(batch):
-        if isinstance(leaf, tf.Tensor | np.ndarray):
-            total += int(np.prod(leaf.shape)) * tf.as_dtype(leaf.dtype).size
+        # A distributed leaf (one batch under a strategy) holds one part per replica.
+        for part in leaf.values if isinstance(leaf, tf.distribute.DistributedValues) else [leaf]:
+            if isinstance(part, tf.Tensor | np.ndarray):
+                total += int(np.prod(part.shape)) * tf.as_dtype(part.dtype).size
     return total
 
 
@@ -328,7 +334,7 @@ class _KerasRun(_CallableRun):
             )
         self.source = source
         self.model = model
-        dataset = _keras_dataset(source).repeat()
+        dataset = _keras_dataset(source)
         strategy = model.distribute_strategy
         self.batches = iter(strategy.experimental_distribute_dataset(dataset))
         model.make_train_function()
@@ -339,8 +345,12 @@ class _KerasRun(_CallableRun):
 
     def warm_up(self, count: int, progress: _Progress) -> Any:
         batch = next(self.batches)
-        if not self.model.built or not self.model.optimizer.built:
-            self.train([batch])  # builds the model and its optimizer from the batch
+        # Builds the model, its loss, metrics and optimizer from the batch, as `fit` does, so
+        # that every variable exists before it is saved.
+        if any(isinstance(v, tf.distribute.DistributedValues) for v in tf.nest.flatten(batch)):
+            self.model._maybe_symbolic_build(iterator=[(0, 0, iter([batch]))])
+        else:
+            self.model._symbolic_build(data_batch=batch)
         self._restore = save_state(self.model)
         for _ in range(count):
             finish(self.train(self.batches))
@@ -561,7 +571,8 @@ def diagnose(
             f"`step` must be a callable taking one batch or a compiled Keras model; got "
             f"{type(step).__name__}."
         )
-    bar = _Progress(2 * warmup + 3 * steps, progress)
+    needed = 2 * warmup + 2 * steps
+    bar = _Progress(needed + steps, progress)
     try:
         first = run.warm_up(warmup, bar)
         batch_bytes = _nbytes(first)
@@ -570,6 +581,12 @@ def diagnose(
         consumer = run.consumer_alone(steps, bar)
         producer = run.producer_alone(steps, bar)
         together = run.together(warmup, steps, bar)
+    except (StopIteration, tf.errors.OutOfRangeError) as error:
+        raise ValueError(
+            f"The input ({_input_kind(source)}) ran out of batches: diagnose takes {needed} "
+            f"(2 x warmup={warmup} + 2 x steps={steps}); give an input that repeats or is "
+            "longer, or pass fewer steps."
+        ) from error
     finally:
         run.restore()
     measured = Diagnosis(

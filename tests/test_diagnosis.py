@@ -192,6 +192,28 @@ def test_diagnosing_a_keras_model_leaves_its_variables_as_they_were():
         np.testing.assert_array_equal(old, new)
 
 
+def test_diagnosing_an_unbuilt_keras_model_leaves_it_untrained():
+    model = sleeping_model(STEP_S)
+    run(slow_dataset(0.0), model, steps=3)
+    untrained = sleeping_model(STEP_S)
+    untrained(np.zeros((1, 3), np.float32))
+    assert model.optimizer.iterations.numpy() == 0
+    for old, new in zip(untrained.weights, model.weights, strict=True):
+        np.testing.assert_array_equal(old.numpy(), new.numpy())
+
+
+def test_a_keras_model_under_mirrored_strategy_is_diagnosed_on_every_replica(strategy):
+    with strategy.scope():
+        model = sleeping_model(0.0)
+    before = [v.numpy().copy() for v in model.variables]
+    diagnosis = run(slow_dataset(0.0), model, steps=3)
+    # The global batch, split across the 4 replicas: 8 rows of 3 features and 1 label.
+    assert diagnosis.batch_bytes == BATCH * (3 + 1) * 4
+    assert diagnosis.consumer_steps_per_s > 0 and len(diagnosis.together) == 3
+    for old, new in zip(before, [v.numpy() for v in model.variables], strict=True):
+        np.testing.assert_array_equal(old, new)
+
+
 def test_an_uncompiled_keras_model_is_refused():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     with pytest.raises(TypeError, match=r"not compiled; call model\.compile"):
@@ -205,6 +227,16 @@ def test_an_uncompiled_keras_model_is_refused():
 def test_bad_arguments_are_named(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         fp.diagnose(slow_batches(0.0), sleeping_step, progress=False, **kwargs)
+
+
+@pytest.mark.parametrize("step", [sleeping_step, "model"])
+def test_an_input_that_runs_out_is_a_clear_error_naming_what_it_needs(step):
+    step = sleeping_model(0.0) if step == "model" else step
+    batches = (np.zeros((BATCH, 3), np.float32) for _ in range(7))
+    if step is not sleeping_step:
+        batches = ((x, np.ones((BATCH, 1), np.float32)) for x in batches)
+    with pytest.raises(ValueError, match=r"ran out of batches: diagnose takes 26 \(2 x warmup"):
+        fp.diagnose(batches, step, steps=10, warmup=3, progress=False)
 
 
 def test_a_step_that_is_not_callable_is_refused():
