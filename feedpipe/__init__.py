@@ -31,9 +31,13 @@ _EXPORTS = {
     "FeedStats": "feedpipe.stats",
     "Feeder": "feedpipe.feeder",
     "StarvationMonitor": "feedpipe.monitor",
+    "TowerStep": "feedpipe.training",
+    "Trainer": "feedpipe.training",
+    "WarmupLinearScaling": "feedpipe.training",
     "WorkerError": "feedpipe.workers",
     "diagnose": "feedpipe.diagnosis",
     "from_generator": "feedpipe.source",
+    "train": "feedpipe.training",
 }
 
 __all__ = [
@@ -43,9 +47,13 @@ __all__ = [
     "FeedStats",
     "Feeder",
     "StarvationMonitor",
+    "TowerStep",
+    "Trainer",
+    "WarmupLinearScaling",
     "WorkerError",
     "diagnose",
     "from_generator",
+    "train",
 ]
 
 if TYPE_CHECKING:
@@ -55,6 +63,7 @@ if TYPE_CHECKING:
     from feedpipe.source import from_generator
     from feedpipe.stage import Batch
     from feedpipe.stats import FeedStats
+    from feedpipe.training import TowerStep, Trainer, WarmupLinearScaling, train
     from feedpipe.workers import WorkerError
 
 

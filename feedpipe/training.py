@@ -1,0 +1,435 @@
+"""Train: a data-parallel loop on the feeder's staged batches, equal to one device's training.
+
+Each replica runs forward and backward on its own staged rows. Its loss is the sum of its real
+rows' per-sample losses divided by the real samples of the *whole* global batch, so when the
+optimizer sums the replicas' gradients (Keras all-reduces them under a strategy) the result is
+the gradient of the global batch's mean loss: the same update one device would make on the
+whole batch. Padding rows weigh exactly zero, so a padded last batch equals training on its
+real rows alone, and no replica ever sees a different shape or step count.
+
+`Trainer` runs this under `tf.distribute` (`fit` over a `Feeder`); `TowerStep` does the same
+the way tower-style wrappers do, one tape per device over `batch.replicas`, for code built
+that way; `WarmupLinearScaling` is the learning-rate rule for large global batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from feedpipe.feeder import Feeder
+from feedpipe.stage import Batch
+
+
+def per_sample_loss(loss: Any) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
+    """`loss` as a function returning one value per sample (its reduction turned off)."""
+    if isinstance(loss, str):
+        return keras.losses.get(loss)
+    if isinstance(loss, keras.losses.Loss):
+        config = loss.get_config()
+        if config.get("reduction") is not None:
+            config["reduction"] = None
+            return type(loss).from_config(config)
+        return loss
+    if callable(loss):
+        return loss
+    raise TypeError(
+        f"`loss` must be a Keras loss, its name, or a callable (y_true, y_pred) -> per-sample "
+        f"losses; got {type(loss).__name__}."
+    )
+
+
+def _unpack(sample: Any) -> tuple[Any, Any, Any]:
+    if isinstance(sample, tuple) and len(sample) in (2, 3):
+        return (*sample, None) if len(sample) == 2 else sample
+    raise ValueError(
+        "The trainer needs samples of the form (x, y) or (x, y, sample_weight); the feeder's "
+        f"samples are {type(sample).__name__}s. Build the feeder from (x, y) arrays or a source "
+        "whose samples are (x, y) tuples."
+    )
+
+
+def replica_loss(
+    model: keras.Model,
+    loss_fn: Callable,
+    sample: Any,
+    mask: tf.Tensor,
+    num_valid: tf.Tensor,
+    num_replicas: int,
+) -> tuple[tf.Tensor, Any, Any, tf.Tensor]:
+    """One replica's share of the global batch's mean loss, its predictions, labels and weights.
+
+    The share is the replica's weighted per-sample losses summed over its real rows and divided
+    by `num_valid`, the real samples of the whole global batch; regularisation losses are split
+    evenly, so the replicas' shares add up to exactly the global mean loss.
+    """
+    x, y, weights = _unpack(sample)
+    predictions = model(x, training=True)
+    rows, out_rows = y.shape[0], tf.nest.flatten(predictions)[0].shape[0]
+    if rows is not None and out_rows is not None and rows != out_rows:
+        raise ValueError(
+            f"The model returned {out_rows} rows of predictions for {rows} rows of labels on "
+            "one replica; it must return one prediction per sample (look for a Flatten or "
+            "Reshape across the batch axis)."
+        )
+    losses = loss_fn(y, predictions)
+    if losses.shape.rank == 0:
+        raise ValueError(
+            f"The loss returned a scalar ({losses}), already reduced over the batch; the trainer "
+            "needs one loss per sample to weigh padding rows zero. Pass a Keras loss (its "
+            "reduction is turned off for you) or a function returning per-sample values."
+        )
+    if losses.shape.rank > 1:  # per-timestep or per-pixel losses: each sample's mean
+        losses = tf.reduce_mean(losses, axis=list(range(1, losses.shape.rank)))
+    row_weights = tf.cast(mask, losses.dtype)
+    if weights is not None:
+        row_weights *= tf.cast(weights, losses.dtype)
+    share = tf.reduce_sum(losses * row_weights) / tf.cast(num_valid, losses.dtype)
+    if model.losses:
+        share += tf.add_n(model.losses) / num_replicas
+    return share, predictions, y, row_weights
+
+
+def _built_metrics(metrics: Sequence[Any], strategy: tf.distribute.Strategy) -> list:
+    """Fresh metric objects made under the strategy, so their variables sum over replicas."""
+    built = []
+    with strategy.scope():
+        for metric in metrics:
+            if isinstance(metric, keras.metrics.Metric):
+                built.append(type(metric).from_config(metric.get_config()))
+                continue
+            found = keras.metrics.get(metric)
+            if isinstance(found, keras.metrics.Metric):
+                # Named as asked ("mae"), as `model.compile` names its metrics.
+                built.append(type(found).from_config({**found.get_config(), "name": metric}))
+            elif callable(found):
+                name = metric if isinstance(metric, str) else found.__name__
+                built.append(keras.metrics.MeanMetricWrapper(found, name=name))
+            else:
+                raise TypeError(f"`metrics` holds {metric!r}, which is not a Keras metric.")
+    return built
+
+
+class Trainer:
+    """Trains a Keras model on a `Feeder`'s staged batches, data-parallel across its replicas.
+
+    Every step equals one step of single-device training on the same global batch (see the
+    module docstring). `steps_per_execution` steps run inside one compiled function, which
+    saves a host round trip per step when steps are short. Build the model, and the optimizer
+    if it has state, under `strategy.scope()`.
+    """
+
+    def __init__(
+        self,
+        model: keras.Model,
+        loss: Any,
+        optimizer: keras.optimizers.Optimizer | str,
+        *,
+        strategy: tf.distribute.Strategy | None = None,
+        metrics: Sequence[Any] = (),
+        steps_per_execution: int = 1,
+    ):
+        if (
+            isinstance(steps_per_execution, bool)
+            or not isinstance(steps_per_execution, int)
+            or steps_per_execution < 1
+        ):
+            raise ValueError(
+                f"`steps_per_execution`={steps_per_execution!r} must be an integer >= 1."
+            )
+        self.strategy = strategy or tf.distribute.get_strategy()
+        self.model = model
+        self.loss = loss
+        self._loss_fn = per_sample_loss(loss)
+        with self.strategy.scope():
+            self.optimizer = keras.optimizers.get(optimizer)
+        self.metrics = _built_metrics(metrics, self.strategy)
+        self.steps_per_execution = steps_per_execution
+        self._run_steps = tf.function(self._steps)
+
+    def __repr__(self) -> str:
+        return (
+            f"Trainer(model={self.model.name!r}, loss={self.loss!r}, "
+            f"optimizer={type(self.optimizer).__name__}, "
+            f"replicas={self.strategy.num_replicas_in_sync}, "
+            f"metrics={[m.name for m in self.metrics]}, "
+            f"steps_per_execution={self.steps_per_execution})"
+        )
+
+    def _replica_step(self, sample, mask, num_valid):
+        replicas = self.strategy.num_replicas_in_sync
+        with tf.GradientTape() as tape:
+            loss, predictions, y, weights = replica_loss(
+                self.model, self._loss_fn, sample, mask, num_valid, replicas
+            )
+        variables = self.model.trainable_variables
+        gradients = tape.gradient(loss, variables)
+        self.optimizer.apply_gradients(zip(gradients, variables, strict=True))
+        for metric in self.metrics:
+            metric.update_state(y, predictions, sample_weight=weights)
+        return loss
+
+    def _steps(self, steps):
+        """`len(steps)` training steps; returns each step's mean loss over its real samples."""
+        losses = []
+        for sample, mask, num_valid in steps:
+            shares = self.strategy.run(self._replica_step, args=(sample, mask, num_valid))
+            losses.append(self.strategy.reduce(tf.distribute.ReduceOp.SUM, shares, axis=None))
+        return tf.stack(losses)
+
+    def _prepare(self, feeder: Feeder, first: Batch) -> None:
+        """Checks the feeder against the strategy and builds what the first trace needs."""
+        replicas = self.strategy.num_replicas_in_sync
+        if len(feeder.devices) != replicas:
+            raise ValueError(
+                f"The strategy has {replicas} replicas but the feeder stages batches for "
+                f"{len(feeder.devices)} devices ({', '.join(feeder.devices)}); build the "
+                "feeder with strategy= the trainer's strategy."
+            )
+        _unpack(first.replicas[0])
+        with self.strategy.scope():
+            if not self.model.built:
+                self.model(_unpack(first.replicas[0])[0])
+            if not self.optimizer.built:
+                # Variables made inside `strategy.run` in a tf.function are not mirrored.
+                self.optimizer.build(self.model.trainable_variables)
+
+    def fit(
+        self,
+        feeder: Feeder,
+        epochs: int = 1,
+        *,
+        verbose: int = 1,
+        callbacks: Sequence[keras.callbacks.Callback] = (),
+    ) -> keras.callbacks.History:
+        """Trains `epochs` epochs from the feeder's position; returns Keras's `History`.
+
+        Each epoch's logs hold `loss` (the mean over the epoch's real samples), the metrics,
+        and the feeder's `input_bound_fraction` and `steps_per_s` over that epoch. Keras
+        callbacks work as under `model.fit` (`model.stop_training` ends the run).
+        """
+        try:
+            steps = len(feeder)
+        except TypeError:
+            steps = None
+        callback_list = keras.callbacks.CallbackList(
+            list(callbacks),
+            add_history=True,
+            add_progbar=verbose != 0,
+            verbose=verbose,
+            epochs=epochs,
+            steps=steps,
+            model=self.model,
+        )
+        self.model.stop_training = False
+        callback_list.on_train_begin()
+        prepared = False
+        for epoch in range(epochs):
+            for metric in self.metrics:
+                metric.reset_state()
+            callback_list.on_epoch_begin(epoch)
+            before = feeder.stats()
+            started = time.perf_counter()
+            loss_sum, samples, step = 0.0, 0, 0
+            group: list[Batch] = []
+            # Closing the loop when training stops early keeps the feeder's position there.
+            with contextlib.closing(iter(feeder)) as batches:
+                while True:
+                    batch = next(batches, None)
+                    if batch is not None:
+                        if not prepared:
+                            self._prepare(feeder, batch)
+                            prepared = True
+                        group.append(batch)
+                        if len(group) < self.steps_per_execution:
+                            continue
+                    if not group:
+                        break
+                    callback_list.on_train_batch_begin(step)
+                    losses = self._run_steps(tuple(self._step_args(b) for b in group))
+                    counts = [b.num_valid for b in group]
+                    loss_sum += float(tf.reduce_sum(losses * tf.constant(counts, losses.dtype)))
+                    samples += sum(counts)
+                    step += len(group)
+                    del batch, group[:]
+                    callback_list.on_train_batch_end(step - 1, {"loss": loss_sum / samples})
+                    if self.model.stop_training:
+                        break
+            if samples == 0:
+                break
+            logs = {"loss": loss_sum / samples}
+            logs.update({m.name: float(m.result()) for m in self.metrics})
+            logs.update(_epoch_feed_logs(before, feeder.stats(), step, started))
+            callback_list.on_epoch_end(epoch, logs)
+            if self.model.stop_training:
+                break
+        callback_list.on_train_end()
+        return self.model.history
+
+    def _step_args(self, batch: Batch) -> tuple[Any, Any, tf.Tensor]:
+        sample, mask = batch.distributed(self.strategy)
+        return sample, mask, tf.constant(batch.num_valid, tf.float32)
+
+
+def _epoch_feed_logs(before, after, steps: int, started: float) -> dict[str, float]:
+    """The feeder's view of one epoch: the share of it spent waiting for input, and steps/s."""
+    wall = after.wall_s - before.wall_s
+    waited = after.consumer_wait_s - before.consumer_wait_s
+    elapsed = time.perf_counter() - started
+    return {
+        "input_bound_fraction": waited / wall if wall > 0 else 0.0,
+        "steps_per_s": steps / elapsed if elapsed > 0 else 0.0,
+    }
+
+
+def train(
+    model: keras.Model,
+    feeder: Feeder,
+    *,
+    loss: Any,
+    optimizer: keras.optimizers.Optimizer | str,
+    epochs: int = 1,
+    strategy: tf.distribute.Strategy | None = None,
+    metrics: Sequence[Any] = (),
+    steps_per_execution: int = 1,
+    verbose: int = 1,
+    callbacks: Sequence[keras.callbacks.Callback] = (),
+) -> keras.callbacks.History:
+    """Trains `model` on `feeder` for `epochs` epochs (see `Trainer`); `strategy` defaults to
+    the feeder's."""
+    trainer = Trainer(
+        model,
+        loss,
+        optimizer,
+        strategy=strategy or feeder.strategy,
+        metrics=metrics,
+        steps_per_execution=steps_per_execution,
+    )
+    return trainer.fit(feeder, epochs, verbose=verbose, callbacks=callbacks)
+
+
+class TowerStep:
+    """One training step the tower way: each device computes its own rows' loss and gradients.
+
+    For code shaped like the `make_parallel` / `DataParallelModel` wrappers: no strategy, one
+    set of variables, and `batch.replicas[i]` consumed on `devices[i]`. Each tower's loss is
+    its share of the global mean over real samples (as in `Trainer`), so the sum of the towers'
+    gradients, applied once, is the global batch's gradient (their average weighted by real
+    samples, never an average of per-tower means).
+    """
+
+    def __init__(
+        self,
+        model: keras.Model,
+        loss: Any,
+        optimizer: keras.optimizers.Optimizer | str,
+        devices: Sequence[str],
+    ):
+        self.model = model
+        self.devices = tuple(devices)
+        self._loss_fn = per_sample_loss(loss)
+        self.optimizer = keras.optimizers.get(optimizer)
+        self._step = tf.function(self._towers)
+
+    def _towers(self, replicas, masks, num_valid):
+        variables = self.model.trainable_variables
+        total, summed = 0.0, None
+        for device, sample, mask in zip(self.devices, replicas, masks, strict=True):
+            with tf.device(device), tf.GradientTape() as tape:
+                loss, _, _, _ = replica_loss(
+                    self.model, self._loss_fn, sample, mask, num_valid, len(self.devices)
+                )
+            gradients = tape.gradient(loss, variables)
+            summed = (
+                gradients
+                if summed is None
+                else [a + b for a, b in zip(summed, gradients, strict=True)]
+            )
+            total += loss
+        self.optimizer.apply_gradients(zip(summed, variables, strict=True))
+        return total
+
+    def __call__(self, batch: Batch) -> tf.Tensor:
+        """Trains on `batch`; returns its mean loss over real samples."""
+        if len(batch.replicas) != len(self.devices):
+            raise ValueError(
+                f"The batch was staged for {len(batch.replicas)} devices but the towers are "
+                f"{len(self.devices)} ({', '.join(self.devices)}); pass the feeder's devices."
+            )
+        if not self.model.built:
+            self.model(_unpack(batch.replicas[0])[0])
+        if not self.optimizer.built:
+            self.optimizer.build(self.model.trainable_variables)
+        return self._step(
+            tuple(batch.replicas),
+            tuple(batch.masks),
+            tf.constant(batch.num_valid, tf.float32),
+        )
+
+
+@keras.saving.register_keras_serializable("feedpipe")
+class WarmupLinearScaling(keras.optimizers.schedules.LearningRateSchedule):
+    """The learning rate for a large global batch: linear scaling with a gradual warm-up.
+
+    Goyal et al., "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour" (2017): when the
+    global batch grows k-fold (more replicas, the same per-replica batch), multiply the
+    learning rate by k; to survive the first steps, start from the unscaled rate and raise it
+    linearly to the scaled one over `warmup_steps` (they used 5 epochs). Afterwards the rate
+    stays at `base_learning_rate * global_batch_size / base_batch_size`.
+    """
+
+    def __init__(
+        self,
+        base_learning_rate: float,
+        global_batch_size: int,
+        base_batch_size: int = 256,
+        warmup_steps: int = 0,
+    ):
+        if not base_learning_rate > 0:
+            raise ValueError(f"`base_learning_rate`={base_learning_rate!r} must be > 0.")
+        for name, value in (
+            ("global_batch_size", global_batch_size),
+            ("base_batch_size", base_batch_size),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}`={value!r} must be an integer >= 1.")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"`warmup_steps`={warmup_steps!r} must be an integer >= 0.")
+        self.base_learning_rate = float(base_learning_rate)
+        self.global_batch_size = global_batch_size
+        self.base_batch_size = base_batch_size
+        self.warmup_steps = warmup_steps
+
+    @property
+    def scaled_learning_rate(self) -> float:
+        """The rate after warm-up: the base rate times global / base batch size."""
+        return self.base_learning_rate * self.global_batch_size / self.base_batch_size
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.float32)
+        base, peak = self.base_learning_rate, self.scaled_learning_rate
+        if self.warmup_steps == 0:
+            return tf.constant(peak, tf.float32) + 0.0 * step
+        progress = tf.minimum(step / self.warmup_steps, 1.0)
+        return base + (peak - base) * progress
+
+    def get_config(self) -> dict:
+        return {
+            "base_learning_rate": self.base_learning_rate,
+            "global_batch_size": self.global_batch_size,
+            "base_batch_size": self.base_batch_size,
+            "warmup_steps": self.warmup_steps,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"WarmupLinearScaling(base_learning_rate={self.base_learning_rate}, "
+            f"global_batch_size={self.global_batch_size}, base_batch_size="
+            f"{self.base_batch_size}, warmup_steps={self.warmup_steps}; scaled rate "
+            f"{self.scaled_learning_rate:g})"
+        )
