@@ -191,7 +191,7 @@ def test_a_strategy_with_another_replica_count_is_refused(devices):
         model = make_model()
     with (
         fp.Feeder(data(), GLOBAL_BATCH, devices=devices) as feeder,
-        pytest.raises(ValueError, match=r"strategy has 2 replicas but the feeder stages batches for 4"),
+        pytest.raises(ValueError, match=r"strategy has 2 replicas but the feeder stages .* for 4"),
     ):
         fp.Trainer(model, "mse", "sgd", strategy=two).fit(feeder, verbose=0)
 
