@@ -21,15 +21,22 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from keras.src.trainers import compile_utils
 
 from feedpipe.feeder import Feeder
 from feedpipe.stage import Batch
 
 
-def per_sample_loss(loss: Any) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
-    """`loss` as a function returning one value per sample (its reduction turned off)."""
+def per_sample_loss(
+    loss: Any, y_true: Any = None, y_pred: Any = None
+) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
+    """`loss` as a function returning one value per sample (its reduction turned off).
+
+    Names resolve as in `model.compile`; "crossentropy" picks its kind from a batch's labels
+    and predictions, so pass them for it.
+    """
     if isinstance(loss, str):
-        return keras.losses.get(loss)
+        loss = compile_utils.get_loss(loss, y_true, y_pred)
     if isinstance(loss, keras.losses.Loss):
         config = loss.get_config()
         if config.get("reduction") is not None:
@@ -95,23 +102,16 @@ def replica_loss(
     return share, predictions, y, row_weights
 
 
-def _built_metrics(metrics: Sequence[Any], strategy: tf.distribute.Strategy) -> list:
-    """Fresh metric objects made under the strategy, so their variables sum over replicas."""
+def _built_metrics(metrics: Sequence[Any], y_true: Any, y_pred: Any) -> list:
+    """Fresh metric objects, resolved as `model.compile` resolves them ("accuracy" picks its
+    kind from a batch's labels and predictions). Call under the strategy's scope, so that
+    their variables sum over the replicas."""
     built = []
-    with strategy.scope():
-        for metric in metrics:
-            if isinstance(metric, keras.metrics.Metric):
-                built.append(type(metric).from_config(metric.get_config()))
-                continue
-            found = keras.metrics.get(metric)
-            if isinstance(found, keras.metrics.Metric):
-                # Named as asked ("mae"), as `model.compile` names its metrics.
-                built.append(type(found).from_config({**found.get_config(), "name": metric}))
-            elif callable(found):
-                name = metric if isinstance(metric, str) else found.__name__
-                built.append(keras.metrics.MeanMetricWrapper(found, name=name))
-            else:
-                raise TypeError(f"`metrics` holds {metric!r}, which is not a Keras metric.")
+    for metric in metrics:
+        if isinstance(metric, keras.metrics.Metric):
+            built.append(type(metric).from_config(metric.get_config()))
+        else:
+            built.append(compile_utils.get_metric(metric, y_true, y_pred))
     return built
 
 
@@ -142,13 +142,17 @@ class Trainer:
             raise ValueError(
                 f"`steps_per_execution`={steps_per_execution!r} must be an integer >= 1."
             )
+        if not (isinstance(loss, str) or callable(loss)):
+            per_sample_loss(loss)  # raises, naming what a loss must be
         self.strategy = strategy or tf.distribute.get_strategy()
         self.model = model
         self.loss = loss
-        self._loss_fn = per_sample_loss(loss)
         with self.strategy.scope():
             self.optimizer = keras.optimizers.get(optimizer)
-        self.metrics = _built_metrics(metrics, self.strategy)
+        self._metric_specs = tuple(metrics)
+        self.metrics: list[keras.metrics.Metric] = []
+        """The metrics, built from `metrics` when the first batch shows the labels' kind."""
+        self._loss_fn: Callable | None = None
         self.steps_per_execution = steps_per_execution
         self._run_steps = tf.function(self._steps)
 
@@ -157,7 +161,7 @@ class Trainer:
             f"Trainer(model={self.model.name!r}, loss={self.loss!r}, "
             f"optimizer={type(self.optimizer).__name__}, "
             f"replicas={self.strategy.num_replicas_in_sync}, "
-            f"metrics={[m.name for m in self.metrics]}, "
+            f"metrics={list(self._metric_specs)}, "
             f"steps_per_execution={self.steps_per_execution})"
         )
 
@@ -182,8 +186,7 @@ class Trainer:
             losses.append(self.strategy.reduce(tf.distribute.ReduceOp.SUM, shares, axis=None))
         return tf.stack(losses)
 
-    def _prepare(self, feeder: Feeder, first: Batch) -> None:
-        """Checks the feeder against the strategy and builds what the first trace needs."""
+    def _check(self, feeder: Feeder) -> None:
         replicas = self.strategy.num_replicas_in_sync
         if len(feeder.devices) != replicas:
             raise ValueError(
@@ -191,23 +194,31 @@ class Trainer:
                 f"{len(feeder.devices)} devices ({', '.join(feeder.devices)}); build the "
                 "feeder with strategy= the trainer's strategy."
             )
-        _unpack(first.replicas[0])
+
+    def _build(self, first: Batch) -> None:
+        """Builds, once, what the first trace needs: the model, optimizer, loss and metrics."""
+        x, y, _ = _unpack(first.replicas[0])
         with self.strategy.scope():
-            if not self.model.built:
-                self.model(_unpack(first.replicas[0])[0])
+            predictions = self.model(x)  # builds the model on its first call
             if not self.optimizer.built:
                 # Variables made inside `strategy.run` in a tf.function are not mirrored.
                 self.optimizer.build(self.model.trainable_variables)
+            self._loss_fn = per_sample_loss(self.loss, y, predictions)
+            self.metrics = _built_metrics(self._metric_specs, y, predictions)
 
     def fit(
         self,
         feeder: Feeder,
         epochs: int = 1,
         *,
+        initial_epoch: int = 0,
         verbose: int = 1,
         callbacks: Sequence[keras.callbacks.Callback] = (),
     ) -> keras.callbacks.History:
-        """Trains `epochs` epochs from the feeder's position; returns Keras's `History`.
+        """Trains epochs `initial_epoch` to `epochs - 1` from the feeder's position, as
+        `model.fit` counts them (after a resume, pass the restored state's epoch as
+        `initial_epoch`: its first pass is the rest of the interrupted epoch); returns Keras's
+        `History`.
 
         Each epoch's logs hold `loss` (the mean over the epoch's real samples), the metrics,
         and the feeder's `input_bound_fraction` and `steps_per_s` over that epoch. Keras
@@ -228,8 +239,8 @@ class Trainer:
         )
         self.model.stop_training = False
         callback_list.on_train_begin()
-        prepared = False
-        for epoch in range(epochs):
+        self._check(feeder)
+        for epoch in range(initial_epoch, epochs):
             for metric in self.metrics:
                 metric.reset_state()
             callback_list.on_epoch_begin(epoch)
@@ -242,9 +253,8 @@ class Trainer:
                 while True:
                     batch = next(batches, None)
                     if batch is not None:
-                        if not prepared:
-                            self._prepare(feeder, batch)
-                            prepared = True
+                        if self._loss_fn is None:
+                            self._build(batch)
                         group.append(batch)
                         if len(group) < self.steps_per_execution:
                             continue
@@ -294,6 +304,7 @@ def train(
     loss: Any,
     optimizer: keras.optimizers.Optimizer | str,
     epochs: int = 1,
+    initial_epoch: int = 0,
     strategy: tf.distribute.Strategy | None = None,
     metrics: Sequence[Any] = (),
     steps_per_execution: int = 1,
@@ -310,7 +321,9 @@ def train(
         metrics=metrics,
         steps_per_execution=steps_per_execution,
     )
-    return trainer.fit(feeder, epochs, verbose=verbose, callbacks=callbacks)
+    return trainer.fit(
+        feeder, epochs, initial_epoch=initial_epoch, verbose=verbose, callbacks=callbacks
+    )
 
 
 class TowerStep:
@@ -330,9 +343,12 @@ class TowerStep:
         optimizer: keras.optimizers.Optimizer | str,
         devices: Sequence[str],
     ):
+        if not (isinstance(loss, str) or callable(loss)):
+            per_sample_loss(loss)  # raises, naming what a loss must be
         self.model = model
         self.devices = tuple(devices)
-        self._loss_fn = per_sample_loss(loss)
+        self.loss = loss
+        self._loss_fn: Callable | None = None
         self.optimizer = keras.optimizers.get(optimizer)
         self._step = tf.function(self._towers)
 
@@ -361,10 +377,12 @@ class TowerStep:
                 f"The batch was staged for {len(batch.replicas)} devices but the towers are "
                 f"{len(self.devices)} ({', '.join(self.devices)}); pass the feeder's devices."
             )
-        if not self.model.built:
-            self.model(_unpack(batch.replicas[0])[0])
-        if not self.optimizer.built:
-            self.optimizer.build(self.model.trainable_variables)
+        if self._loss_fn is None:
+            x, y, _ = _unpack(batch.replicas[0])
+            predictions = self.model(x)  # builds the model on its first call
+            self._loss_fn = per_sample_loss(self.loss, y, predictions)
+            if not self.optimizer.built:
+                self.optimizer.build(self.model.trainable_variables)
         return self._step(
             tuple(batch.replicas),
             tuple(batch.masks),

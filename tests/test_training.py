@@ -133,6 +133,38 @@ def test_epoch_logs_hold_the_mean_loss_metrics_and_the_feeders_view(devices, str
     assert logs["steps_per_s"][0] > 0
 
 
+@pytest.mark.parametrize("name", ["accuracy", "acc"])
+def test_accuracy_is_resolved_from_the_labels_as_compile_does(name):
+    x, y = data()
+    labels = (y > 0).astype(np.float32)  # binary labels, a sigmoid output: binary accuracy
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1, "sigmoid")])
+    with fp.Feeder((x, labels), GLOBAL_BATCH, devices=["/cpu:0"]) as feeder:
+        logs = fp.train(
+            model,
+            feeder,
+            loss="binary_crossentropy",
+            optimizer=keras.optimizers.SGD(0.0),
+            metrics=[name],
+            verbose=0,
+        ).history
+    expected = np.mean((model(x).numpy() > 0.5) == (labels > 0.5))
+    assert logs[name][0] == pytest.approx(expected)
+
+
+def test_a_trainer_fits_again_with_its_compiled_step_and_metrics(strategy):
+    with strategy.scope():
+        model = make_model()
+    trainer = fp.Trainer(
+        model, "mse", keras.optimizers.SGD(0.0), strategy=strategy, metrics=["mae"]
+    )
+    with fp.Feeder(data(), GLOBAL_BATCH, strategy=strategy) as feeder:
+        first = trainer.fit(feeder, verbose=0).history
+        second = trainer.fit(feeder, epochs=2, initial_epoch=1, verbose=0).history
+    assert second["mae"][0] == pytest.approx(first["mae"][0], rel=1e-6)
+    assert trainer._run_steps.experimental_get_tracing_count() == 1
+
+
 def test_training_stopped_early_leaves_the_feeder_where_it_stopped(strategy):
     class StopAfterTwo(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -142,9 +174,7 @@ def test_training_stopped_early_leaves_the_feeder_where_it_stopped(strategy):
     with strategy.scope():
         model = make_model()
     with fp.Feeder(data(), GLOBAL_BATCH, strategy=strategy) as feeder:
-        fp.train(
-            model, feeder, loss="mse", optimizer="sgd", callbacks=[StopAfterTwo()], verbose=0
-        )
+        fp.train(model, feeder, loss="mse", optimizer="sgd", callbacks=[StopAfterTwo()], verbose=0)
         assert feeder.get_state()["step"] == 2
 
 
