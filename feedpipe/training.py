@@ -15,6 +15,7 @@ that way; `WarmupLinearScaling` is the learning-rate rule for large global batch
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -179,12 +180,13 @@ class Trainer:
         return loss
 
     def _steps(self, steps):
-        """`len(steps)` training steps; returns each step's mean loss over its real samples."""
-        losses = []
+        """`len(steps)` training steps; returns the sum of their losses, each weighted by its
+        real samples (each step's loss is its mean over them)."""
+        total = 0.0
         for sample, mask, num_valid in steps:
             shares = self.strategy.run(self._replica_step, args=(sample, mask, num_valid))
-            losses.append(self.strategy.reduce(tf.distribute.ReduceOp.SUM, shares, axis=None))
-        return tf.stack(losses)
+            total += self.strategy.reduce(tf.distribute.ReduceOp.SUM, shares, axis=None) * num_valid
+        return total
 
     def _check(self, feeder: Feeder) -> None:
         replicas = self.strategy.num_replicas_in_sync
@@ -193,6 +195,13 @@ class Trainer:
                 f"The strategy has {replicas} replicas but the feeder stages batches for "
                 f"{len(feeder.devices)} devices ({', '.join(feeder.devices)}); build the "
                 "feeder with strategy= the trainer's strategy."
+            )
+        k, depth = self.steps_per_execution, feeder.options.depth
+        if depth < k:
+            raise ValueError(
+                f"`steps_per_execution`={k} runs {k} staged batches in one call, but the feeder "
+                f"keeps only `depth`={depth} staged (holding more would take a fresh host "
+                f"buffer per step); build the feeder with depth >= {k}."
             )
 
     def _build(self, first: Batch) -> None:
@@ -261,10 +270,8 @@ class Trainer:
                     if not group:
                         break
                     callback_list.on_train_batch_begin(step)
-                    losses = self._run_steps(tuple(self._step_args(b) for b in group))
-                    counts = [b.num_valid for b in group]
-                    loss_sum += float(tf.reduce_sum(losses * tf.constant(counts, losses.dtype)))
-                    samples += sum(counts)
+                    loss_sum += float(self._run_steps(tuple(self._step_args(b) for b in group)))
+                    samples += sum(b.num_valid for b in group)
                     step += len(group)
                     del batch, group[:]
                     callback_list.on_train_batch_end(step - 1, {"loss": loss_sum / samples})
@@ -283,7 +290,13 @@ class Trainer:
 
     def _step_args(self, batch: Batch) -> tuple[Any, Any, tf.Tensor]:
         sample, mask = batch.distributed(self.strategy)
-        return sample, mask, tf.constant(batch.num_valid, tf.float32)
+        return sample, mask, _count(batch.num_valid)
+
+
+@functools.lru_cache(maxsize=64)
+def _count(num_valid: int) -> tf.Tensor:
+    """`num_valid` as a float32 tensor, made once per value (all steps but the last share one)."""
+    return tf.constant(num_valid, tf.float32)
 
 
 def _epoch_feed_logs(before, after, steps: int, started: float) -> dict[str, float]:
@@ -386,7 +399,7 @@ class TowerStep:
         return self._step(
             tuple(batch.replicas),
             tuple(batch.masks),
-            tf.constant(batch.num_valid, tf.float32),
+            _count(batch.num_valid),
         )
 
 

@@ -69,11 +69,13 @@ def mirrored(devices) -> tf.distribute.MirroredStrategy:
     )
 
 
-def trained_on_replicas(devices, replicas: int, kind: str, **options) -> keras.Model:
+def trained_on_replicas(
+    devices, replicas: int, kind: str, depth: int = 2, **options
+) -> keras.Model:
     strategy = mirrored(devices[:replicas])
     with strategy.scope():
         model, optimizer = make_model(), make_optimizer(kind)
-    with fp.Feeder(data(), GLOBAL_BATCH, strategy=strategy) as feeder:
+    with fp.Feeder(data(), GLOBAL_BATCH, strategy=strategy, depth=depth) as feeder:
         fp.Trainer(model, "mse", optimizer, strategy=strategy, **options).fit(
             feeder, EPOCHS, verbose=0
         )
@@ -88,8 +90,18 @@ def test_training_on_any_replica_count_equals_single_device_training(devices, re
 
 
 def test_steps_per_execution_changes_nothing_but_speed(devices):
-    model = trained_on_replicas(devices, 4, "adam", steps_per_execution=3)
+    model = trained_on_replicas(devices, 4, "adam", depth=3, steps_per_execution=3)
     assert_same_weights([w.numpy() for w in model.weights], reference_weights("adam"))
+
+
+def test_steps_per_execution_beyond_the_staging_depth_is_refused(strategy):
+    with strategy.scope():
+        model = make_model()
+    with (
+        fp.Feeder(data(), GLOBAL_BATCH, strategy=strategy, depth=2) as feeder,
+        pytest.raises(ValueError, match=r"`steps_per_execution`=3 .* build the feeder with depth"),
+    ):
+        fp.Trainer(model, "mse", "sgd", strategy=strategy, steps_per_execution=3).fit(feeder)
 
 
 def test_model_fit_on_as_dataset_reaches_the_same_weights(devices):
