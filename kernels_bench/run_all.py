@@ -19,7 +19,15 @@ from pathlib import Path
 
 from kernels_bench import harness
 
-SCRIPTS = ("overlap", "get_latency", "mirrored", "copy_cost", "workers", "monitor_overhead")
+SCRIPTS = (
+    "overlap",
+    "get_latency",
+    "mirrored",
+    "train_loop",
+    "copy_cost",
+    "workers",
+    "monitor_overhead",
+)
 
 
 def main(argv=None) -> int:
