@@ -18,8 +18,9 @@ peers train it, each with its own copy of the same initial weights and its own o
   .batch(B).prefetch(AUTOTUNE)` (a full shuffle buffer: the uniform order of the feeder's
   `shuffle=True`), which `fit` distributes itself (`experimental_distribute_dataset`);
 * `synthetic`: the loop's trainer's compiled step (`trainer._run_steps`, private API) on the
-  per-replica values of one staged batch (`trainer._step_args(batch)`, built once and kept
-  alive with its batch): the same step with no input at all, the upper bound.
+  per-replica values of 4 staged batches taken in turn (`trainer._step_args(batch)`, built
+  once and kept alive with their batches; DESIGN.md's "the same batches pre-staged", as in
+  `mirrored.py`): the same step with no input at all, the upper bound.
 
 The data set holds exactly `warm-up + timed` global batches, so one epoch of `fit` and of the
 loop is one session of each peer: its first `--warmup` steps untimed (the tf.data iterator
@@ -52,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import statistics
 import time
 
@@ -63,6 +65,7 @@ from kernels_bench.mirrored import (
     FEATURES,
     HIDDEN_PROBES,
     LEARNING_RATE,
+    SYNTHETIC_BATCHES,
     _cost,
     hidden_for,
 )
@@ -141,30 +144,35 @@ def window_callback(warmup: int, timed: int, feeder=None):
 
 
 class PreStaged:
-    """One batch staged on the devices and kept alive, and the trainer's compiled step on it."""
+    """`SYNTHETIC_BATCHES` batches staged on the devices and kept alive, and the trainer's
+    compiled step on them in turn (as `mirrored.py`'s synthetic peer: distinct batches, so
+    the step reads its inputs from memory as a fed step does, not from a warm cache)."""
 
     def __init__(self, trainer, x: np.ndarray, y: np.ndarray, global_batch: int):
         import feedpipe as fp
 
         self.trainer = trainer
+        rows = SYNTHETIC_BATCHES * global_batch
         self.feeder = fp.Feeder(
-            (x[:global_batch], y[:global_batch]), global_batch, strategy=trainer.strategy
+            (x[:rows], y[:rows]),
+            global_batch,
+            strategy=trainer.strategy,
+            depth=SYNTHETIC_BATCHES,
         )
         self.batches = iter(self.feeder)
-        self.batch = next(self.batches)  # held: its slot is never reused while we run on it
-        self.args = (trainer._step_args(self.batch),)
+        # Held: their slots are never reused while the step runs on them.
+        self.kept = [next(self.batches) for _ in range(SYNTHETIC_BATCHES)]
+        self.args = [(trainer._step_args(batch),) for batch in self.kept]
 
     def seconds(self, warmup: int, timed: int) -> tuple[float, float]:
         """Wall and process CPU seconds of `timed` steps after `warmup` untimed ones."""
         run = self.trainer._run_steps
+        turns = itertools.cycle(self.args)
         for _ in range(warmup):
-            float(run(self.args))
+            float(run(next(turns)))
         started, cpu = time.perf_counter(), time.process_time()
-        losses = None
         for _ in range(timed):
-            losses = run(self.args)
-        if losses is not None:
-            float(losses)
+            float(run(next(turns)))  # the loop reads each step's loss on the host too
         return time.perf_counter() - started, time.process_time() - cpu
 
     def close(self) -> None:
