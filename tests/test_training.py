@@ -69,6 +69,13 @@ def mirrored(devices) -> tf.distribute.MirroredStrategy:
     )
 
 
+@pytest.fixture(scope="module")
+def strategy(devices) -> tf.distribute.MirroredStrategy:
+    """This module's 4-replica strategy, reducing through one device (see `mirrored`): with the
+    suite's collective strategy, models traced one after another collided on collective keys."""
+    return mirrored(devices)
+
+
 def trained_on_replicas(
     devices, replicas: int, kind: str, depth: int = 2, **options
 ) -> keras.Model:
@@ -105,7 +112,7 @@ def test_steps_per_execution_beyond_the_staging_depth_is_refused(strategy):
 
 
 def test_model_fit_on_as_dataset_reaches_the_same_weights(devices):
-    strategy = tf.distribute.MirroredStrategy(devices)
+    strategy = mirrored(devices)
     with strategy.scope():
         model = make_model()
         model.compile(make_optimizer("sgd"), "mse")
