@@ -205,6 +205,19 @@ class SleepDebt:
             self.debt_s -= time.perf_counter() - started
 
 
+def target_real_over_synthetic(report: Report, case: str, step_ms: float) -> None:
+    """The R/S >= 0.95 target, which applies where the synthetic step takes >= 10 ms."""
+    report.target(
+        case,
+        "real_over_synthetic",
+        ">=",
+        0.95,
+        "R/S",
+        applies=step_ms >= 10,
+        why_not=f"synthetic step {step_ms:.1f} ms < 10 ms; reported only",
+    )
+
+
 def endless(feeder) -> Iterator:
     """A feeder's batches across epoch boundaries (each `for` over a feeder is one epoch)."""
     while True:

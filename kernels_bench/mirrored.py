@@ -359,15 +359,7 @@ def main(argv=None) -> None:
             )
             report.target(case, "feedpipe_over_tfdata", ">=", 1.0, "feedpipe / tf.data")
             step_ms = entry["metrics"]["synthetic_step_ms"]["median"]
-            report.target(
-                case,
-                "real_over_synthetic",
-                ">=",
-                0.95,
-                "R/S",
-                applies=step_ms >= 10,
-                why_not=f"synthetic step {step_ms:.1f} ms < 10 ms; reported only",
-            )
+            harness.target_real_over_synthetic(report, case, step_ms)
         del data
     report.note(
         "Within a repetition the peers take turns in short blocks (rotating order), "

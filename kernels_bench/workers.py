@@ -342,18 +342,24 @@ def step_durations(step, count: int, batches: Iterator | None = None) -> list[fl
     return durations
 
 
-def fed_step_durations(step, source, device: str, warmup: int, count: int) -> tuple:
-    """Step durations while 2 worker processes produce, the input-bound fraction, and the
-    cores other processes used meanwhile."""
+def process_feeder(source, device: str):
+    """A feeder over `source` with `WORKERS` worker processes, one global batch per step."""
     import feedpipe as fp
 
-    with fp.Feeder(
+    return fp.Feeder(
         source,
         global_batch_size=GLOBAL_BATCH,
         devices=[device],
         workers=WORKERS,
         worker_mode="process",
-    ) as feeder:
+    )
+
+
+def fed_step_durations(step, source, device: str, warmup: int, count: int) -> tuple:
+    """Step durations while 2 worker processes produce, the input-bound fraction, and the
+    cores other processes used meanwhile."""
+
+    with process_feeder(source, device) as feeder:
         batches = harness.endless(feeder)
         step_durations(step, warmup, batches)
         before = feeder.stats()
@@ -425,15 +431,8 @@ def interference_case(report, settings, source, device, step_s, warmup, count) -
 def held_memory(source, device: str, warmup: int, count: int) -> dict:
     """A fresh feeder with 2 worker processes, each batch held until the next is taken: the
     stats before and after the measured window, the pool's size, and the peak RSS."""
-    import feedpipe as fp
 
-    with fp.Feeder(
-        source,
-        global_batch_size=GLOBAL_BATCH,
-        devices=[device],
-        workers=WORKERS,
-        worker_mode="process",
-    ) as feeder:
+    with process_feeder(source, device) as feeder:
         batches = harness.endless(feeder)
         batch = None
         for _ in range(warmup):
