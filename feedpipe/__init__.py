@@ -9,11 +9,13 @@ The pipeline, left to right, one module per box:
                            or workers)
                                  stats observe every hop
 
-`feedpipe.diagnosis` answers "is the step starved, and what would help" (`fp.diagnose`, the
-command `feedpipe diagnose`); `feedpipe.report` draws its HTML report. `feedpipe.workers` holds
-the worker pools (processes or threads), `feedpipe._worker` the code that runs inside a
-worker, `feedpipe._shm` the memory shared with worker processes. Those and `feedpipe.source`,
-`feedpipe.sampler`, `feedpipe.producers` and `feedpipe.split` never import
+`feedpipe.training` is the consumer's training loop (`fp.train`, `fp.Trainer`, `fp.TowerStep`);
+`feedpipe.monitor` holds `fp.StarvationMonitor`; `feedpipe.diagnosis` answers "is the step
+starved, and what would help" (`fp.diagnose`, the command `feedpipe diagnose`), and
+`feedpipe.report` draws its HTML report. `feedpipe.workers` holds the worker pools (processes
+or threads), `feedpipe._worker` the code that runs inside a worker, `feedpipe._shm` the memory
+shared with worker processes. Those three and `feedpipe.source`, `feedpipe.sampler`,
+`feedpipe.producers` and `feedpipe.split` never import
 TensorFlow; the public names below load lazily, so `import feedpipe` stays light.
 """
 
