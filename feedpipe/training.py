@@ -150,6 +150,13 @@ class Trainer:
         self.loss = loss
         with self.strategy.scope():
             self.optimizer = keras.optimizers.get(optimizer)
+        made_under = getattr(self.optimizer, "_distribution_strategy", self.strategy)
+        if made_under is not self.strategy:
+            raise ValueError(
+                f"The optimizer {type(self.optimizer).__name__} was made outside the trainer's "
+                "strategy scope, so its variables cannot be mirrored on the replicas; make it "
+                'inside `with strategy.scope():` (or pass its name, e.g. optimizer="adam").'
+            )
         self._metric_specs = tuple(metrics)
         self.metrics: list[keras.metrics.Metric] = []
         """The metrics, built from `metrics` when the first batch shows the labels' kind."""

@@ -134,12 +134,13 @@ def test_the_tower_step_reaches_the_same_weights(devices):
 def test_epoch_logs_hold_the_mean_loss_metrics_and_the_feeders_view(devices, strategy):
     with strategy.scope():
         model = make_model()
+        frozen = keras.optimizers.SGD(0.0)  # the logs can be checked exactly
     with fp.Feeder(data(), GLOBAL_BATCH, strategy=strategy) as feeder:
         history = fp.train(
             model,
             feeder,
             loss="mse",
-            optimizer=keras.optimizers.SGD(0.0),  # frozen: the logs can be checked exactly
+            optimizer=frozen,
             metrics=["mae"],
             verbose=0,
         )
@@ -174,9 +175,8 @@ def test_accuracy_is_resolved_from_the_labels_as_compile_does(name):
 def test_a_trainer_fits_again_with_its_compiled_step_and_metrics(strategy):
     with strategy.scope():
         model = make_model()
-    trainer = fp.Trainer(
-        model, "mse", keras.optimizers.SGD(0.0), strategy=strategy, metrics=["mae"]
-    )
+        frozen = keras.optimizers.SGD(0.0)
+    trainer = fp.Trainer(model, "mse", frozen, strategy=strategy, metrics=["mae"])
     with fp.Feeder(data(), GLOBAL_BATCH, strategy=strategy) as feeder:
         first = trainer.fit(feeder, verbose=0).history
         second = trainer.fit(feeder, epochs=2, initial_epoch=1, verbose=0).history
@@ -243,6 +243,14 @@ def test_a_strategy_with_another_replica_count_is_refused(devices):
         pytest.raises(ValueError, match=r"strategy has 2 replicas but the feeder stages .* for 4"),
     ):
         fp.Trainer(model, "mse", "sgd", strategy=two).fit(feeder, verbose=0)
+
+
+def test_an_optimizer_made_outside_the_strategy_scope_is_refused(strategy):
+    with strategy.scope():
+        model = make_model()
+    outside = keras.optimizers.Adam()
+    with pytest.raises(ValueError, match=r"Adam was made outside the trainer's strategy scope"):
+        fp.Trainer(model, "mse", outside, strategy=strategy)
 
 
 def test_samples_that_are_not_x_y_pairs_are_refused(strategy):
