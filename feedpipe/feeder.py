@@ -154,11 +154,19 @@ class Feeder(tf.train.experimental.PythonState):
         self.strategy = strategy
         self.split = ReplicaSplit(global_batch_size, len(self.devices))
         self._source = as_source(source)
+        dali = hasattr(self._source, "producer")
+        if dali and (workers or transform is not None or transpose is not None):
+            raise ValueError(
+                "A DaliSource decodes and augments in DALI's own threads: pass workers=0, "
+                "transform=None and transpose=None, and do that work in the DALI pipeline "
+                "(its num_threads sets the parallelism)."
+            )
         indexed = hasattr(self._source, "sample")
         if shuffle and not indexed:
             raise ValueError(
                 f"`shuffle`=True, but a {type(self._source).__name__} has no indices to shuffle; "
-                "shuffle inside the generator or the tf.data.Dataset, and pass shuffle=False."
+                "shuffle inside the generator, the tf.data.Dataset or the DALI reader "
+                "(random_shuffle=True), and pass shuffle=False."
             )
         sample_spec = self._read_spec(transform)
         length = self._source.length
@@ -183,7 +191,9 @@ class Feeder(tf.train.experimental.PythonState):
         self.spec = writer.out_spec
         """What each batch holds: the samples after `transform` and `transpose`."""
         self._shared = workers > 0 and worker_mode == "process"
-        if workers:
+        if dali:
+            self._producer = self._source.producer(self.split, self.devices, remainder)
+        elif workers:
             self._producer = self._start_workers(writer, transform)
         else:
             self._producer = ThreadProducer(writer, global_batch_size, self._sampler, remainder)
@@ -393,7 +403,8 @@ class Feeder(tf.train.experimental.PythonState):
             return sample
         size = self.options.global_batch_size
         weights = np.zeros(size, np.float32)
-        weights[: batch.num_valid] = size / batch.num_valid
+        real = slice(batch.num_valid) if batch.real is None else batch.real
+        weights[real] = size / batch.num_valid
         if weighting == "add":
             return (*sample, weights)
         x, y, given = sample

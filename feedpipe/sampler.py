@@ -27,6 +27,16 @@ class Step:
     """Sample indices of its real rows in order; `None` for stream sources (their own order)."""
     num_valid: int
     """Real samples in the batch; the rest of the global batch is padding."""
+    replica_valid: tuple[int, ...] | None = None
+    """Real rows of each replica, first in its rows, for sources that fill each replica from
+    its own shard (DALI); None when the real rows come first in the global batch."""
+
+    def real_rows(self, num_replicas: int, per_replica: int) -> np.ndarray:
+        """One bool per row of the global batch: True for a real sample, False for padding."""
+        if self.replica_valid is None:
+            return np.arange(num_replicas * per_replica) < self.num_valid
+        offsets = np.arange(per_replica)
+        return np.concatenate([offsets < valid for valid in self.replica_valid])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -369,6 +369,8 @@ def as_source(data: Any) -> Source:
     """Adapts what the user passed as `source` to the matching source class."""
     if isinstance(data, ArraySource | MapSource | PyDatasetSource | GeneratorSource):
         return data
+    if _is_instance_of_loaded(data, "feedpipe.dali", "DaliSource"):
+        return data  # produces per replica in DALI's threads (see feedpipe.dali)
     if _is_instance_of_loaded(data, "tensorflow", "data.Dataset"):
         return TFDatasetSource(data)
     if _is_instance_of_loaded(data, "keras", "utils.PyDataset"):

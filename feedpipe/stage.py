@@ -146,17 +146,18 @@ class Stager:
         self.strategy = strategy
         self._masks: dict[int, tuple[tf.Tensor, ...]] = {}
 
-    def masks(self, num_valid: int) -> tuple[tf.Tensor, ...]:
-        """Per-device masks for `num_valid` real rows; cached, since tensors are immutable."""
-        if num_valid not in self._masks:
+    def masks(self, step: Step) -> tuple[tf.Tensor, ...]:
+        """Per-device masks of the step's real rows; cached, since tensors are immutable."""
+        key = step.replica_valid or step.num_valid
+        if key not in self._masks:
             per_replica = self.layout.split.per_replica
-            real = np.arange(per_replica * len(self.devices)) < num_valid
+            real = step.real_rows(len(self.devices), per_replica)
             masks = []
             for device, part in zip(self.devices, real.reshape(-1, per_replica), strict=True):
                 with tf.device(device):
                     masks.append(tf.constant(part))
-            self._masks[num_valid] = tuple(masks)
-        return self._masks[num_valid]
+            self._masks[key] = tuple(masks)
+        return self._masks[key]
 
     def stage(self, step: Step, leased: np.ndarray) -> Batch:
         """The batch in the `leased` bytes of a slot, placed on the devices."""
@@ -167,7 +168,7 @@ class Stager:
         )
         return Batch(
             replicas,
-            self.masks(step.num_valid),
+            self.masks(step),
             step.num_valid,
             step.epoch,
             step.index,
@@ -190,16 +191,29 @@ class HostStager:
         arrays = self.layout.global_views(leased)
         if self.copy:
             arrays = [array.copy() for array in arrays]
-        return HostBatch(arrays, step.num_valid, step.epoch, step.index)
+        split = self.layout.split
+        real = None
+        if step.replica_valid is not None:
+            real = step.real_rows(split.num_replicas, split.per_replica)
+        return HostBatch(arrays, step.num_valid, step.epoch, step.index, real)
 
 
 class HostBatch:
-    """A global batch on the host: one array per field, padding rows last."""
+    """A global batch on the host: one array per field, padding rows last unless `real` says
+    which rows are real (sources that fill each replica from its own shard)."""
 
-    __slots__ = ("arrays", "epoch", "num_valid", "step")
+    __slots__ = ("arrays", "epoch", "num_valid", "real", "step")
 
-    def __init__(self, arrays: list[np.ndarray], num_valid: int, epoch: int, step: int):
+    def __init__(
+        self,
+        arrays: list[np.ndarray],
+        num_valid: int,
+        epoch: int,
+        step: int,
+        real: np.ndarray | None = None,
+    ):
         self.arrays = arrays
         self.num_valid = num_valid
         self.epoch = epoch
         self.step = step
+        self.real = real

@@ -8,8 +8,10 @@ row mixed up by the pipeline.
 from __future__ import annotations
 
 import collections
+import importlib.util
 import threading
 import time
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -189,3 +191,14 @@ def sleeping_model(step_s: float, steps_per_execution: int = 1) -> keras.Model:
     model = keras.Sequential([keras.Input((3,)), Sleep(step_s), keras.layers.Dense(1)])
     model.compile("adam", "mse", jit_compile=False, steps_per_execution=steps_per_execution)
     return model
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def load_example(name: str):
+    """The module of `examples/<name>.py` (examples are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

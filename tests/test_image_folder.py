@@ -5,7 +5,6 @@ every file exactly once per epoch, on each replica's device."""
 from __future__ import annotations
 
 import collections
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -13,20 +12,10 @@ import tensorflow as tf
 from PIL import Image
 
 import feedpipe as fp
+from tests.fakes import load_example
 from tests.image_fakes import DecodeCropFlip, IndexedFiles
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-
-def _example(name: str):
-    """An example script loaded as a module (examples are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-generator = _example("make_image_folder")
+generator = load_example("make_image_folder")
 
 
 def test_generator_writes_readable_jpegs_per_class(tmp_path):

@@ -114,8 +114,15 @@ def test_the_slot_is_freed_only_after_every_staged_tensor_is_gone(devices):
 
 def test_masks_are_cached_per_num_valid(devices):
     _, stager, *_ = staged_batch(devices)
-    assert stager.masks(5) is stager.masks(5)
-    assert [m.numpy().tolist() for m in stager.masks(8)] == [[True, True]] * 4
+    assert stager.masks(Step(0, 0, None, 5)) is stager.masks(Step(1, 3, None, 5))
+    assert [m.numpy().tolist() for m in stager.masks(Step(0, 0, None, 8))] == [[True, True]] * 4
+
+
+def test_masks_follow_each_replicas_own_real_rows(devices):
+    _, stager, *_ = staged_batch(devices)
+    step = Step(0, 0, None, 5, replica_valid=(2, 1, 0, 2))
+    masks = [m.numpy().tolist() for m in stager.masks(step)]
+    assert masks == [[True, True], [True, False], [False, False], [True, True]]
 
 
 def test_distributed_needs_a_strategy(devices):

@@ -1,0 +1,260 @@
+"""DALI: a DALI pipeline as a feeder source, one pipeline per replica.
+
+NVIDIA DALI decodes and augments in its own C++ threads (and on the GPU). `DaliSource` wraps a
+`@pipeline_def` function taking `shard_id` and `num_shards`; the feeder builds one pipeline
+per replica (shard `i` of `num_replicas`, `device_id` that replica's GPU, or None on the CPU),
+lets DALI run each ahead with its own prefetch queue, and copies every output once, straight
+from DALI's buffer into that replica's region of a host slot, which is staged like any other
+batch. The `Batch` API, masks, stats and remainder rules are the feeder's own:
+
+- the reader must be named (`name=`, default "reader") and read with `pad_last_batch=True`,
+  so every replica runs the same number of steps; rows DALI pads with are masked, never
+  delivered as real samples;
+- `remainder="pad"` delivers every file once per epoch; `"drop"` ends the epoch at the last
+  step where every replica's rows are real (the `N mod global_batch_size` samples left out are
+  the shards' tails); `"error"` refuses a file count that the global batch does not divide.
+
+DALI is imported here alone, so `import feedpipe` never needs it. Resuming mid-stream replays
+the pipelines from their seed to the restored position (DALI is deterministic for a seed), so
+`get_state()` / `set_state()` and checkpoints give the same stream.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from feedpipe.producers import Position, SlotSupply
+from feedpipe.sampler import EpochEnd, Step
+from feedpipe.split import HostSlot, ReplicaSplit
+
+INSTALL = "pip install feedpipe[dali] (nvidia-dali-cuda120)"
+
+
+def _dali():
+    try:
+        import nvidia.dali as dali
+    except ImportError as error:
+        raise ImportError(
+            f"feedpipe.dali needs NVIDIA DALI; install it with `{INSTALL}`."
+        ) from error
+    return dali
+
+
+class DaliSource:
+    """A DALI pipeline definition for `fp.Feeder`: one pipeline per replica, each its shard.
+
+    Args:
+        pipeline: a function decorated with `nvidia.dali.pipeline_def`, taking `shard_id` and
+            `num_shards` (pass them to the reader) and returning the sample's fields.
+        names: names of the outputs, in order; samples become dicts of them. None: a tuple
+            (one output: that output alone). The pipeline must return exactly these outputs.
+        reader_name: the `name=` of the pipeline's reader, which says how many samples an
+            epoch holds.
+        num_threads: DALI's CPU threads per pipeline.
+        prefetch_queue_depth: batches each pipeline runs ahead, in DALI's own queue.
+        seed: the pipelines' seed (shuffling and random augmentation); shard `i` uses
+            `seed + i`.
+    """
+
+    def __init__(
+        self,
+        pipeline: Callable[..., Any],
+        *,
+        names: Sequence[str] | None = None,
+        reader_name: str = "reader",
+        num_threads: int = 2,
+        prefetch_queue_depth: int = 2,
+        seed: int = 0,
+    ):
+        _dali()
+        if not callable(pipeline):
+            raise TypeError(
+                f"`pipeline` must be a function decorated with @nvidia.dali.pipeline_def; got "
+                f"{type(pipeline).__name__}."
+            )
+        for name, value in (
+            ("num_threads", num_threads),
+            ("prefetch_queue_depth", prefetch_queue_depth),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{name}`={value!r} must be an integer >= 1.")
+        self.pipeline = pipeline
+        self.names = None if names is None else tuple(names)
+        self.reader_name = reader_name
+        self.num_threads = num_threads
+        self.prefetch_queue_depth = prefetch_queue_depth
+        self.seed = seed
+        probe = self.build(0, 1, 1, None)
+        meta = probe.reader_meta(self.reader_name)
+        if not meta:
+            raise ValueError(
+                f"The pipeline has no reader named {reader_name!r}; give its reader "
+                f'name="{reader_name}" (or pass reader_name=).'
+            )
+        if not meta["pad_last_batch"]:
+            raise ValueError(
+                f"The reader {reader_name!r} must be built with pad_last_batch=True, so that "
+                "every replica runs the same number of steps; feedpipe masks the padded rows."
+            )
+        self.length: int = int(meta["epoch_size"])
+        """Samples per epoch, across every shard."""
+        self.stick_to_shard = bool(meta["stick_to_shard"])
+        self._first = self._sample(self._run(probe), 0)
+        del probe
+
+    def build(self, shard_id: int, num_shards: int, batch_size: int, device_id: int | None):
+        """The pipeline of shard `shard_id`, built."""
+        pipe = self.pipeline(
+            shard_id=shard_id,
+            num_shards=num_shards,
+            batch_size=batch_size,
+            num_threads=self.num_threads,
+            device_id=device_id,
+            seed=self.seed + shard_id,
+            prefetch_queue_depth=self.prefetch_queue_depth,
+        )
+        pipe.build()
+        return pipe
+
+    def _run(self, pipe) -> list:
+        """One batch of `pipe`'s outputs, as CPU tensor lists, checked against `names`."""
+        outputs = pipe.run()
+        outputs = list(outputs) if isinstance(outputs, tuple | list) else [outputs]
+        if self.names is not None and len(outputs) != len(self.names):
+            raise ValueError(
+                f"The pipeline returns {len(outputs)} outputs but `names` declares "
+                f"{len(self.names)} ({', '.join(self.names)}); return one output per name."
+            )
+        return [out.as_cpu() if hasattr(out, "as_cpu") else out for out in outputs]
+
+    def _sample(self, outputs: list, row: int) -> Any:
+        fields = []
+        for index, out in enumerate(outputs):
+            if not out.is_dense_tensor():
+                raise ValueError(
+                    f"Output {self._name(index)} of the pipeline has samples of different "
+                    f"shapes ({[tuple(out.at(i).shape) for i in range(min(len(out), 3))]}...); "
+                    "resize or crop them to one shape in the pipeline."
+                )
+            fields.append(np.asarray(out.as_array()[row]))
+        if self.names is not None:
+            return dict(zip(self.names, fields, strict=True))
+        return fields[0] if len(fields) == 1 else tuple(fields)
+
+    def _name(self, index: int) -> str:
+        return repr(self.names[index]) if self.names is not None else str(index)
+
+    def first_sample(self) -> Any:
+        """Sample 0 of shard 0: it tells the feeder the samples' structure, shapes and dtypes."""
+        return self._first
+
+    def producer(self, split: ReplicaSplit, devices: Sequence[str], remainder: str) -> DaliProducer:
+        return DaliProducer(self, split, devices, remainder)
+
+    def __repr__(self) -> str:
+        return (
+            f"DaliSource({getattr(self.pipeline, '__name__', self.pipeline)!r}, "
+            f"length={self.length}, names={self.names}, reader_name={self.reader_name!r}, "
+            f"num_threads={self.num_threads}, seed={self.seed})"
+        )
+
+
+def _device_id(device: str) -> int | None:
+    """The GPU index of a TensorFlow device name, or None for a CPU device."""
+    kind, _, index = device.rsplit("/", 1)[-1].partition(":")
+    kind = kind.removeprefix("device:").upper()
+    return int(index) if kind == "GPU" else None
+
+
+class DaliProducer:
+    """Runs one pipeline per replica and copies each replica's outputs into its slot region."""
+
+    def __init__(
+        self, source: DaliSource, split: ReplicaSplit, devices: Sequence[str], remainder: str
+    ):
+        self.source = source
+        self.split = split
+        self.device_ids = [_device_id(device) for device in devices]
+        self.remainder = remainder
+        shards = split.num_replicas
+        n = source.length
+        self.shard_sizes = [n * (i + 1) // shards - n * i // shards for i in range(shards)]
+        """Real samples in each shard: DALI cuts the file list into contiguous parts."""
+        self.iterations = math.ceil(math.ceil(n / shards) / split.per_replica)
+        """Steps DALI runs per epoch: its padded shards, in per-replica batches."""
+        full = min(self.shard_sizes) // split.per_replica
+        self.steps = full if remainder == "drop" else self.iterations
+        self.slots_in_flight = 1
+
+    def _replica_valid(self, epoch: int, index: int) -> tuple[int, ...]:
+        """Real rows of each replica at step `index`; without stick_to_shard, DALI's readers
+        move on to the next shard every epoch."""
+        b, shards = self.split.per_replica, self.split.num_replicas
+        shift = 0 if self.source.stick_to_shard else epoch
+        return tuple(
+            min(b, max(0, self.shard_sizes[(r + shift) % shards] - index * b))
+            for r in range(shards)
+        )
+
+    def slots(
+        self, start: Position, supply: SlotSupply
+    ) -> Iterator[tuple[Step, HostSlot] | EpochEnd]:
+        b, shards = self.split.per_replica, self.split.num_replicas
+        pipes = [
+            self.source.build(r, shards, b, device_id)
+            for r, device_id in enumerate(self.device_ids)
+        ]
+        # DALI is deterministic for a seed: replay up to the start.
+        for _ in range(start.epoch * self.iterations + start.step):
+            supply.check_stop()
+            for pipe in pipes:
+                pipe.run()
+        epoch, first = start.epoch, start.step
+        dropped = self.source.length - self.steps * self.split.global_batch_size
+        while True:
+            for index in range(first, self.steps):
+                slot = supply.acquire()
+                try:
+                    for replica, pipe in enumerate(pipes):
+                        self._write(slot, replica, self.source._run(pipe))
+                except BaseException:
+                    supply.give_back(slot)
+                    raise
+                valid = self._replica_valid(epoch, index)
+                yield Step(epoch, index, None, sum(valid), replica_valid=valid), slot
+            for _ in range(self.steps, self.iterations):  # "drop": the epoch's last steps
+                for pipe in pipes:
+                    pipe.run()
+            yield EpochEnd(epoch, dropped=dropped if self.remainder == "drop" else 0)
+            epoch, first = epoch + 1, 0
+
+    def _write(self, slot: HostSlot, replica: int, outputs: list) -> None:
+        """Copies one replica's outputs, once, from DALI's buffers into its slot regions."""
+        regions = slot.regions[replica]
+        if len(outputs) != len(regions):
+            raise ValueError(
+                f"The pipeline returned {len(outputs)} outputs, but its first batch had "
+                f"{len(regions)}; return the same outputs every time."
+            )
+        for index, (out, region) in enumerate(zip(outputs, regions, strict=True)):
+            shape = tuple(out.as_tensor().shape()) if out.is_dense_tensor() else None
+            if shape != region.shape or np.dtype(_numpy_dtype(out)) != region.dtype:
+                raise ValueError(
+                    f"Output {self.source._name(index)} of shard {replica} has shape {shape} "
+                    f"and dtype {_numpy_dtype(out)}, but the first sample had shape "
+                    f"{region.shape[1:]} and dtype {region.dtype} per row; make every output "
+                    "the same shape and dtype (resize or crop in the pipeline)."
+                )
+            out.copy_to_external(ctypes.c_void_p(region.ctypes.data))
+
+
+def _numpy_dtype(out) -> np.dtype:
+    """The numpy dtype of a DALI tensor list."""
+    from nvidia.dali import types
+
+    return np.dtype(types.to_numpy_type(out.dtype))
