@@ -14,13 +14,17 @@ batch. The `Batch` API, masks, stats and remainder rules are the feeder's own:
   step where every replica's rows are real (the `N mod global_batch_size` samples left out are
   the shards' tails); `"error"` refuses a file count that the global batch does not divide.
 
-DALI is imported here alone, so `import feedpipe` never needs it. Resuming mid-stream replays
-the pipelines from their seed to the restored position (DALI is deterministic for a seed), so
-`get_state()` / `set_state()` and checkpoints give the same stream.
+DALI is imported here alone, so `import feedpipe` never needs it. State uses DALI's own
+pipeline checkpointing: after each step the pipelines' checkpoints are kept with the position,
+`get_state()` carries those of the consumer's position and `set_state()` rebuilds the
+pipelines from them, so a restored feeder continues the same stream (shuffling and random
+augmentation included) without replaying it.
 """
 
 from __future__ import annotations
 
+import base64
+import collections
 import ctypes
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -33,6 +37,8 @@ from feedpipe.sampler import EpochEnd, Step
 from feedpipe.split import HostSlot, ReplicaSplit
 
 INSTALL = "pip install feedpipe[dali] (nvidia-dali-cuda120)"
+KEPT_CHECKPOINTS = 64
+"""Positions whose checkpoints are kept: more than the batches any feeder holds in flight."""
 
 
 def _dali():
@@ -107,8 +113,15 @@ class DaliSource:
         self._first = self._sample(self._run(probe), 0)
         del probe
 
-    def build(self, shard_id: int, num_shards: int, batch_size: int, device_id: int | None):
-        """The pipeline of shard `shard_id`, built."""
+    def build(
+        self,
+        shard_id: int,
+        num_shards: int,
+        batch_size: int,
+        device_id: int | None,
+        checkpoint: str | None = None,
+    ):
+        """The pipeline of shard `shard_id`, built; from `checkpoint` if one is given."""
         pipe = self.pipeline(
             shard_id=shard_id,
             num_shards=num_shards,
@@ -117,6 +130,8 @@ class DaliSource:
             device_id=device_id,
             seed=self.seed + shard_id,
             prefetch_queue_depth=self.prefetch_queue_depth,
+            enable_checkpointing=True,
+            checkpoint=checkpoint,
         )
         pipe.build()
         return pipe
@@ -190,6 +205,32 @@ class DaliProducer:
         full = min(self.shard_sizes) // split.per_replica
         self.steps = full if remainder == "drop" else self.iterations
         self.slots_in_flight = 1
+        self._checkpoints: collections.OrderedDict[tuple[int, int], list[str]] = (
+            collections.OrderedDict()
+        )
+        """DALI's checkpoint of every pipeline at each position produced lately (or restored):
+        a consumer's position is at most a few batches behind the producer's."""
+
+    def state_at(self, position: tuple[int, int]) -> list[str] | None:
+        """The pipelines' checkpoints at the consumer's `position`, for `Feeder.get_state`."""
+        return self._checkpoints.get(tuple(position))
+
+    def restore(self, position: tuple[int, int], checkpoints: list[str] | None) -> None:
+        """Makes the next stream start from `checkpoints`, taken at `position`."""
+        if checkpoints is not None:
+            if len(checkpoints) != self.split.num_replicas:
+                raise ValueError(
+                    f"The state holds DALI checkpoints of {len(checkpoints)} pipelines, but this "
+                    f"feeder runs {self.split.num_replicas}; restore into a feeder with as many "
+                    "replicas."
+                )
+            self._remember(tuple(position), list(checkpoints))
+
+    def _remember(self, position: tuple[int, int], checkpoints: list[str]) -> None:
+        self._checkpoints[position] = checkpoints
+        self._checkpoints.move_to_end(position)
+        while len(self._checkpoints) > KEPT_CHECKPOINTS:
+            self._checkpoints.popitem(last=False)
 
     def _replica_valid(self, epoch: int, index: int) -> tuple[int, ...]:
         """Real rows of each replica at step `index`; without stick_to_shard, DALI's readers
@@ -205,15 +246,16 @@ class DaliProducer:
         self, start: Position, supply: SlotSupply
     ) -> Iterator[tuple[Step, HostSlot] | EpochEnd]:
         b, shards = self.split.per_replica, self.split.num_replicas
+        saved = self._checkpoints.get((start.epoch, start.step))
         pipes = [
-            self.source.build(r, shards, b, device_id)
+            self.source.build(r, shards, b, device_id, None if saved is None else _decode(saved[r]))
             for r, device_id in enumerate(self.device_ids)
         ]
-        # DALI is deterministic for a seed: replay up to the start.
-        for _ in range(start.epoch * self.iterations + start.step):
-            supply.check_stop()
-            for pipe in pipes:
-                pipe.run()
+        if saved is None:  # no checkpoint of that position: DALI replays it from its seed
+            for _ in range(start.epoch * self.iterations + start.step):
+                supply.check_stop()
+                for pipe in pipes:
+                    pipe.run()
         epoch, first = start.epoch, start.step
         dropped = self.source.length - self.steps * self.split.global_batch_size
         while True:
@@ -222,14 +264,18 @@ class DaliProducer:
                 try:
                     for replica, pipe in enumerate(pipes):
                         self._write(slot, replica, self.source._run(pipe))
+                    after = (epoch, index + 1)
+                    if index + 1 == self.steps:
+                        for _ in range(self.steps, self.iterations):  # "drop": unused steps
+                            for pipe in pipes:
+                                pipe.run()
+                        after = (epoch + 1, 0)
+                    self._remember(after, [_encode(pipe.checkpoint()) for pipe in pipes])
                 except BaseException:
                     supply.give_back(slot)
                     raise
                 valid = self._replica_valid(epoch, index)
                 yield Step(epoch, index, None, sum(valid), replica_valid=valid), slot
-            for _ in range(self.steps, self.iterations):  # "drop": the epoch's last steps
-                for pipe in pipes:
-                    pipe.run()
             yield EpochEnd(epoch, dropped=dropped if self.remainder == "drop" else 0)
             epoch, first = epoch + 1, 0
 
@@ -251,6 +297,16 @@ class DaliProducer:
                     "the same shape and dtype (resize or crop in the pipeline)."
                 )
             out.copy_to_external(ctypes.c_void_p(region.ctypes.data))
+
+
+def _encode(checkpoint: bytes | str) -> str:
+    """A DALI checkpoint as JSON-safe text."""
+    raw = checkpoint.encode() if isinstance(checkpoint, str) else checkpoint
+    return base64.b64encode(raw).decode("ascii")
+
+
+def _decode(text: str) -> bytes:
+    return base64.b64decode(text)
 
 
 def _numpy_dtype(out) -> np.dtype:

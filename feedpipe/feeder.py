@@ -429,7 +429,7 @@ class Feeder(tf.train.experimental.PythonState):
         epoch, step = self._position
         if self._plan is not None and step >= len(self._plan):
             epoch, step = epoch + 1, 0
-        return {
+        state = {
             "version": STATE_VERSION,
             "epoch": epoch,
             "step": step,
@@ -439,6 +439,10 @@ class Feeder(tf.train.experimental.PythonState):
             "seed": self.options.seed,
             "shuffle": self.options.shuffle,
         }
+        state_at = getattr(self._producer, "state_at", None)
+        if state_at is not None:  # a DALI source: its pipelines' own checkpoints
+            state["source"] = state_at((epoch, step))
+        return state
 
     def set_state(self, state: dict) -> None:
         """Continues the stream exactly where `state` was taken; staged batches are remade."""
@@ -469,6 +473,8 @@ class Feeder(tf.train.experimental.PythonState):
                 raise ValueError(f"The state's {field}={state[field]!r} must be an integer >= 0.")
         self._stop_pipeline()
         self._position = Position(state["epoch"], state["step"])
+        if hasattr(self._producer, "restore"):
+            self._producer.restore(tuple(self._position), state["source"])
 
     def serialize(self) -> bytes:
         """For `tf.train.Checkpoint`: the state as JSON."""

@@ -4,6 +4,7 @@ devices. Every label is its file's index, so a batch tells which files it delive
 from __future__ import annotations
 
 import collections
+import json
 import sys
 
 import numpy as np
@@ -138,6 +139,32 @@ def test_a_resumed_feeder_continues_the_same_stream(files, devices):
         rest = delivered(feeder, epochs=2)
     assert rest[0] == whole[0][-len(rest[0]) :]
     assert rest[1] == whole[1]
+
+
+def test_a_checkpointed_feeder_continues_the_same_augmented_stream_without_replay(
+    files, devices, monkeypatch
+):
+    with fp.Feeder(indexed_images(files, shuffle=True), 8, devices=devices) as feeder:
+        whole = [b.replicas[0][0].numpy() for _ in range(2) for b in feeder]
+    with fp.Feeder(indexed_images(files, shuffle=True), 8, devices=devices) as feeder:
+        for step, batch in enumerate(feeder):
+            if step == 1:
+                state = json.loads(json.dumps(feeder.get_state()))
+                del batch
+                break
+    assert len(state["source"]) == len(devices)
+    source = indexed_images(files, shuffle=True)
+    built_from = []
+    build = source.build
+    monkeypatch.setattr(source, "build", lambda *args: built_from.append(args[-1]) or build(*args))
+    with fp.Feeder(source, 8, devices=devices) as feeder:
+        feeder.set_state(state)
+        rest = [b.replicas[0][0].numpy() for _ in range(2) for b in feeder]
+    # Built from DALI's checkpoints, not replayed from the seed.
+    assert built_from[: len(devices)] and all(built_from[: len(devices)])
+    assert len(rest) == len(whole) - 2
+    for got, expected in zip(rest, whole[2:], strict=True):
+        np.testing.assert_array_equal(got, expected)
 
 
 def test_outputs_that_do_not_match_the_declared_names_are_refused(files):
