@@ -27,6 +27,7 @@ SCRIPTS = (
     "copy_cost",
     "workers",
     "monitor_overhead",
+    "images",
 )
 
 
