@@ -73,14 +73,13 @@ import itertools
 import multiprocessing
 import os
 import statistics
-import sys
 import time
 from collections.abc import Iterator
 
 import numpy as np
 
 from kernels_bench import harness
-from kernels_bench.copy_cost import MMAP_THRESHOLD, SLACK_BYTES, rss_bytes
+from kernels_bench.copy_cost import SLACK_BYTES, rerun_with_mmap_threshold, rss_bytes
 from kernels_bench.gil_source import (
     BATCH,
     SAMPLE_SHAPE,
@@ -527,10 +526,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv=None) -> None:
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD:
-        args = list(sys.argv[1:] if argv is None else argv)
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}
-        os.execve(sys.executable, [sys.executable, "-m", "kernels_bench.workers", *args], env)
+    rerun_with_mmap_threshold("kernels_bench.workers", argv)
 
     settings = harness.parse_settings(__doc__, add_args, argv)
     (device,) = harness.configure_tf(1)
