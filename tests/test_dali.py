@@ -196,3 +196,25 @@ def test_missing_dali_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "nvidia.dali", None)
     with pytest.raises(ImportError, match=r"pip install feedpipe\[dali\]"):
         module.DaliSource(lambda **_: None)
+
+
+def test_diagnose_suggests_dali_threads_not_workers_for_a_dali_feeder(files):
+    from feedpipe import diagnosis
+
+    source = DaliSource(indexed_images(files).pipeline, num_threads=1)
+    with fp.Feeder(source, 8, devices=["/cpu:0"]) as feeder:
+        measured = diagnosis.Diagnosis(
+            "dali",
+            "step",
+            1024,
+            (0.1,) * 5,
+            (0.01,) * 5,
+            (diagnosis.StepTiming(0.1, 0.01, None),) * 5,
+            False,
+        )
+        remedies = diagnosis.rank_remedies(
+            measured, feeder, cores=4, memcpy_s=1e-4, memory_bytes=2**34, image_like=True
+        )
+    actions = [r.action for r in remedies]
+    assert any(a.startswith("more DALI threads: DaliSource(..., num_threads=4)") for a in actions)
+    assert not any("workers" in a or "decode and augment" in a for a in actions), actions
