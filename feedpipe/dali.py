@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import collections
 import ctypes
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -289,7 +290,7 @@ class DaliProducer:
             )
         for index, (out, region) in enumerate(zip(outputs, regions, strict=True)):
             shape = tuple(out.as_tensor().shape()) if out.is_dense_tensor() else None
-            if shape != region.shape or np.dtype(_numpy_dtype(out)) != region.dtype:
+            if shape != region.shape or _numpy_dtype(out) != region.dtype:
                 raise ValueError(
                     f"Output {self.source._name(index)} of shard {replica} has shape {shape} "
                     f"and dtype {_numpy_dtype(out)}, but the first sample had shape "
@@ -311,6 +312,11 @@ def _decode(text: str) -> bytes:
 
 def _numpy_dtype(out) -> np.dtype:
     """The numpy dtype of a DALI tensor list."""
+    return _to_numpy(out.dtype)
+
+
+@functools.cache
+def _to_numpy(dali_dtype) -> np.dtype:
     from nvidia.dali import types
 
-    return np.dtype(types.to_numpy_type(out.dtype))
+    return np.dtype(types.to_numpy_type(dali_dtype))
