@@ -2,10 +2,14 @@
 
 NVIDIA DALI decodes and augments in its own C++ threads (and on the GPU). `DaliSource` wraps a
 `@pipeline_def` function taking `shard_id` and `num_shards`; the feeder builds one pipeline
-per replica (shard `i` of `num_replicas`, `device_id` that replica's GPU, or None on the CPU),
-lets DALI run each ahead with its own prefetch queue, and copies every output once, straight
-from DALI's buffer into that replica's region of a host slot, which is staged like any other
-batch. The `Batch` API, masks, stats and remainder rules are the feeder's own:
+per replica (shard `i` of `num_replicas`, `device_id` that replica's GPU, or None on the CPU)
+and lets DALI run each ahead with its own prefetch queue. Each output is handed to TensorFlow
+through DLPack where DALI left it: an output of a GPU stage stays on its GPU (no trip through
+host memory), a host output becomes a host tensor without a copy, and only a host output bound
+for a GPU is copied, once, host to device. DALI's default executor keeps every output alive for
+as long as something refers to it, so the tensors need no slot and never change. `as_dataset()`
+joins the replicas' outputs into one host array per field (one copy). The `Batch` API, masks,
+stats and remainder rules are the feeder's own:
 
 - the reader must be named (`name=`, default "reader") and read with `pad_last_batch=True`,
   so every replica runs the same number of steps; rows DALI pads with are masked, never
@@ -25,7 +29,6 @@ from __future__ import annotations
 
 import base64
 import collections
-import ctypes
 import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -35,7 +38,8 @@ import numpy as np
 
 from feedpipe.producers import Position, SlotSupply
 from feedpipe.sampler import EpochEnd, Step
-from feedpipe.split import HostSlot, ReplicaSplit
+from feedpipe.split import ReplicaSplit
+from feedpipe.stage import Imported
 
 INSTALL = "pip install feedpipe[dali] (nvidia-dali-cuda120)"
 KEPT_CHECKPOINTS = 64
@@ -96,7 +100,7 @@ class DaliSource:
         self.num_threads = num_threads
         self.prefetch_queue_depth = prefetch_queue_depth
         self.seed = seed
-        probe = self.build(0, 1, 1, None)
+        probe = self.build(0, 1, 1, _probe_device())
         meta = probe.reader_meta(self.reader_name)
         if not meta:
             raise ValueError(
@@ -111,8 +115,11 @@ class DaliSource:
         self.length: int = int(meta["epoch_size"])
         """Samples per epoch, across every shard."""
         self.stick_to_shard = bool(meta["stick_to_shard"])
-        self._first = self._sample(self._run(probe), 0)
-        del probe
+        outputs = self._run(probe)
+        self._first = self._sample(outputs, 0)
+        self.fields = [(tuple(out.as_tensor().shape())[1:], _numpy_dtype(out)) for out in outputs]
+        """Each output's per-sample shape and numpy dtype: every batch must keep them."""
+        del outputs, probe
 
     def build(
         self,
@@ -131,6 +138,7 @@ class DaliSource:
             device_id=device_id,
             seed=self.seed + shard_id,
             prefetch_queue_depth=self.prefetch_queue_depth,
+            exec_dynamic=True,  # outputs stay valid while referred to: handed over in place
             enable_checkpointing=True,
             checkpoint=checkpoint,
         )
@@ -138,7 +146,8 @@ class DaliSource:
         return pipe
 
     def _run(self, pipe) -> list:
-        """One batch of `pipe`'s outputs, as CPU tensor lists, checked against `names`."""
+        """One batch of `pipe`'s outputs (tensor lists, where DALI left them), checked against
+        `names` and for one shape per output."""
         outputs = pipe.run()
         outputs = list(outputs) if isinstance(outputs, tuple | list) else [outputs]
         if self.names is not None and len(outputs) != len(self.names):
@@ -146,17 +155,19 @@ class DaliSource:
                 f"The pipeline returns {len(outputs)} outputs but `names` declares "
                 f"{len(self.names)} ({', '.join(self.names)}); return one output per name."
             )
-        return [out.as_cpu() if hasattr(out, "as_cpu") else out for out in outputs]
-
-    def _sample(self, outputs: list, row: int) -> Any:
-        fields = []
         for index, out in enumerate(outputs):
             if not out.is_dense_tensor():
                 raise ValueError(
                     f"Output {self._name(index)} of the pipeline has samples of different "
-                    f"shapes ({[tuple(out.at(i).shape) for i in range(min(len(out), 3))]}...); "
+                    f"shapes ({[tuple(out[i].shape()) for i in range(min(len(out), 3))]}...); "
                     "resize or crop them to one shape in the pipeline."
                 )
+        return outputs
+
+    def _sample(self, outputs: list, row: int) -> Any:
+        fields = []
+        for out in outputs:
+            out = out.as_cpu() if hasattr(out, "as_cpu") else out
             fields.append(np.asarray(out.as_array()[row]))
         if self.names is not None:
             return dict(zip(self.names, fields, strict=True))
@@ -187,8 +198,18 @@ def _device_id(device: str) -> int | None:
     return int(index) if kind == "GPU" else None
 
 
+def _probe_device() -> int | None:
+    """GPU 0 where DALI sees a GPU (a pipeline with GPU stages builds only there), else None."""
+    from nvidia.dali import backend
+
+    try:
+        return 0 if backend.GetCUDADeviceCount() > 0 else None
+    except RuntimeError:  # no CUDA driver
+        return None
+
+
 class DaliProducer:
-    """Runs one pipeline per replica and copies each replica's outputs into its slot region."""
+    """Runs one pipeline per replica and hands each step's outputs over where DALI left them."""
 
     def __init__(
         self, source: DaliSource, split: ReplicaSplit, devices: Sequence[str], remainder: str
@@ -205,7 +226,7 @@ class DaliProducer:
         """Steps DALI runs per epoch: its padded shards, in per-replica batches."""
         full = min(self.shard_sizes) // split.per_replica
         self.steps = full if remainder == "drop" else self.iterations
-        self.slots_in_flight = 1
+        self.slots_in_flight = 0  # its batches stay in DALI's memory: it takes no slot
         self._checkpoints: collections.OrderedDict[tuple[int, int], list[str]] = (
             collections.OrderedDict()
         )
@@ -245,7 +266,7 @@ class DaliProducer:
 
     def slots(
         self, start: Position, supply: SlotSupply
-    ) -> Iterator[tuple[Step, HostSlot] | EpochEnd]:
+    ) -> Iterator[tuple[Step, Imported] | EpochEnd]:
         b, shards = self.split.per_replica, self.split.num_replicas
         saved = self._checkpoints.get((start.epoch, start.step))
         pipes = [
@@ -261,43 +282,46 @@ class DaliProducer:
         dropped = self.source.length - self.steps * self.split.global_batch_size
         while True:
             for index in range(first, self.steps):
-                slot = supply.acquire()
-                try:
-                    for replica, pipe in enumerate(pipes):
-                        self._write(slot, replica, self.source._run(pipe))
-                    after = (epoch, index + 1)
-                    if index + 1 == self.steps:
-                        for _ in range(self.steps, self.iterations):  # "drop": unused steps
-                            for pipe in pipes:
-                                pipe.run()
-                        after = (epoch + 1, 0)
-                    self._remember(after, [_encode(pipe.checkpoint()) for pipe in pipes])
-                except BaseException:
-                    supply.give_back(slot)
-                    raise
+                supply.check_stop()
+                outputs = Imported(
+                    [self._outputs(replica, pipe) for replica, pipe in enumerate(pipes)]
+                )
+                after = (epoch, index + 1)
+                if index + 1 == self.steps:
+                    for _ in range(self.steps, self.iterations):  # "drop": unused steps
+                        for pipe in pipes:
+                            pipe.run()
+                    after = (epoch + 1, 0)
+                self._remember(after, [_encode(pipe.checkpoint()) for pipe in pipes])
                 valid = self._replica_valid(epoch, index)
-                yield Step(epoch, index, None, sum(valid), replica_valid=valid), slot
+                yield Step(epoch, index, None, sum(valid), replica_valid=valid), outputs
+                del outputs  # DALI's buffers go back when the staged tensors are dropped
             yield EpochEnd(epoch, dropped=dropped if self.remainder == "drop" else 0)
             epoch, first = epoch + 1, 0
 
-    def _write(self, slot: HostSlot, replica: int, outputs: list) -> None:
-        """Copies one replica's outputs, once, from DALI's buffers into its slot regions."""
-        regions = slot.regions[replica]
-        if len(outputs) != len(regions):
+    def _outputs(self, replica: int, pipe) -> list:
+        """One step of a replica's pipeline: its outputs as dense tensors, checked against the
+        first batch's shapes and dtypes."""
+        outputs = self.source._run(pipe)
+        fields = self.source.fields
+        if len(outputs) != len(fields):
             raise ValueError(
                 f"The pipeline returned {len(outputs)} outputs, but its first batch had "
-                f"{len(regions)}; return the same outputs every time."
+                f"{len(fields)}; return the same outputs every time."
             )
-        for index, (out, region) in enumerate(zip(outputs, regions, strict=True)):
-            shape = tuple(out.as_tensor().shape()) if out.is_dense_tensor() else None
-            if shape != region.shape or _numpy_dtype(out) != region.dtype:
+        tensors = []
+        for index, (out, (shape, dtype)) in enumerate(zip(outputs, fields, strict=True)):
+            tensor = out.as_tensor()
+            got = tuple(tensor.shape())
+            if got[1:] != shape or got[0] != self.split.per_replica or _numpy_dtype(out) != dtype:
                 raise ValueError(
-                    f"Output {self.source._name(index)} of shard {replica} has shape {shape} "
-                    f"and dtype {_numpy_dtype(out)}, but the first sample had shape "
-                    f"{region.shape[1:]} and dtype {region.dtype} per row; make every output "
-                    "the same shape and dtype (resize or crop in the pipeline)."
+                    f"Output {self.source._name(index)} of shard {replica} has shape {got} "
+                    f"and dtype {_numpy_dtype(out)}, but the first sample had shape {shape} and "
+                    f"dtype {dtype} per row; make every output the same shape and dtype (resize "
+                    "or crop in the pipeline)."
                 )
-            out.copy_to_external(ctypes.c_void_p(region.ctypes.data))
+            tensors.append(tensor)
+        return tensors
 
 
 def _encode(checkpoint: bytes | str) -> str:

@@ -4,6 +4,10 @@ A replica's region of a host slot is handed to TensorFlow through DLPack, which 
 memory without copying, and is then placed on the replica's device: on a GPU that is the one
 host-to-device copy; on a CPU device it is free. The slot stays leased until every tensor made
 from it is gone (see `feedpipe.split`).
+
+A source whose outputs already sit in memory of their own (DALI's, on the host or a GPU) hands
+them over as `Imported`: DLPack wraps them where they are, so a GPU output is never copied
+through host memory and a host output is never copied at all.
 """
 
 from __future__ import annotations
@@ -137,6 +141,38 @@ def to_device(array: np.ndarray, device: str) -> tf.Tensor:
     return tf.experimental.dlpack.from_dlpack(array.__dlpack__())._copy_to_device(device)
 
 
+def import_to_device(tensor: Any, device: str) -> tf.Tensor:
+    """A tensor on `device` over the memory of `tensor`, any object that speaks DLPack: no copy
+    where it already sits on `device` (or on a CPU device, for a CPU device)."""
+    imported = tf.experimental.dlpack.from_dlpack(tensor.__dlpack__())
+    return imported if imported.device == device else imported._copy_to_device(device)
+
+
+def host_array(tensor: Any) -> np.ndarray:
+    """The values of a DLPack object as a host array: a view of host memory, or a device copy."""
+    if tensor.__dlpack_device__()[0] == _DLPACK_CPU:
+        return np.from_dlpack(tensor)
+    return tf.experimental.dlpack.from_dlpack(tensor.__dlpack__()).numpy()
+
+
+_DLPACK_CPU = 1
+"""DLPack's device type of host memory (kDLCPU)."""
+
+
+class Imported:
+    """A batch already in memory another library owns: `replicas[replica][field]`, each an
+    object that speaks DLPack and holds `per_replica` rows. It takes no slot."""
+
+    __slots__ = ("replicas",)
+
+    def __init__(self, replicas: list[list[Any]]):
+        self.replicas = replicas
+
+    def lease(self, give_back: Any) -> Imported:
+        """Itself: its memory is kept alive by the tensors made from it, not by a slot."""
+        return self
+
+
 class Stager:
     """Turns filled host slots into `Batch`es whose tensors sit on each replica's device."""
 
@@ -159,12 +195,16 @@ class Stager:
             self._masks[key] = tuple(masks)
         return self._masks[key]
 
-    def stage(self, step: Step, leased: np.ndarray) -> Batch:
-        """The batch in the `leased` bytes of a slot, placed on the devices."""
+    def stage(self, step: Step, leased: np.ndarray | Imported) -> Batch:
+        """The batch in the `leased` bytes of a slot (or `Imported`), placed on the devices."""
         unflatten = self.layout.spec.unflatten
+        if isinstance(leased, Imported):
+            per_replica, place = leased.replicas, import_to_device
+        else:
+            per_replica, place = self.layout.views(leased), to_device
         replicas = tuple(
-            unflatten([to_device(region, device) for region in regions])
-            for device, regions in zip(self.devices, self.layout.views(leased), strict=True)
+            unflatten([place(region, device) for region in regions])
+            for device, regions in zip(self.devices, per_replica, strict=True)
         )
         return Batch(
             replicas,
@@ -187,10 +227,14 @@ class HostStager:
         self.layout = layout
         self.copy = copy
 
-    def stage(self, step: Step, leased: np.ndarray) -> HostBatch:
-        arrays = self.layout.global_views(leased)
-        if self.copy:
-            arrays = [array.copy() for array in arrays]
+    def stage(self, step: Step, leased: np.ndarray | Imported) -> HostBatch:
+        if isinstance(leased, Imported):  # one copy: the replicas' rows joined in fresh memory
+            fields = zip(*leased.replicas, strict=True)
+            arrays = [np.concatenate([host_array(part) for part in field]) for field in fields]
+        else:
+            arrays = self.layout.global_views(leased)
+            if self.copy:
+                arrays = [array.copy() for array in arrays]
         split = self.layout.split
         real = None
         if step.replica_valid is not None:

@@ -21,7 +21,7 @@ Peers:
 * dali_feedpipe: `fp.Feeder(DaliSource(pipeline, num_threads=2), 64, devices=[cpu])`, the
   pipeline being `examples/images_with_dali.py`'s (`fn.readers.file`, `fn.decoders.image` on
   the CPU, `fn.random_resized_crop`, `fn.crop_mirror_normalize` with a coin-flip mirror); one
-  replica, so one pipeline of batch 64.
+  replica, so one pipeline of batch 64, its outputs staged in place on the CPU device.
 * dali_alone: the same pipeline through DALI's plain Python API, as a user without feedpipe
   runs it: built with batch 64, the same `num_threads`, seed and `prefetch_queue_depth`, then
   `pipe.run()` and `as_array()` of each output (numpy arrays in host memory).
@@ -31,11 +31,10 @@ DALI used alone). The other paths are reported relative to tf.data (no target).
 
 `--threads` sets DALI's `num_threads` for both DALI peers (default 2, one per core of the
 2-core development machine). With as many DALI threads as cores, every bit of CPU that the
-consuming side spends outside DALI's threads (feedpipe's producer thread: the copy into the
-slot, its bookkeeping and staging) competes with DALI's threads for a core, and DALI's rate
-drops by more than that CPU's share; `--threads 1` (a core left to the consumer) shows the
-feeder's cost without that contention. On a GPU machine the pipeline runs on the GPU and the
-question is moot.
+consuming side spends outside DALI's threads competes with DALI's threads for a core. The
+feeder hands DALI's host outputs to TensorFlow in place (DLPack, no copy), where DALI alone
+copies them once in `as_array()`; `--threads 1` (a core left to the consumer) shows the two
+without that contention.
 
 Each repetition also records `other_cores` (as `workers.py` does): the CPU other processes on
 the machine used during its timed windows; above ~0.1 core a repetition did not measure the
@@ -253,7 +252,7 @@ def main(argv=None) -> None:
     import feedpipe as fp
 
     threads = settings.args.threads
-    warmup, count = settings.pick((8, 64), (16, 160))
+    warmup, count = settings.pick((8, 64), (16, 400))
     report = harness.Report(
         "images",
         "images/s of decode JPEG + random resized crop + flip + normalise: tf.data, feedpipe "

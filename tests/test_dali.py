@@ -82,6 +82,50 @@ def test_batches_have_the_declared_shapes_dtypes_and_devices(files, devices):
         del batch
 
 
+def buffer_address(tensor: tf.Tensor) -> int:
+    """Where a host tensor's values live, read through DLPack."""
+
+    class Exported:
+        def __dlpack__(self, **_):
+            return tf.experimental.dlpack.to_dlpack(tensor)
+
+        def __dlpack_device__(self):
+            return (1, 0)
+
+    return np.from_dlpack(Exported()).ctypes.data
+
+
+def test_host_outputs_are_staged_in_dalis_own_memory_without_a_copy(files, devices, monkeypatch):
+    from feedpipe import stage
+
+    dali_addresses = []
+    import_to_device = stage.import_to_device
+
+    def recording(tensor, device):
+        dali_addresses.append(tensor.data_ptr())
+        return import_to_device(tensor, device)
+
+    monkeypatch.setattr(stage, "import_to_device", recording)
+    with fp.Feeder(indexed_images(files), 8, devices=devices) as feeder:
+        batch = next(iter(feeder))
+        staged = [buffer_address(leaf) for replica in batch.replicas for leaf in replica]
+        assert staged == dali_addresses
+        assert feeder.stats().slots_allocated == 0
+        del batch
+
+
+def test_a_kept_batch_keeps_its_values_while_the_pipelines_run_on(files, devices):
+    with fp.Feeder(indexed_images(files, shuffle=True), 8, devices=devices, depth=1) as feeder:
+        kept = [next(iter(feeder))]
+        expected = [[leaf.numpy().copy() for leaf in replica] for replica in kept[0].replicas]
+        for _ in range(3):  # more epochs than DALI's queues hold batches
+            kept += list(feeder)
+        values = [[leaf.numpy() for leaf in replica] for replica in kept[0].replicas]
+        for got, want in zip(values, expected, strict=True):
+            assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+        del kept
+
+
 def test_the_last_batch_masks_exactly_the_rows_dali_padded(files, devices):
     with fp.Feeder(indexed_images(files), 8, devices=devices) as feeder:
         batches = list(feeder)
@@ -175,7 +219,9 @@ def test_outputs_that_do_not_match_the_declared_names_are_refused(files):
 def test_outputs_of_varying_shapes_are_a_clear_error_naming_the_output(files, devices):
     with (
         fp.Feeder(indexed_images(files, resize=False), 8, devices=devices) as feeder,
-        pytest.raises(ValueError, match=r"Output 0 of shard \d .* the same shape and dtype"),
+        pytest.raises(
+            ValueError, match=r"Output 0 of the pipeline has samples of different shapes"
+        ),
     ):
         delivered(feeder)
 
