@@ -22,7 +22,8 @@ DALI is imported here alone, so `import feedpipe` never needs it. State uses DAL
 pipeline checkpointing: after each step the pipelines' checkpoints are kept with the position,
 `get_state()` carries those of the consumer's position and `set_state()` rebuilds the
 pipelines from them, so a restored feeder continues the same stream (shuffling and random
-augmentation included) without replaying it.
+augmentation included) without replaying it. A pipeline DALI cannot checkpoint (some readers)
+still feeds, but its `get_state()` is an error that says why, never a silent restart.
 """
 
 from __future__ import annotations
@@ -100,7 +101,16 @@ class DaliSource:
         self.num_threads = num_threads
         self.prefetch_queue_depth = prefetch_queue_depth
         self.seed = seed
-        probe = self.build(0, 1, 1, _probe_device())
+        self.checkpointing = True
+        """Whether DALI can checkpoint the pipeline; `uncheckpointable` says why not."""
+        self.uncheckpointable: str | None = None
+        try:
+            probe = self.build(0, 1, 1, _probe_device())
+        except RuntimeError as error:
+            if "checkpoint" not in str(error).lower():
+                raise
+            self.checkpointing, self.uncheckpointable = False, str(error).strip().splitlines()[0]
+            probe = self.build(0, 1, 1, _probe_device())
         meta = probe.reader_meta(self.reader_name)
         if not meta:
             raise ValueError(
@@ -139,7 +149,7 @@ class DaliSource:
             seed=self.seed + shard_id,
             prefetch_queue_depth=self.prefetch_queue_depth,
             exec_dynamic=True,  # outputs stay valid while referred to: handed over in place
-            enable_checkpointing=True,
+            enable_checkpointing=self.checkpointing,
             checkpoint=checkpoint,
         )
         pipe.build()
@@ -235,6 +245,13 @@ class DaliProducer:
 
     def state_at(self, position: tuple[int, int]) -> list[str] | None:
         """The pipelines' checkpoints at the consumer's `position`, for `Feeder.get_state`."""
+        if not self.source.checkpointing:
+            raise RuntimeError(
+                f"The feeder's state cannot be saved: DALI cannot checkpoint this pipeline "
+                f"({self.source.uncheckpointable}), and restarting it would repeat samples. "
+                "Use readers and operators that support DALI checkpointing to save and restore "
+                "the position."
+            )
         return self._checkpoints.get(tuple(position))
 
     def restore(self, position: tuple[int, int], checkpoints: list[str] | None) -> None:
@@ -292,7 +309,8 @@ class DaliProducer:
                         for pipe in pipes:
                             pipe.run()
                     after = (epoch + 1, 0)
-                self._remember(after, [_encode(pipe.checkpoint()) for pipe in pipes])
+                if self.source.checkpointing:
+                    self._remember(after, [_encode(pipe.checkpoint()) for pipe in pipes])
                 valid = self._replica_valid(epoch, index)
                 yield Step(epoch, index, None, sum(valid), replica_valid=valid), outputs
                 del outputs  # DALI's buffers go back when the staged tensors are dropped

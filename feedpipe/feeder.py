@@ -386,7 +386,7 @@ class Feeder(tf.train.experimental.PythonState):
 
         dataset = tf.data.Dataset.from_generator(generate, output_signature=signature)
         # A feeder left or restored mid-epoch first serves the rest of that epoch: shorter.
-        if self._plan is not None and self.get_state()["step"] == 0:
+        if self._plan is not None and self._position_state()["step"] == 0:
             dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(self)))
         return dataset
 
@@ -426,10 +426,18 @@ class Feeder(tf.train.experimental.PythonState):
 
     def get_state(self) -> dict:
         """The consumer's position, as a small JSON-serialisable dict."""
+        state = self._position_state()
+        state_at = getattr(self._producer, "state_at", None)
+        if state_at is not None:  # a DALI source: its pipelines' own checkpoints
+            state["source"] = state_at((state["epoch"], state["step"]))
+        return state
+
+    def _position_state(self) -> dict:
+        """The state without what the source adds: what a restore must agree with."""
         epoch, step = self._position
         if self._plan is not None and step >= len(self._plan):
             epoch, step = epoch + 1, 0
-        state = {
+        return {
             "version": STATE_VERSION,
             "epoch": epoch,
             "step": step,
@@ -439,10 +447,6 @@ class Feeder(tf.train.experimental.PythonState):
             "seed": self.options.seed,
             "shuffle": self.options.shuffle,
         }
-        state_at = getattr(self._producer, "state_at", None)
-        if state_at is not None:  # a DALI source: its pipelines' own checkpoints
-            state["source"] = state_at((epoch, step))
-        return state
 
     def set_state(self, state: dict) -> None:
         """Continues the stream exactly where `state` was taken; staged batches are remade."""
@@ -451,7 +455,9 @@ class Feeder(tf.train.experimental.PythonState):
                 "set_state() was called while a loop over the feeder is running; restore "
                 "before the loop starts (or break out of it first)."
             )
-        mine = self.get_state()
+        mine = self._position_state()
+        if hasattr(self._producer, "state_at"):
+            mine["source"] = None
         missing = sorted(set(mine) - set(state))
         if missing:
             raise ValueError(f"The state lacks {', '.join(missing)}; pass a dict from get_state().")

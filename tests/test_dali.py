@@ -211,6 +211,22 @@ def test_a_checkpointed_feeder_continues_the_same_augmented_stream_without_repla
         np.testing.assert_array_equal(got, expected)
 
 
+def test_a_pipeline_dali_cannot_checkpoint_feeds_but_get_state_says_why(files, devices):
+    """DALI refuses checkpointing at build time for some readers (the FITS reader raises this
+    message; it needs CUDA, so a wrapper raises it here for the readers this machine runs)."""
+    pipeline = indexed_images(files).pipeline
+
+    def uncheckpointable(**options):
+        if options["enable_checkpointing"]:
+            raise RuntimeError("Fits reader does not support checkpointing.")
+        return pipeline(**options)
+
+    with fp.Feeder(DaliSource(uncheckpointable), 8, devices=devices) as feeder:
+        assert collections.Counter(delivered(feeder)[0]) == collections.Counter(range(len(files)))
+        with pytest.raises(RuntimeError, match=r"DALI cannot checkpoint this pipeline \(Fits"):
+            feeder.get_state()
+
+
 def test_outputs_that_do_not_match_the_declared_names_are_refused(files):
     with pytest.raises(ValueError, match=r"returns 2 outputs but `names` declares 3"):
         indexed_images(files, names=("image", "label", "extra"))
