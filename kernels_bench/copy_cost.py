@@ -11,6 +11,12 @@
 * Beside it, the bare numpy gather of the same rows (`np.take` into preallocated arrays, in
   order or random), the least any feeder must spend: `gather_amplification` is its CPU over
   memcpy's, and `over_gather_us` what the feeder spends per batch beyond it (its fixed cost).
+* Beside them, a bare prefetch thread (`BarePrefetch`): the same gather into `depth + 2`
+  rotating buffers, handed over through a `queue.Queue(depth)`, taken flat out, with no
+  staging and no bookkeeping. `bare_amplification` is its two threads' CPU over memcpy's: the
+  least a threaded prefetcher spends here, the gather plus one cross-thread wake-up per batch
+  (a starving consumer sleeps, and waking it is a system call). `feeder_over_bare` is the
+  feeder's CPU per batch over it.
 * Peak host bytes held = peak RSS while iterating minus the RSS before the feeder was built,
   with the consumer holding each batch until it takes the next (as a training loop does).
   Target: <= (depth + 2) x batch bytes + 16 MB, reported as `held_over_bound` <= 1. The slot
@@ -31,10 +37,13 @@ Run: `python -m kernels_bench.copy_cost [--quick]`; writes `kernels_bench/result
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
+import queue
 import statistics
 import sys
+import threading
 import time
 
 import numpy as np
@@ -100,6 +109,61 @@ def gather_s(
         np.take(y, index, axis=0, out=out_y, mode="clip")
         times.append(time.thread_time() - started)
     return statistics.median(times)
+
+
+class BarePrefetch:
+    """A thread gathering each batch's rows (`np.take`, as `gather_s`) into `depth + 2`
+    rotating buffers and putting them in a `queue.Queue(depth)`: the least a threaded
+    prefetcher spends per batch."""
+
+    def __init__(self, x, y, global_batch: int, shuffle: bool, seed: int):
+        self.queue: queue.Queue = queue.Queue(DEPTH)
+        self.stop = threading.Event()
+        outs = [
+            (np.ones((global_batch, x.shape[1]), x.dtype), np.ones(global_batch, y.dtype))
+            for _ in range(DEPTH + 2)
+        ]
+        self.thread = threading.Thread(
+            target=self._run, args=(x, y, outs, shuffle, seed), name="bare-prefetch", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self, x, y, outs, shuffle: bool, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        rows = len(outs[0][1])
+        for k in range(sys.maxsize):
+            if shuffle:
+                index = rng.integers(0, len(y), rows)
+            else:
+                first = (k * rows) % (len(y) - rows)
+                index = np.arange(first, first + rows)
+            out_x, out_y = outs[k % len(outs)]
+            np.take(x, index, axis=0, out=out_x, mode="clip")
+            np.take(y, index, axis=0, out=out_y, mode="clip")
+            while not self.stop.is_set():
+                with contextlib.suppress(queue.Full):
+                    self.queue.put((out_x, out_y), timeout=0.05)
+                    break
+            if self.stop.is_set():
+                return
+
+    def batches(self):
+        while True:
+            yield self.queue.get()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def bare_prefetch_cpu(x, y, global_batch: int, shuffle: bool, seed: int, count: int) -> float:
+    """CPU seconds per batch of `BarePrefetch`'s thread and its consumer, taken flat out."""
+    bare = BarePrefetch(x, y, global_batch, shuffle, seed)
+    try:
+        cpu = feeder_cpu(bare.batches(), harness.cpu_clock(bare.thread.ident), count)
+    finally:
+        bare.close()
+    return cpu["producer_s"] + cpu["consumer_s"]
 
 
 def feeder_cpu(batches, producer_clock, count: int) -> dict:
@@ -174,8 +238,12 @@ def measure_size(
         pool = feeder._pools[False]
         for rep in range(settings.reps):
             row: dict = {}
-            for what in harness.rotate(["memcpy", "gather", "feeder", "memory"], rep):
-                if what == "memcpy":
+            for what in harness.rotate(["memcpy", "gather", "bare", "feeder", "memory"], rep):
+                if what == "bare":
+                    row["bare_s"] = bare_prefetch_cpu(
+                        x, y, global_batch, shuffle, settings.seed + rep, count
+                    )
+                elif what == "memcpy":
                     row["memcpy_s"] = memcpy_s(flat, dsts, copies, rep)
                 elif what == "gather":
                     row["gather_s"] = gather_s(x, y, outs, copies, shuffle, settings.seed + rep)
@@ -197,6 +265,8 @@ def measure_size(
                 copy_amplification=feeder_s / row["memcpy_s"],
                 process_amplification=row["process_cpu_s"] / row["memcpy_s"],
                 gather_amplification=row["gather_s"] / row["memcpy_s"],
+                bare_amplification=row["bare_s"] / row["memcpy_s"],
+                feeder_over_bare=feeder_s / row["bare_s"],
                 over_gather_us=(feeder_s - row["gather_s"]) * 1e6,
                 memcpy_gb_s=batch_bytes / row["memcpy_s"] / 1e9,
                 feeder_gb_s=batch_bytes / row["wall_s"] / 1e9,
@@ -209,7 +279,8 @@ def measure_size(
                 f"  {size_mb:g} MB {'shuffled' if shuffle else 'in order'} rep "
                 f"{rep + 1}/{settings.reps}: copy amplification "
                 f"{row['copy_amplification']:.2f} (feeder {feeder_s * 1e3:.3f} ms, gather "
-                f"{row['gather_s'] * 1e3:.3f} ms, memcpy {row['memcpy_s'] * 1e3:.3f} ms of "
+                f"{row['gather_s'] * 1e3:.3f} ms, bare prefetch {row['bare_s'] * 1e3:.3f} ms, "
+                f"memcpy {row['memcpy_s'] * 1e3:.3f} ms of "
                 f"CPU); held {row['peak_held_bytes'] / 2**20:.1f} MiB",
                 flush=True,
             )
@@ -290,6 +361,8 @@ def main(argv=None) -> None:
         columns=[
             "copy_amplification",
             "gather_amplification",
+            "bare_amplification",
+            "feeder_over_bare",
             "over_gather_us",
             "memcpy_gb_s",
             "feeder_gb_s",
