@@ -34,79 +34,112 @@ class Failure:
         self.error = error
 
 
+class _Wakeup:
+    """One thread's wake-up call: a lock held while nobody has called, released to call.
+
+    `wait` and `call` are single C calls (a Condition's `notify` runs Python), which matters on
+    the consumer's path, where every microsecond of `next()` is the step's. A call made before
+    the wait makes the wait return at once; waiters re-check their condition either way.
+    """
+
+    __slots__ = ("_lock",)
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def wait(self, timeout: float) -> None:
+        self._lock.acquire(timeout=timeout)
+
+    def call(self) -> None:
+        try:  # noqa: SIM105 (contextlib.suppress would add a Python-level call to the hot path)
+            self._lock.release()
+        except RuntimeError:  # already called and not yet waited for
+            pass
+
+
 class Handoff:
     """A queue holding at most `depth` staged batches (epoch ends and failures are free).
 
-    Each side notifies only when the other is waiting, so taking a batch that is already
-    staged wakes no thread.
+    Each side wakes the other only when it waits, so taking a batch that is already staged
+    while the producer is busy wakes no thread.
     """
 
     def __init__(self, depth: int, on_starve: Callable[[], None]):
         self.depth = depth
         self._on_starve = on_starve
         self._items: collections.deque = collections.deque()
-        self._batches = 0
-        self._cond = threading.Condition()
+        self.staged = 0
+        """Batches staged and not yet taken."""
+        self._lock = threading.Lock()
+        self._consumer_wakeup = _Wakeup()
+        self._producer_wakeup = _Wakeup()
         self.consumer_waiting = False
         self._producer_waiting = False
 
-    def staged(self) -> int:
-        """Batches staged and not yet taken."""
-        return self._batches
-
     def wait_for_room(self, stop: threading.Event) -> None:
-        with self._cond:
-            while self._batches >= self.depth:
-                if stop.is_set():
-                    raise Stopped
-                self._producer_waiting = True
-                self._cond.wait(WAIT_SLICE_S)
-            self._producer_waiting = False
+        while True:
+            with self._lock:
+                self._producer_waiting = self.staged >= self.depth
+                if not self._producer_waiting:
+                    break
             if stop.is_set():
                 raise Stopped
+            self._producer_wakeup.wait(WAIT_SLICE_S)
+        if stop.is_set():
+            raise Stopped
 
     def put(self, item: Any, *, is_batch: bool) -> None:
-        with self._cond:
+        with self._lock:
             self._items.append((item, is_batch))
-            self._batches += is_batch
-            if self.consumer_waiting:
-                self._cond.notify_all()
+            self.staged += is_batch
+            waiting = self.consumer_waiting
+        if waiting:
+            self._consumer_wakeup.call()
 
     def get(self, thread: threading.Thread, stop: threading.Event) -> Any:
         """The next item; raises if the feeder closed or the thread died without sending one."""
-        with self._cond:
-            if not self._items:
-                self.consumer_waiting = True
-                self._on_starve()
-                try:
-                    while not self._items:
-                        if stop.is_set():
-                            raise RuntimeError(
-                                "The feeder was closed while this loop waited for a batch."
-                            )
-                        if not thread.is_alive():
-                            raise RuntimeError(
-                                f"{thread.name} stopped without delivering a batch, an error "
-                                "or the end of the epoch; the feeder cannot go on."
-                            )
-                        self._cond.wait(WAIT_SLICE_S)
-                finally:
-                    self.consumer_waiting = False
-            item, is_batch = self._items.popleft()
-            self._batches -= is_batch
-            if self._producer_waiting:
-                self._cond.notify_all()
-            return item
+        with self._lock:
+            if self._items:
+                return self._take()
+            self.consumer_waiting = True
+        self._on_starve()
+        try:
+            while True:
+                with self._lock:
+                    if self._items:
+                        self.consumer_waiting = False
+                        return self._take()
+                if stop.is_set():
+                    raise RuntimeError("The feeder was closed while this loop waited for a batch.")
+                if not thread.is_alive():
+                    raise RuntimeError(
+                        f"{thread.name} stopped without delivering a batch, an error or the end "
+                        "of the epoch; the feeder cannot go on."
+                    )
+                self._consumer_wakeup.wait(WAIT_SLICE_S)
+        finally:
+            self.consumer_waiting = False
+
+    def _take(self) -> Any:
+        """Pops the next item (the lock held) and wakes the producer if it waits for room."""
+        item, is_batch = self._items.popleft()
+        self.staged -= is_batch
+        if self._producer_waiting:
+            self._producer_waiting = False
+            self._producer_wakeup.call()
+        return item
 
     def starving(self) -> bool:
         """The consumer waits and nothing is staged."""
-        return self.consumer_waiting and not self._batches
+        return self.consumer_waiting and not self.staged
 
     def drain(self) -> None:
-        with self._cond:
+        with self._lock:
             self._items.clear()
-            self._batches = 0
-            self._cond.notify_all()
+            self.staged = 0
+        self._consumer_wakeup.call()
+        self._producer_wakeup.call()
 
 
 class _Supply:

@@ -61,16 +61,21 @@ class SharedBuffer:
     """`nbytes` of memory that other processes can map from `fd`.
 
     `array` is a writable `np.uint8` view; the mapping lives as long as any view of it, and the
-    descriptor is closed when this object is collected.
+    descriptor is closed by `close()` or when this object is collected.
     """
 
     def __init__(self, nbytes: int, kind: str):
         self.name = f"{PREFIX}-{os.getpid()}-{kind}-{next(_counter)}"
         self.nbytes = nbytes
         self.fd = _anonymous_file(self.name)
-        weakref.finalize(self, os.close, self.fd)
+        self._close_fd = weakref.finalize(self, os.close, self.fd)
         os.ftruncate(self.fd, max(nbytes, 1))
         self.array = np.frombuffer(mmap.mmap(self.fd, max(nbytes, 1)), np.uint8)[:nbytes]
+
+    def close(self) -> None:
+        """Closes the descriptor and drops `array`: the mapping goes with the last other view."""
+        self._close_fd()
+        self.array = None
 
     def __repr__(self) -> str:
         return f"SharedBuffer({self.name!r}, nbytes={self.nbytes})"

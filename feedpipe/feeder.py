@@ -322,7 +322,7 @@ class Feeder(tf.train.experimental.PythonState):
         finished = False
         try:
             while self._active is this:
-                staged = pipeline.handoff.staged()
+                staged = pipeline.handoff.staged
                 asked = time.perf_counter()
                 item = pipeline.get()
                 got = time.perf_counter()
@@ -422,7 +422,7 @@ class Feeder(tf.train.experimental.PythonState):
 
     def _staged(self) -> int:
         """Batches staged and not yet taken (0 when no loop runs): `diagnose`'s occupancy."""
-        return 0 if self._pipeline is None else self._pipeline.handoff.staged()
+        return 0 if self._pipeline is None else self._pipeline.handoff.staged
 
     def get_state(self) -> dict:
         """The consumer's position, as a small JSON-serialisable dict."""
@@ -498,6 +498,7 @@ class Feeder(tf.train.experimental.PythonState):
         self._stop_pipeline()
         if self._workers is not None:
             self._workers.close()
+            self._producer.close()
         self._pools.clear()  # staged batches still held keep their own slots alive
 
     def __enter__(self) -> Feeder:

@@ -345,6 +345,12 @@ class WorkerProducer:
                     filling.give_back(filling.slot)
             self._held.clear()
 
+    def close(self) -> None:
+        """Forgets the tasks still out once the workers are gone (none will answer), so the
+        slots they were filling are freed with the pool."""
+        self._tasks.clear()
+        self._held.clear()
+
     # ---- talking to the workers -----------------------------------------------------------
 
     def _send(self, worker: int, filling: _Filling | None, first_row: int, task: tuple) -> None:

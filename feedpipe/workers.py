@@ -272,6 +272,10 @@ class ProcessWorkers:
 
     def close(self) -> None:
         self._finalizer()
+        # The shared status goes now, not when this object is collected (a dataset that
+        # outlives its feeder may keep it): its last rows stay readable in a private copy.
+        self.status = self.status.copy()
+        self._status_buffer.close()
 
 
 def _serve_thread(runner: TaskRunner, tasks: queue.SimpleQueue, replies, worker: int) -> None:

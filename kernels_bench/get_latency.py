@@ -88,7 +88,7 @@ def time_feedpipe(feeder, step, warmup: int, gets: int) -> dict:
     got, released, staged = [], [], 0
     for _ in range(gets):
         step()
-        staged += handoff.staged() > 0
+        staged += handoff.staged > 0
         started = time.perf_counter()
         new = next(batches)
         taken = time.perf_counter()

@@ -88,6 +88,19 @@ def feedpipe_processes() -> list[str]:
     return found
 
 
+def feedpipe_memory() -> list[str]:
+    """This process's descriptors and mappings of feedpipe shared memory (memfds included)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if "feedpipe-" in target:
+                found.append(f"fd {fd}: {target}")
+    with open("/proc/self/maps") as maps:
+        found += [line.split()[-1] for line in maps if "feedpipe-" in line]
+    return found
+
+
 def feedpipe_segments() -> list[str]:
     """Shared-memory files of this process (none should ever outlive a call)."""
     return sorted(p.name for p in SHM_DIR.glob(f"feedpipe-{os.getpid()}-*"))
@@ -108,3 +121,7 @@ def no_feedpipe_thread_left():
         pytest.fail(f"feedpipe worker processes still alive after the test: {procs}", pytrace=False)
     if feedpipe_segments():
         pytest.fail(f"shared-memory segments left: {feedpipe_segments()}", pytrace=False)
+    if feedpipe_memory():
+        gc.collect()  # only when something is open: a collection per test costs seconds in all
+        if feedpipe_memory():
+            pytest.fail(f"shared memory still open or mapped: {feedpipe_memory()}", pytrace=False)

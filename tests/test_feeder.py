@@ -667,7 +667,7 @@ def test_at_most_depth_batches_wait_on_the_devices(devices, depth):
         seen = []
         for _ in feeder:
             time.sleep(0.01)  # the producer runs ahead until the staged batches fill up
-            seen.append(feeder._pipeline.handoff.staged())
+            seen.append(feeder._pipeline.handoff.staged)
     assert max(seen) == depth
 
 

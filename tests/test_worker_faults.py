@@ -27,7 +27,12 @@ import pytest
 import feedpipe as fp
 from feedpipe._shm import SHM_DIR
 from tests import worker_fakes as wf
-from tests.conftest import feedpipe_processes, feedpipe_segments, wait_for_no_feedpipe_threads
+from tests.conftest import (
+    feedpipe_memory,
+    feedpipe_processes,
+    feedpipe_segments,
+    wait_for_no_feedpipe_threads,
+)
 from tests.fakes import CountingSource, real_ids
 
 GLOBAL_BATCH = 8
@@ -76,19 +81,6 @@ def wait_gone(pids: list[int], timeout_s: float = GONE_WAIT_S) -> tuple[list[int
     while (running := alive(pids)) and time.monotonic() - started < timeout_s:
         time.sleep(0.02)
     return running, time.monotonic() - started
-
-
-def feedpipe_memory() -> list[str]:
-    """This process's descriptors and mappings of feedpipe shared memory (memfds included)."""
-    found = []
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/self/fd/{fd}")
-            if "feedpipe-" in target:
-                found.append(f"fd {fd}: {target}")
-    with open("/proc/self/maps") as maps:
-        found += [line.split()[-1] for line in maps if "feedpipe-" in line]
-    return found
 
 
 ISOLATED_PRELUDE = """
