@@ -39,12 +39,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import os
 import queue
 import statistics
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -83,6 +85,23 @@ def memcpy_s(flat: np.ndarray, dsts: list[np.ndarray], copies: int, start: int) 
     return statistics.median(times)
 
 
+def batch_rows(n: int, rows: int, shuffle: bool, seed: int) -> Iterator[np.ndarray]:
+    """The rows of each batch in turn: random, or consecutive blocks (the feeder's order)."""
+    rng = np.random.default_rng(seed)
+    for k in itertools.count():
+        if shuffle:
+            yield rng.integers(0, n, rows)
+        else:
+            first = (k * rows) % (n - rows)
+            yield np.arange(first, first + rows)
+
+
+def gather(x: np.ndarray, y: np.ndarray, index: np.ndarray, out: tuple) -> None:
+    """The rows `index` of both fields into `out`, one `np.take` each (as the feeder's)."""
+    np.take(x, index, axis=0, out=out[0], mode="clip")
+    np.take(y, index, axis=0, out=out[1], mode="clip")
+
+
 def gather_s(
     x: np.ndarray,
     y: np.ndarray,
@@ -94,19 +113,11 @@ def gather_s(
     """Median CPU seconds of the numpy gather one batch needs (`np.take` of its rows of both
     fields, in order or random, into rotating destinations): the least any feeder of this
     batch must spend."""
-    rng = np.random.default_rng(seed)
-    rows = len(outs[0][1])
+    indices = batch_rows(len(y), len(outs[0][1]), shuffle, seed)
     times = []
-    for k in range(copies):
-        if shuffle:
-            index = rng.integers(0, len(y), rows)
-        else:
-            first = (k * rows) % (len(y) - rows)
-            index = np.arange(first, first + rows)
-        out_x, out_y = outs[k % len(outs)]
+    for k, index in zip(range(copies), indices, strict=False):
         started = time.thread_time()
-        np.take(x, index, axis=0, out=out_x, mode="clip")
-        np.take(y, index, axis=0, out=out_y, mode="clip")
+        gather(x, y, index, outs[k % len(outs)])
         times.append(time.thread_time() - started)
     return statistics.median(times)
 
@@ -129,17 +140,10 @@ class BarePrefetch:
         self.thread.start()
 
     def _run(self, x, y, outs, shuffle: bool, seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        rows = len(outs[0][1])
-        for k in range(sys.maxsize):
-            if shuffle:
-                index = rng.integers(0, len(y), rows)
-            else:
-                first = (k * rows) % (len(y) - rows)
-                index = np.arange(first, first + rows)
+        indices = batch_rows(len(y), len(outs[0][1]), shuffle, seed)
+        for k, index in enumerate(indices):
             out_x, out_y = outs[k % len(outs)]
-            np.take(x, index, axis=0, out=out_x, mode="clip")
-            np.take(y, index, axis=0, out=out_y, mode="clip")
+            gather(x, y, index, (out_x, out_y))
             while not self.stop.is_set():
                 with contextlib.suppress(queue.Full):
                     self.queue.put((out_x, out_y), timeout=0.05)
