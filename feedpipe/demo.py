@@ -10,8 +10,11 @@ on the same batches, with the same compiled step and the same number of steps:
    runs, so the step finds its batch already on its devices.
 
 The source is a map-style dataset whose samples take real time to read (a GIL-free wait, as
-storage or network reads are), so the overlap the feeder buys is the one a user would see.
-Without GPUs the replicas are logical CPU devices, made before TensorFlow initialises.
+storage or network reads are), so the overlap the feeder buys is the one a user would see. The
+wait is sized on the machine the demo runs on, so that reading a global batch takes half as
+long as its step: slow enough that synchronous feeding pays for it every step, fast enough
+that a feeder can hide it entirely. Without GPUs the replicas are logical CPU devices, made
+before TensorFlow initialises.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -36,10 +40,13 @@ DATASET_SIZE = 5000
 """Not a multiple of the global batch, so every epoch ends on a padded, masked batch."""
 PER_REPLICA_BATCH = 32
 """Rows per replica; the global batch is this times the replicas, so it always divides."""
-READ_LATENCY_S = 100e-6
-"""Wait per sample read: a fast local SSD's random read. With `time.sleep`'s overshoot and the
-sample's construction, reading a batch takes about half as long as its step on 2 CPU cores:
-time that synchronous feeding adds to every step and that the feeder hides behind it."""
+READ_SHARE = 0.5
+"""Reading a global batch takes this share of the step's time: synchronous feeding adds it to
+every step, and the feeder hides it behind the step."""
+SLEEP_QUANTUM_S = 0.001
+"""Waits are slept off in portions of at least this: a sleep of tens of microseconds overshoots
+by about as much again, so per-sample sleeps would not add up to the wait asked for."""
+TIMED_STEPS = 5
 HIDDEN_UNITS = 1024
 """Width of the MLP's two hidden layers: its step outlasts reading a batch, on 2 cores too."""
 NOISE_BANK = 4096
@@ -51,17 +58,17 @@ QUICK_STEPS = 20
 class SyntheticRecords:
     """A map-style dataset of labelled feature vectors whose reads take storage time.
 
-    `__getitem__` waits `read_latency_s` with `time.sleep`, which releases the GIL as a real
-    file or network read does, then builds the sample with numpy. Classes are overlapping
-    clusters, so the loss falls steadily over the run rather than all at once.
+    `__getitem__` waits `read_latency_s` on average with `time.sleep`, which releases the GIL
+    as a real file or network read does (the waits of each reading thread are booked and slept
+    off in portions of `SLEEP_QUANTUM_S`, oversleep carried over), then builds the sample with
+    numpy. Classes are overlapping clusters, so the loss falls steadily over the run.
     """
 
-    def __init__(
-        self, size: int = DATASET_SIZE, read_latency_s: float = READ_LATENCY_S, seed: int = 0
-    ):
+    def __init__(self, size: int = DATASET_SIZE, read_latency_s: float = 0.0, seed: int = 0):
         rng = np.random.default_rng(seed)
         self.size = size
         self.read_latency_s = read_latency_s
+        self._debt = threading.local()
         self._centers = rng.normal(scale=0.1, size=(CLASSES, FEATURES)).astype(np.float32)
         self._noise = rng.normal(size=(NOISE_BANK, FEATURES)).astype(np.float32)
 
@@ -71,10 +78,18 @@ class SyntheticRecords:
     def __getitem__(self, index: int) -> tuple[np.ndarray, np.int32]:
         if not 0 <= index < self.size:
             raise IndexError(f"sample index {index} is outside 0..{self.size - 1}")
-        time.sleep(self.read_latency_s)
+        self._wait()
         label = index % CLASSES
         features = self._centers[label] + self._noise[(index * 7919) % NOISE_BANK]
         return features, np.int32(label)
+
+    def _wait(self) -> None:
+        debt = getattr(self._debt, "s", 0.0) + self.read_latency_s
+        if debt >= SLEEP_QUANTUM_S:
+            started = time.perf_counter()
+            time.sleep(debt)
+            debt -= time.perf_counter() - started
+        self._debt.s = debt
 
     def __repr__(self) -> str:
         return f"SyntheticRecords(size={self.size}, read_latency_s={self.read_latency_s})"
@@ -279,12 +294,22 @@ def print_report(devices: Sequence[str], runs: Sequence[RunResult], stats: fp.Fe
     )
 
 
-def measure_read_s(dataset: SyntheticRecords, samples: int = 64) -> float:
-    """Seconds to read one sample here: the wait, `time.sleep`'s overshoot and the building."""
+def measure_read_s(dataset: SyntheticRecords, samples: int = 256) -> float:
+    """Seconds to read one sample here, on average: the wait and the building."""
     started = time.perf_counter()
     for index in range(samples):
-        dataset[index]
+        dataset[index % len(dataset)]
     return (time.perf_counter() - started) / samples
+
+
+def measure_step_s(step_fn: Callable, inputs, mask, num_valid: int) -> float:
+    """The median time of the compiled step on a batch already on its devices."""
+    times = []
+    for _ in range(TIMED_STEPS):
+        started = time.perf_counter()
+        float(step_fn(inputs, mask, tf.constant(num_valid, tf.float32)))
+        times.append(time.perf_counter() - started)
+    return float(np.median(times))
 
 
 def build_training(strategy: tf.distribute.Strategy) -> tuple[Callable, list[tf.Variable]]:
@@ -308,19 +333,25 @@ def run(steps: int | None = None, devices: int = 4, quick: bool = False) -> list
     strategy = tf.distribute.MirroredStrategy(replica_devices)
     global_batch_size = PER_REPLICA_BATCH * strategy.num_replicas_in_sync
     dataset = SyntheticRecords()
-    print(
-        f"feedpipe demo: {steps} steps of a {HIDDEN_UNITS}-unit MLP on "
-        f"{_replicas(strategy.num_replicas_in_sync)}, global batch {global_batch_size}\n"
-        f"source: {len(dataset):,} synthetic samples of {FEATURES} floats; each read waits "
-        f"{READ_LATENCY_S * 1e6:.0f} µs (GIL-free, like storage) and takes "
-        f"{measure_read_s(dataset) * 1e6:.0f} µs in all here"
-    )
     keras.utils.set_random_seed(0)  # the same initial weights, and final loss, every run
     step_fn, variables = build_training(strategy)
     # One step outside the timing traces the step; both runs then start from its weights.
     inputs, mask, num_valid = build_batch_synchronously(dataset, 0, global_batch_size, strategy)
     step_fn(inputs, mask, tf.constant(num_valid, tf.float32))
     restore = snapshot(variables)
+    step_s = measure_step_s(step_fn, inputs, mask, num_valid)
+    restore()
+    per_sample_s = READ_SHARE * step_s / global_batch_size
+    dataset.read_latency_s = max(0.0, per_sample_s - measure_read_s(dataset))
+    read_s = measure_read_s(dataset) * global_batch_size
+    print(
+        f"feedpipe demo: {steps} steps of a {HIDDEN_UNITS}-unit MLP on "
+        f"{_replicas(strategy.num_replicas_in_sync)}, global batch {global_batch_size}\n"
+        f"source: {len(dataset):,} synthetic samples of {FEATURES} floats; each read waits "
+        f"{dataset.read_latency_s * 1e6:.0f} µs (GIL-free, like storage), so that reading a "
+        f"batch takes about half a step here ({read_s * 1e3:.1f} ms; the step alone "
+        f"{step_s * 1e3:.1f} ms)"
+    )
 
     print("\n1/2 synchronous feeding (feed_dict pattern): build the batch, then run the step")
     sync = train_synchronously(step_fn, dataset, global_batch_size, strategy, steps)

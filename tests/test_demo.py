@@ -1,0 +1,45 @@
+"""`feedpipe demo`, the README's first command: it runs end to end in a fresh process (it makes
+its own logical devices and strategy) and trains the same model twice to the same loss."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from feedpipe import demo
+
+
+def test_the_demo_trains_the_same_model_both_ways_and_reports_both():
+    result = subprocess.run(
+        [sys.executable, "-m", "feedpipe", "demo", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = {
+        name: line.split()[-1]
+        for line in result.stdout.splitlines()
+        for name in ("synchronous feeding", "fp.Feeder")
+        if line.startswith(name)
+    }
+    assert set(rows) == {"synchronous feeding", "fp.Feeder"}
+    assert rows["synchronous feeding"] == rows["fp.Feeder"]  # the same training, to the loss
+    assert re.search(r"so that reading a batch takes about half a step here", result.stdout)
+
+
+def test_the_sources_waits_add_up_to_the_latency_asked_for():
+    records = demo.SyntheticRecords(size=64, read_latency_s=200e-6)
+    assert demo.measure_read_s(records, samples=200) == pytest.approx(200e-6, rel=0.5)
+
+
+def test_demo_refuses_fewer_than_one_step_or_device():
+    with pytest.raises(ValueError, match="--steps"):
+        demo.run(steps=0)
+    with pytest.raises(ValueError, match="--devices"):
+        demo.configure_devices(0)
