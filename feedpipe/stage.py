@@ -141,6 +141,10 @@ def to_device(array: np.ndarray, device: str) -> tf.Tensor:
     return tf.experimental.dlpack.from_dlpack(array.__dlpack__())._copy_to_device(device)
 
 
+_DLPACK_CPU = 1
+"""DLPack's device type of host memory (kDLCPU)."""
+
+
 def import_to_device(tensor: Any, device: str) -> tf.Tensor:
     """A tensor on `device` over the memory of `tensor`, any object that speaks DLPack: no copy
     where it already sits on `device` (or on a CPU device, for a CPU device)."""
@@ -153,10 +157,6 @@ def host_array(tensor: Any) -> np.ndarray:
     if tensor.__dlpack_device__()[0] == _DLPACK_CPU:
         return np.from_dlpack(tensor)
     return tf.experimental.dlpack.from_dlpack(tensor.__dlpack__()).numpy()
-
-
-_DLPACK_CPU = 1
-"""DLPack's device type of host memory (kDLCPU)."""
 
 
 class Imported:
