@@ -137,7 +137,7 @@ class DaliSource:
         num_shards: int,
         batch_size: int,
         device_id: int | None,
-        checkpoint: str | None = None,
+        checkpoint: str | bytes | None = None,
     ):
         """The pipeline of shard `shard_id`, built; from `checkpoint` if one is given."""
         pipe = self.pipeline(
@@ -237,7 +237,7 @@ class DaliProducer:
         full = min(self.shard_sizes) // split.per_replica
         self.steps = full if remainder == "drop" else self.iterations
         self.slots_in_flight = 0  # its batches stay in DALI's memory: it takes no slot
-        self._checkpoints: collections.OrderedDict[tuple[int, int], list[str]] = (
+        self._checkpoints: collections.OrderedDict[tuple[int, int], list[str | bytes]] = (
             collections.OrderedDict()
         )
         """DALI's checkpoint of every pipeline at each position produced lately (or restored):
@@ -252,7 +252,8 @@ class DaliProducer:
                 "Use readers and operators that support DALI checkpointing to save and restore "
                 "the position."
             )
-        return self._checkpoints.get(tuple(position))
+        saved = self._checkpoints.get(tuple(position))
+        return None if saved is None else [_encode(checkpoint) for checkpoint in saved]
 
     def restore(self, position: tuple[int, int], checkpoints: list[str] | None) -> None:
         """Makes the next stream start from `checkpoints`, taken at `position`."""
@@ -263,9 +264,9 @@ class DaliProducer:
                     f"feeder runs {self.split.num_replicas}; restore into a feeder with as many "
                     "replicas."
                 )
-            self._remember(tuple(position), list(checkpoints))
+            self._remember(tuple(position), [_decode(text) for text in checkpoints])
 
-    def _remember(self, position: tuple[int, int], checkpoints: list[str]) -> None:
+    def _remember(self, position: tuple[int, int], checkpoints: list[str | bytes]) -> None:
         self._checkpoints[position] = checkpoints
         self._checkpoints.move_to_end(position)
         while len(self._checkpoints) > KEPT_CHECKPOINTS:
@@ -287,7 +288,7 @@ class DaliProducer:
         b, shards = self.split.per_replica, self.split.num_replicas
         saved = self._checkpoints.get((start.epoch, start.step))
         pipes = [
-            self.source.build(r, shards, b, device_id, None if saved is None else _decode(saved[r]))
+            self.source.build(r, shards, b, device_id, None if saved is None else saved[r])
             for r, device_id in enumerate(self.device_ids)
         ]
         if saved is None:  # no checkpoint of that position: DALI replays it from its seed
@@ -310,7 +311,7 @@ class DaliProducer:
                             pipe.run()
                     after = (epoch + 1, 0)
                 if self.source.checkpointing:
-                    self._remember(after, [_encode(pipe.checkpoint()) for pipe in pipes])
+                    self._remember(after, [pipe.checkpoint() for pipe in pipes])
                 valid = self._replica_valid(epoch, index)
                 yield Step(epoch, index, None, sum(valid), replica_valid=valid), outputs
                 del outputs  # DALI's buffers go back when the staged tensors are dropped
