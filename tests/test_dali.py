@@ -4,8 +4,11 @@ devices. Every label is its file's index, so a batch tells which files it delive
 from __future__ import annotations
 
 import collections
+import gc
 import json
+import os
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -124,6 +127,30 @@ def test_a_kept_batch_keeps_its_values_while_the_pipelines_run_on(files, devices
         for got, want in zip(values, expected, strict=True):
             assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
         del kept
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_at_most_depth_dali_batches_wait_staged(files, devices, depth):
+    with fp.Feeder(indexed_images(files), 4, devices=devices, depth=depth) as feeder:
+        seen = []
+        for _ in range(2):
+            for _batch in feeder:
+                time.sleep(0.01)  # DALI and the producer run ahead until the ring is full
+                seen.append(feeder._pipeline.handoff.staged)
+    assert max(seen) == depth
+
+
+def test_a_closed_dali_feeder_leaves_no_thread_of_its_pipelines(files, devices):
+    def threads() -> int:  # every thread of the process, DALI's C++ workers included
+        return len(os.listdir("/proc/self/task"))
+
+    counts = []
+    for _ in range(3):
+        with fp.Feeder(indexed_images(files), 8, devices=devices) as feeder:
+            delivered(feeder)
+        gc.collect()
+        counts.append(threads())
+    assert counts[2] == counts[1] == counts[0]
 
 
 def test_the_last_batch_masks_exactly_the_rows_dali_padded(files, devices):
