@@ -1,7 +1,8 @@
 """How long does the step wait to take a batch that is already staged? (get latency)
 
-The pipeline is kept full: depth 8, a producer far faster than a 2 ms consumer step, so every
-`next()` finds batches waiting (the script checks and reports the share that did). Only
+The pipeline is kept staged: depth 8, a producer far faster than a 2 ms consumer step, so every
+`next()` finds batches waiting (the script checks and reports the share that did; the ring is
+refilled from half-empty, so it holds 4 to 8). Only
 `next(iterator)` is timed; freeing the previous batch (which hands its host slot back to the
 pool) happens when the loop rebinds its variable, and is reported beside it as `release`.
 
