@@ -532,6 +532,17 @@ def rank_remedies(
                 why + "; the batches hold uint8 images",
                 min(consumer, producer * cores),
             )
+    if not found:  # input-bound, yet no remedy is predicted to beat the rate reached
+        found.append(
+            (
+                "none predicted to help: measure again with more --steps",
+                f"the step waits {diagnosis.input_bound_fraction:.1%} of the time, yet together "
+                f"reaches {diagnosis.overlap_efficiency:.2f} of the slower side alone and no "
+                "change above would be more than 2 % faster; short measurements put start-up "
+                "waits in that figure",
+                achieved,
+            )
+        )
     found.sort(key=lambda item: -item[2])
     return tuple(
         Remedy(action, why, expected, expected / achieved if achieved > 0 else math.inf)

@@ -138,6 +138,18 @@ def test_remedies_are_ranked_by_the_rate_each_could_reach():
     assert all(r.expected_steps_per_s <= 100.0 + 1e-9 for r in remedies)
 
 
+def test_an_input_bound_verdict_with_nothing_predicted_to_help_says_so():
+    # Producer faster than the step, together as fast as the step alone, yet 10 % waited (the
+    # start-up waits of a short measurement): no remedy beats the rate reached.
+    measured = diagnosis_of(0.005, 0.01, 0.01, 0.001)
+    assert measured.verdict == "moderately input-bound"
+    remedies = rank_remedies(measured, object(), cores=2, memcpy_s=1e-4, memory_bytes=2**34)
+    assert [r.action for r in remedies] == [
+        "none predicted to help: measure again with more --steps"
+    ]
+    assert remedies[0].gain == pytest.approx(1.0)
+
+
 def test_caching_is_suggested_only_when_an_epoch_fits_in_memory():
     measured = diagnosis_of(0.1, 0.01, 0.111, 0.101)
     with slow_feeder(0.0) as feeder:  # 1250 batches of 1024 bytes: 1.25 MB an epoch
