@@ -11,51 +11,15 @@ from __future__ import annotations
 import collections
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+from feedpipe._sync import WAIT_SLICE_S, Failure, Stopped, Wakeup, join_within
 from feedpipe.producers import Position, Producer
 from feedpipe.sampler import EpochEnd
-from feedpipe.split import WAIT_SLICE_S, SlotPool, Stopped
+from feedpipe.slots import SlotPool
 from feedpipe.stats import StatsRecorder
-
-JOIN_TIMEOUT_S = 5.0
-"""How long `close()` waits for the thread; user code stuck longer is left to finish alone."""
-
-
-class Failure:
-    """An exception raised in the background thread, carried to the consumer."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException):
-        self.error = error
-
-
-class _Wakeup:
-    """One thread's wake-up call: a lock held while nobody has called, released to call.
-
-    `wait` and `call` are single C calls (a Condition's `notify` runs Python), which matters on
-    the consumer's path, where every microsecond of `next()` is the step's. A call made before
-    the wait makes the wait return at once; waiters re-check their condition either way.
-    """
-
-    __slots__ = ("_lock",)
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._lock.acquire()
-
-    def wait(self, timeout: float) -> None:
-        self._lock.acquire(timeout=timeout)
-
-    def call(self) -> None:
-        try:  # noqa: SIM105 (contextlib.suppress would add a Python-level call to the hot path)
-            self._lock.release()
-        except RuntimeError:  # already called and not yet waited for
-            pass
 
 
 class Handoff:
@@ -75,8 +39,8 @@ class Handoff:
         self.staged = 0
         """Batches staged and not yet taken."""
         self._lock = threading.Lock()
-        self._consumer_wakeup = _Wakeup()
-        self._producer_wakeup = _Wakeup()
+        self._consumer_wakeup = Wakeup()
+        self._producer_wakeup = Wakeup()
         self.consumer_waiting = False
         self._producer_waiting = False
 
@@ -214,14 +178,7 @@ def _run(
 def _shutdown(stop: threading.Event, handoff: Handoff, thread: threading.Thread) -> None:
     stop.set()
     handoff.drain()
-    if thread is not threading.current_thread():
-        thread.join(JOIN_TIMEOUT_S)
-        if thread.is_alive():
-            warnings.warn(
-                f"{thread.name} did not stop within {JOIN_TIMEOUT_S:.0f} s (user code still "
-                "running); it is a daemon thread and will end with the process.",
-                stacklevel=2,
-            )
+    join_within([thread])
     handoff.drain()
 
 

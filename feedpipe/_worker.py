@@ -21,8 +21,8 @@ from multiprocessing.reduction import recv_handle
 import numpy as np
 
 from feedpipe._shm import map_shared
-from feedpipe.producers import SampleWriter, _RowStream
-from feedpipe.split import HostSlot, SlotLayout
+from feedpipe.slots import HostSlot, SlotLayout
+from feedpipe.writer import RowStream, SampleWriter
 
 PARENT_CHECK_S = 0.25
 """How often a worker process checks that its parent is still alive."""
@@ -41,7 +41,7 @@ class TaskRunner:
         self.writer = writer
         self.layouts = layouts
         self.slots: dict[int, HostSlot] = {}
-        self._stream: tuple[tuple[int, int], _RowStream] | None = None
+        self._stream: tuple[tuple[int, int], RowStream] | None = None
 
     def add_slot(self, ident: int, contiguous: bool, buffer: np.ndarray) -> None:
         self.slots[ident] = HostSlot(self.layouts[contiguous], buffer=buffer, ident=ident)
@@ -61,7 +61,7 @@ class TaskRunner:
             key = (generation, epoch)
             if self._stream is None or self._stream[0] != key:
                 size = slot.layout.split.global_batch_size
-                self._stream = (key, _RowStream(self.writer, epoch, size))
+                self._stream = (key, RowStream(self.writer, epoch, size))
             return self._stream[1].read_into(slot)
         if kind == "epoch_end":
             on_epoch_end = getattr(self.writer.source, "on_epoch_end", None)

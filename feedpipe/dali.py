@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from feedpipe.producers import Position, SlotSupply
+from feedpipe.remainder import Remainder
 from feedpipe.sampler import EpochEnd, Step
 from feedpipe.split import ReplicaSplit
 from feedpipe.stage import Imported
@@ -190,8 +191,10 @@ class DaliSource:
         """Sample 0 of shard 0: it tells the feeder the samples' structure, shapes and dtypes."""
         return self._first
 
-    def producer(self, split: ReplicaSplit, devices: Sequence[str], remainder: str) -> DaliProducer:
-        return DaliProducer(self, split, devices, remainder)
+    def producer(
+        self, split: ReplicaSplit, devices: Sequence[str], rule: Remainder
+    ) -> DaliProducer:
+        return DaliProducer(self, split, devices, rule)
 
     def __repr__(self) -> str:
         return (
@@ -222,12 +225,12 @@ class DaliProducer:
     """Runs one pipeline per replica and hands each step's outputs over where DALI left them."""
 
     def __init__(
-        self, source: DaliSource, split: ReplicaSplit, devices: Sequence[str], remainder: str
+        self, source: DaliSource, split: ReplicaSplit, devices: Sequence[str], rule: Remainder
     ):
         self.source = source
         self.split = split
         self.device_ids = [_device_id(device) for device in devices]
-        self.remainder = remainder
+        self.rule = rule
         shards = split.num_replicas
         n = source.length
         self.shard_sizes = [n * (i + 1) // shards - n * i // shards for i in range(shards)]
@@ -235,7 +238,7 @@ class DaliProducer:
         self.iterations = math.ceil(math.ceil(n / shards) / split.per_replica)
         """Steps DALI runs per epoch: its padded shards, in per-replica batches."""
         full = min(self.shard_sizes) // split.per_replica
-        self.steps = full if remainder == "drop" else self.iterations
+        self.steps = self.iterations if rule.pads else full
         self.slots_in_flight = 0  # its batches stay in DALI's memory: it takes no slot
         self._checkpoints: collections.OrderedDict[tuple[int, int], list[str | bytes]] = (
             collections.OrderedDict()
@@ -297,7 +300,9 @@ class DaliProducer:
                 for pipe in pipes:
                     pipe.run()
         epoch, first = start.epoch, start.step
-        dropped = self.source.length - self.steps * self.split.global_batch_size
+        dropped = (
+            0 if self.rule.pads else self.source.length - self.steps * self.rule.global_batch_size
+        )
         while True:
             for index in range(first, self.steps):
                 supply.check_stop()
@@ -315,7 +320,7 @@ class DaliProducer:
                 valid = self._replica_valid(epoch, index)
                 yield Step(epoch, index, None, sum(valid), replica_valid=valid), outputs
                 del outputs  # DALI's buffers go back when the staged tensors are dropped
-            yield EpochEnd(epoch, dropped=dropped if self.remainder == "drop" else 0)
+            yield EpochEnd(epoch, dropped=dropped)
             epoch, first = epoch + 1, 0
 
     def _outputs(self, replica: int, pipe) -> list:

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -19,20 +18,17 @@ import numpy as np
 import optree
 import tensorflow as tf
 
-from feedpipe._pipeline import Failure, Pipeline
-from feedpipe.producers import (
-    Position,
-    SampleWriter,
-    ThreadProducer,
-    WorkerProducer,
-    accepts_rng,
-    apply_transform,
-)
-from feedpipe.sampler import EpochEnd, Sampler, check_remainder
+from feedpipe._pipeline import Pipeline
+from feedpipe._sync import Failure
+from feedpipe.producers import Position, ThreadProducer, WorkerProducer
+from feedpipe.remainder import Remainder, check_remainder, warn_dropped
+from feedpipe.sampler import EpochEnd, Sampler
+from feedpipe.slots import SlotLayout, SlotPool
 from feedpipe.source import SampleSpec, TFDatasetSource, as_source, field_name
-from feedpipe.split import ReplicaSplit, SlotLayout, SlotPool
+from feedpipe.split import ReplicaSplit
 from feedpipe.stage import Batch, HostBatch, HostStager, Stager, resolve_devices
 from feedpipe.stats import FeedStats, StatsRecorder
+from feedpipe.writer import SampleWriter, accepts_rng, apply_transform
 
 STATE_VERSION = 1
 WORKER_MODES = ("process", "thread")
@@ -190,13 +186,14 @@ class Feeder(tf.train.experimental.PythonState):
         )
         self.spec = writer.out_spec
         """What each batch holds: the samples after `transform` and `transpose`."""
+        rule = Remainder(remainder, global_batch_size)
         self._shared = workers > 0 and worker_mode == "process"
         if dali:
-            self._producer = self._source.producer(self.split, self.devices, remainder)
+            self._producer = self._source.producer(self.split, self.devices, rule)
         elif workers:
             self._producer = self._start_workers(writer, transform)
         else:
-            self._producer = ThreadProducer(writer, global_batch_size, self._sampler, remainder)
+            self._producer = ThreadProducer(writer, global_batch_size, self._sampler, rule)
         self._stats = StatsRecorder(depth)
         self._pools: dict[bool, SlotPool] = {}
         self._position = Position(0, 0)
@@ -224,7 +221,11 @@ class Feeder(tf.train.experimental.PythonState):
         kind = pool.ProcessWorkers if self._shared else pool.ThreadWorkers
         self._workers = kind(o.workers, setup, o.timeout_s)
         return WorkerProducer(
-            self._workers, self._source, o.global_batch_size, self._sampler, o.remainder
+            self._workers,
+            self._source,
+            o.global_batch_size,
+            self._sampler,
+            Remainder(o.remainder, o.global_batch_size),
         )
 
     def _read_spec(self, transform) -> SampleSpec:
@@ -330,11 +331,7 @@ class Feeder(tf.train.experimental.PythonState):
                     self._stats.loop_ended(asked)
                     self._position = Position(item.epoch + 1, 0)
                     if item.dropped and self._plan is None:
-                        warnings.warn(
-                            f'remainder="drop" left out the last {item.dropped} samples of '
-                            f"epoch {item.epoch}.",
-                            stacklevel=2,
-                        )
+                        warn_dropped(item.epoch, item.dropped, stacklevel=2)
                     finished = True
                     return
                 if isinstance(item, Failure):

@@ -1,31 +1,27 @@
-"""Producers: who makes the samples, writing them straight into per-replica host slots.
+"""Producers: who makes each batch and in what order; scheduling only.
 
 A producer turns the plan of each epoch into filled slots, in order, behind one small interface
 (`Producer.slots`). `ThreadProducer` makes them in the feeder's background thread
 (`workers=0`). `WorkerProducer` hands the work to a pool of workers (`feedpipe.workers`):
 the rows of each batch of an indexed source are split among them, and each worker of a
 generator fills whole batches from its own shard. Either way the batches come out in the same
-order with the same rows. `SampleWriter` does the per-sample work (read, `transform`, check,
-write) wherever it runs.
+order with the same rows. The per-sample work is `feedpipe.writer`'s, wherever it runs.
 """
 
 from __future__ import annotations
 
 import collections
-import inspect
 import itertools
-import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Iterator
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
+from feedpipe._sync import WAIT_SLICE_S
+from feedpipe.remainder import Remainder
 from feedpipe.sampler import EpochEnd, Sampler, Step
-from feedpipe.source import ArraySource, SampleSpec, Source, TFDatasetSource
-from feedpipe.split import HostSlot
-
-Transform = Callable[..., Any]
+from feedpipe.slots import HostSlot
+from feedpipe.writer import RowStream, SampleWriter
 
 
 class Position(NamedTuple):
@@ -33,131 +29,6 @@ class Position(NamedTuple):
 
     epoch: int
     step: int
-
-
-def accepts_rng(transform: Transform) -> bool:
-    """Whether `transform` takes `(sample, rng)` rather than `(sample)`."""
-    try:
-        inspect.signature(transform).bind(None, None)
-    except TypeError:
-        return False
-    except ValueError:  # no signature (some builtins): call it with the sample alone
-        return False
-    return True
-
-
-def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
-    """The generator a `transform` gets for one sample: a function of (seed, epoch, index)."""
-    return np.random.default_rng([seed, epoch, index])
-
-
-def _note_origin(error: BaseException, doing: str, index: int, epoch: int) -> None:
-    error.add_note(
-        f"feedpipe: raised in {threading.current_thread().name} while {doing} index {index} "
-        f"of epoch {epoch}."
-    )
-
-
-def apply_transform(
-    transform: Transform, with_rng: bool, sample: Any, seed: int, epoch: int, index: int
-) -> Any:
-    """`transform(sample)` or `transform(sample, rng)`; an error gets a note naming the sample."""
-    try:
-        if with_rng:
-            return transform(sample, sample_rng(seed, epoch, index))
-        return transform(sample)
-    except Exception as error:
-        _note_origin(error, "producing sample", index, epoch)
-        raise
-
-
-class SampleWriter:
-    """Reads samples, applies `transform`, checks them against the spec and writes rows.
-
-    `spec` is what `transform` returns; `axes[field]`, where given, reorders that field's axes
-    as it is written (for example HWC to CHW), so the slot holds `out_spec` and no transpose
-    ever runs later. `status`, where given, is a float64 array that the writer keeps at
-    `[sample index, epoch, time.monotonic() when it started]` (index -1 when idle), so a hang
-    can be named from outside.
-    """
-
-    def __init__(
-        self,
-        source: Source,
-        spec: SampleSpec,
-        transform: Transform | None,
-        seed: int,
-        axes: Sequence[tuple[int, ...] | None] | None = None,
-    ):
-        self.source = source
-        self.spec = spec
-        self.transform = transform
-        self.seed = seed
-        self.axes = list(axes) if axes is not None else [None] * len(spec.leaves)
-        self.out_spec = spec.transposed(self.axes)
-        self.with_rng = transform is not None and accepts_rng(transform)
-        # Arrays without a transform are gathered with one vectorised copy per field.
-        self.vectorised = (
-            transform is None
-            and isinstance(source, ArraySource)
-            and all(a is None for a in self.axes)
-        )
-        self.status: np.ndarray | None = None
-
-    def mark(self, index: int, epoch: int) -> None:
-        """Notes that sample `index` of `epoch` is being made (-1: idle)."""
-        if self.status is not None:
-            self.status[2] = time.monotonic()
-            self.status[1] = epoch
-            self.status[0] = index
-
-    def prepare(self, sample: Any, index: int, epoch: int) -> list[np.ndarray]:
-        """The fields of one sample after `transform`, as checked arrays in the slot's layout."""
-        if self.transform is not None:
-            sample = apply_transform(self.transform, self.with_rng, sample, self.seed, epoch, index)
-        try:
-            leaves = self.spec.flatten(sample, index)
-        except ValueError as error:
-            _note_origin(error, "checking sample", index, epoch)
-            raise
-        return [
-            leaf if axes is None else leaf.transpose(axes)
-            for leaf, axes in zip(leaves, self.axes, strict=True)
-        ]
-
-    def read(self, index: int, epoch: int) -> list[np.ndarray]:
-        """The checked fields of sample `index` of an indexed source."""
-        self.mark(index, epoch)
-        try:
-            sample = self.source.sample(index)
-        except Exception as error:
-            _note_origin(error, "producing sample", index, epoch)
-            raise
-        return self.prepare(sample, index, epoch)
-
-    def fill_rows(self, slot: HostSlot, epoch: int, first_row: int, indices: np.ndarray) -> None:
-        """Writes samples `indices` to global rows `first_row`, `first_row + 1`, ... of `slot`."""
-        b = slot.layout.split.per_replica
-        done = 0
-        while done < len(indices):
-            replica, offset = divmod(first_row + done, b)
-            count = min(len(indices) - done, b - offset)
-            rows = indices[done : done + count]
-            outs = [out[offset : offset + count] for out in slot.regions[replica]]
-            if self.vectorised:
-                self.mark(int(rows[0]), epoch)
-                self.source.take(rows, outs)
-            else:
-                for row, index in enumerate(rows.tolist()):
-                    for out, leaf in zip(outs, self.read(index, epoch), strict=True):
-                        out[row] = leaf
-            done += count
-        self.mark(-1, epoch)
-
-    def fill(self, slot: HostSlot, step: Step) -> None:
-        """Writes the real rows of `step` into `slot`, then pads the rest of the batch."""
-        self.fill_rows(slot, step.epoch, 0, step.rows)
-        slot.pad(step.num_valid)
 
 
 class SlotSupply(Protocol):
@@ -188,19 +59,12 @@ class Producer(Protocol):
 
 
 def _last_batch(
-    epoch: int, index: int, slot: HostSlot, count: int, remainder: str, read: int, supply
+    epoch: int, index: int, slot: HostSlot, count: int, rule: Remainder, read: int, supply
 ) -> Iterator[tuple[Step, HostSlot] | EpochEnd]:
     """The end of a stream's epoch: its last `count` rows in `slot`, after `read` samples."""
-    size = slot.layout.split.global_batch_size
-    if count and remainder == "error":
+    if not (count and rule.pads):
         supply.give_back(slot)
-        raise ValueError(
-            f'`remainder`="error", but epoch {epoch} of the stream ended with {read} samples, '
-            f'{count} past a multiple of `global_batch_size`={size}; use remainder="pad" or '
-            '"drop".'
-        )
-    if count == 0 or remainder == "drop":
-        supply.give_back(slot)
+        rule.check_stream_end(count, epoch, read)
         yield EpochEnd(epoch, dropped=count)
         return
     slot.pad(count)
@@ -216,12 +80,12 @@ class ThreadProducer:
         writer: SampleWriter,
         global_batch_size: int,
         sampler: Sampler | None,
-        remainder: str,
+        rule: Remainder,
     ):
         self.writer = writer
         self.global_batch_size = global_batch_size
         self.sampler = sampler
-        self.remainder = remainder
+        self.rule = rule
 
     slots_in_flight = 1
     """Slots being filled at once."""
@@ -248,23 +112,19 @@ class ThreadProducer:
 
     def _stream_epoch(self, epoch: int, first: int, supply: SlotSupply) -> Iterator:
         size = self.global_batch_size
-        rows = _RowStream(self.writer, epoch, size)
+        rows = RowStream(self.writer, epoch, size)
         rows.skip(first * size)
         for index in itertools.count(first):
             slot = supply.acquire()
             count = rows.read_into(slot)
             if count < size:
-                yield from _last_batch(
-                    epoch, index, slot, count, self.remainder, rows.position, supply
-                )
+                yield from _last_batch(epoch, index, slot, count, self.rule, rows.position, supply)
                 return
             yield Step(epoch, index, None, count), slot
 
 
 MAX_TASKS_PER_WORKER = 2
 """Tasks queued at each worker: one running and one waiting, so no worker idles between them."""
-WAIT_SLICE_S = 0.05
-"""How long one wait for worker replies lasts before the stop flag is checked again."""
 
 
 class _Filling:
@@ -295,22 +155,22 @@ class WorkerProducer:
     with the oldest batch first and a batch is ready as soon as possible. A generator's workers
     each fill whole batches from their own shard, taken in strict rotation; when a shard runs
     out, its last partial batch is set aside, and at the end of the epoch those rows are
-    merged into full batches and one last partial batch, which follows `remainder`.
+    merged into full batches and one last partial batch, which follows the remainder rule.
     Invariant: a slot goes back to the pool only when no worker will write to it again.
     """
 
     def __init__(
         self,
         workers,
-        source: Source,
+        source,
         global_batch_size: int,
         sampler: Sampler | None,
-        remainder: str,
+        rule: Remainder,
     ):
         self.workers = workers
         self.size = global_batch_size
         self.sampler = sampler
-        self.remainder = remainder
+        self.rule = rule
         self.block_size = getattr(source, "block_size", 1)
         self.epoch_end_tasks = hasattr(source, "on_epoch_end")
         self._ids = itertools.count()
@@ -511,83 +371,10 @@ class WorkerProducer:
                     supply.give_back(slot)
                     yield EpochEnd(epoch)
                     return
-                yield from _last_batch(epoch, index, slot, count, self.remainder, read, supply)
+                yield from _last_batch(epoch, index, slot, count, self.rule, read, supply)
                 return
             if index >= first:
                 yield Step(epoch, index, None, count), slot
             else:
                 supply.give_back(slot)
             index += 1
-
-
-class _RowStream:
-    """The rows of one epoch of a stream source, in blocks or one sample at a time."""
-
-    def __init__(self, writer: SampleWriter, epoch: int, block_rows: int):
-        self.writer = writer
-        self.epoch = epoch
-        self.position = 0  # samples of this epoch read so far
-        source = writer.source
-        if (
-            isinstance(source, TFDatasetSource)
-            and writer.transform is None
-            and not any(writer.axes)
-        ):
-            # tf.data reads many samples at once: an error names where its block began.
-            self._blocks = self._noted(source.blocks(block_rows), "reading the samples from")
-        else:
-            self._blocks = (
-                [leaf[np.newaxis] for leaf in writer.prepare(sample, index, epoch)]
-                for index, sample in enumerate(
-                    self._noted(source.samples(epoch), "producing sample")
-                )
-            )
-        self._block: list[np.ndarray] | None = None
-        self._offset = 0
-
-    def _noted(self, items: Iterator, doing: str) -> Iterator:
-        """`items`, adding to an error they raise a note naming the sample reached."""
-        while True:
-            self.writer.mark(self.position, self.epoch)
-            try:
-                item = next(items)
-            except StopIteration:
-                return
-            except Exception as error:
-                _note_origin(error, doing, self.position, self.epoch)
-                raise
-            yield item
-
-    def _next_rows(self, limit: int) -> tuple[list[np.ndarray], int, int] | None:
-        """Up to `limit` rows of the current block, as (leaves, first row, count)."""
-        if self._block is None or self._offset == len(self._block[0]):
-            block = next(self._blocks, None)
-            if block is None:
-                return None
-            self._block, self._offset = block, 0
-        lo = self._offset
-        count = min(limit, len(self._block[0]) - lo)
-        self._offset += count
-        self.position += count
-        return self._block, lo, count
-
-    def skip(self, count: int) -> None:
-        while count:
-            taken = self._next_rows(count)
-            if taken is None:
-                return
-            count -= taken[2]
-
-    def read_into(self, slot: HostSlot) -> int:
-        """Fills `slot` from row 0 with up to a global batch of rows; returns how many."""
-        size = slot.layout.split.global_batch_size
-        filled = 0
-        while filled < size:
-            taken = self._next_rows(size - filled)
-            if taken is None:
-                break
-            leaves, lo, count = taken
-            slot.write_rows(filled, leaves, lo, count)
-            filled += count
-        self.writer.mark(-1, self.epoch)
-        return filled

@@ -7,12 +7,11 @@ produces the samples or how many producers there are, and a resumed run sees the
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Iterator
 
 import numpy as np
 
-REMAINDERS = ("pad", "drop", "error")
+from feedpipe.remainder import Remainder
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -48,15 +47,6 @@ class EpochEnd:
     """Samples left out by `remainder="drop"` at the end of this epoch."""
 
 
-def check_remainder(remainder: str) -> None:
-    """Raises a ValueError naming the accepted policies when `remainder` is unknown."""
-    if remainder not in REMAINDERS:
-        raise ValueError(
-            f"`remainder`={remainder!r} is not a known policy; use one of "
-            f"{', '.join(repr(r) for r in REMAINDERS)}."
-        )
-
-
 class Sampler:
     """Plans the global batches of every epoch of an indexed source.
 
@@ -76,43 +66,23 @@ class Sampler:
         seed: int = 0,
         block_size: int = 1,
     ):
-        check_remainder(remainder)
         if length < 1:
             raise ValueError(
                 "The dataset is empty (0 samples); give the feeder at least one sample."
             )
-        leftover = length % global_batch_size
-        if remainder == "error" and leftover:
-            raise ValueError(
-                f'`remainder`="error" needs the dataset length to be a multiple of '
-                f"`global_batch_size`: {length} samples leave {leftover} over with "
-                f'`global_batch_size`={global_batch_size}; use remainder="pad" or "drop", '
-                f"or a global batch size that divides {length}."
-            )
-        if remainder == "drop" and length < global_batch_size:
-            raise ValueError(
-                f'`remainder`="drop" with {length} samples and `global_batch_size`='
-                f'{global_batch_size} leaves no batch at all; use remainder="pad" or a '
-                f"global batch of at most {length}."
-            )
+        self.rule = Remainder(remainder, global_batch_size)
+        self.rule.check_length(length)
         self.length = length
         self.global_batch_size = global_batch_size
         self.remainder = remainder
         self.shuffle = shuffle
         self.seed = seed
         self.block_size = block_size
-        self.dropped_per_epoch = leftover if remainder == "drop" else 0
-        if self.dropped_per_epoch:
-            warnings.warn(
-                f'remainder="drop" leaves out the last {leftover} of {length} samples of every '
-                f"epoch's order (global batch {global_batch_size}).",
-                stacklevel=3,
-            )
+        self.dropped_per_epoch = self.rule.dropped(length)
 
     def __len__(self) -> int:
         """Global batches per epoch."""
-        full, leftover = divmod(self.length, self.global_batch_size)
-        return full + (1 if leftover and self.remainder == "pad" else 0)
+        return self.rule.steps(self.length)
 
     def __repr__(self) -> str:
         return (

@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from feedpipe.sampler import Step
-from feedpipe.split import SlotLayout
+from feedpipe.slots import SlotLayout
 
 
 def _canonical(spec: tf.DeviceSpec) -> tuple[str, int]:

@@ -39,7 +39,7 @@ import numpy as np
 
 from feedpipe._shm import SharedBuffer, remove_orphans
 from feedpipe._worker import TaskRunner
-from feedpipe.split import ALIGN_BYTES, HostSlot
+from feedpipe.slots import ALIGN_BYTES, HostSlot
 
 STOP_GRACE_S = 1.0
 """How long `close()` lets worker processes finish their current task before killing them."""

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from feedpipe.sampler import Sampler, check_remainder
+from feedpipe.remainder import check_remainder
+from feedpipe.sampler import Sampler
 
 
 def test_without_shuffle_the_order_is_the_dataset_order():

@@ -10,8 +10,10 @@ import threading
 import numpy as np
 import pytest
 
+from feedpipe._sync import Stopped
+from feedpipe.slots import ALIGN_BYTES, HostSlot, SlotLayout, SlotPool
 from feedpipe.source import SampleSpec
-from feedpipe.split import ALIGN_BYTES, HostSlot, ReplicaSplit, SlotLayout, SlotPool, Stopped
+from feedpipe.split import ReplicaSplit
 
 
 def spec() -> SampleSpec:

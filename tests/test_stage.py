@@ -11,8 +11,9 @@ import pytest
 import tensorflow as tf
 
 from feedpipe.sampler import Step
+from feedpipe.slots import HostSlot, SlotLayout
 from feedpipe.source import SampleSpec
-from feedpipe.split import HostSlot, ReplicaSplit, SlotLayout
+from feedpipe.split import ReplicaSplit
 from feedpipe.stage import Batch, Stager, resolve_devices, to_device
 
 

@@ -1,0 +1,249 @@
+"""Slots: the host memory that holds global batches while they are made and staged.
+
+A host slot is one buffer in which every (field, replica) region starts on a 64-byte boundary,
+so each replica's rows are already cut out when they are written: staging a replica hands its
+regions over as they are, with no further copy on the host.
+
+Slots are allocated once and reused. A slot goes back to the pool when every array and tensor
+made from its last lease has been freed, which the lease's finalizer reports; nothing polls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+import weakref
+from collections.abc import Callable
+
+import numpy as np
+
+from feedpipe._shm import SharedBuffer
+from feedpipe._sync import WAIT_SLICE_S, Stopped
+from feedpipe.source import SampleSpec
+from feedpipe.split import ReplicaSplit
+
+ALIGN_BYTES = 64
+"""TensorFlow's CPU kernels expect 64-byte aligned buffers (Eigen's EIGEN_MAX_ALIGN_BYTES)."""
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class SlotLayout:
+    """Where each (field, replica) region lives inside a slot's buffer.
+
+    With `contiguous`, a field's replica regions follow each other with no gap, so the whole
+    global batch of that field is one array (used when batches stay on the host).
+    """
+
+    def __init__(self, spec: SampleSpec, split: ReplicaSplit, *, contiguous: bool = False):
+        self.spec = spec
+        self.split = split
+        self.contiguous = contiguous
+        self.field_offsets: list[int] = []
+        strides = []
+        offset = 0
+        for leaf in spec.leaves:
+            region = split.per_replica * leaf.row_bytes
+            stride = region if contiguous else _round_up(region, ALIGN_BYTES)
+            offset = _round_up(offset, ALIGN_BYTES)
+            self.field_offsets.append(offset)
+            strides.append(stride)
+            offset += stride * split.num_replicas
+        self.nbytes = max(_round_up(offset, ALIGN_BYTES), ALIGN_BYTES)
+        self.offsets = [
+            [start + r * stride for start, stride in zip(self.field_offsets, strides, strict=True)]
+            for r in range(split.num_replicas)
+        ]
+        """`offsets[replica][field]`: where that region starts in the buffer."""
+
+        # Each region as (bytes, dtype, shape), worked out once: views are made every batch.
+        self._regions = [
+            [self._region(offset, split.per_replica, field) for field, offset in enumerate(row)]
+            for row in self.offsets
+        ]
+        self._globals = [
+            self._region(start, split.global_batch_size, field)
+            for field, start in enumerate(self.field_offsets)
+        ]
+
+    def _region(self, offset: int, rows: int, field: int) -> tuple[slice, np.dtype, tuple]:
+        leaf = self.spec.leaves[field]
+        return slice(offset, offset + rows * leaf.row_bytes), leaf.dtype, (rows, *leaf.shape)
+
+    @property
+    def batch_bytes(self) -> int:
+        """Bytes of payload in one global batch (without alignment gaps)."""
+        return self.spec.row_bytes * self.split.global_batch_size
+
+    def views(self, memory: np.ndarray) -> list[list[np.ndarray]]:
+        """Arrays over the bytes `memory`: `views[replica][field]`, `[per_replica, *shape]`."""
+        return [
+            [memory[where].view(dtype).reshape(shape) for where, dtype, shape in row]
+            for row in self._regions
+        ]
+
+    def global_views(self, memory: np.ndarray) -> list[np.ndarray]:
+        """Arrays over the bytes `memory`, one per field, each `[global_batch, *shape]`."""
+        if not self.contiguous:
+            raise ValueError("Only a contiguous layout has global views.")
+        return [memory[where].view(dtype).reshape(shape) for where, dtype, shape in self._globals]
+
+
+def _aligned_buffer(nbytes: int) -> np.ndarray:
+    raw = np.empty(nbytes + ALIGN_BYTES, dtype=np.uint8)
+    start = (-raw.ctypes.data) % ALIGN_BYTES
+    return raw[start : start + nbytes]
+
+
+_slot_ids = itertools.count()
+
+
+class HostSlot:
+    """One global batch's worth of host memory, laid out per replica.
+
+    Its bytes are private to this process, or `shared` with worker processes that map them;
+    a worker that receives a slot builds its own `HostSlot` over them with the same `ident`.
+    """
+
+    def __init__(
+        self,
+        layout: SlotLayout,
+        overflow: bool = False,
+        *,
+        shared: bool = False,
+        buffer: np.ndarray | None = None,
+        ident: int | None = None,
+    ):
+        self.layout = layout
+        self.ident = next(_slot_ids) if ident is None else ident
+        self.shared = SharedBuffer(layout.nbytes, "slot") if shared else None
+        if buffer is None:
+            buffer = self.shared.array if shared else _aligned_buffer(layout.nbytes)
+        self.buffer = buffer
+        self.regions = layout.views(self.buffer)
+        """`regions[replica][field]`: where the producer writes the rows of that replica."""
+        self.overflow = overflow
+        """True for a one-off slot, dropped rather than pooled once freed."""
+
+    def row(self, field: int, row: int) -> np.ndarray:
+        """A one-row view of `field` at global row `row` (writable, even for scalar fields)."""
+        replica, offset = divmod(row, self.layout.split.per_replica)
+        return self.regions[replica][field][offset : offset + 1]
+
+    def copy_row(self, row: int, source: HostSlot, source_row: int) -> None:
+        """Copies global row `source_row` of `source` to global row `row` of this slot."""
+        for field in range(len(self.layout.spec.leaves)):
+            self.row(field, row)[...] = source.row(field, source_row)
+
+    def write_rows(self, start: int, leaves: list[np.ndarray], lo: int, count: int) -> None:
+        """Copies rows `lo:lo+count` of `leaves` to global rows `start:start+count`."""
+        b = self.layout.split.per_replica
+        while count:
+            replica, offset = divmod(start, b)
+            n = min(count, b - offset)
+            for region, leaf in zip(self.regions[replica], leaves, strict=True):
+                region[offset : offset + n] = leaf[lo : lo + n]
+            start, lo, count = start + n, lo + n, count - n
+
+    def pad(self, num_valid: int) -> None:
+        """Fills rows `num_valid:` by repeating the real rows `0:num_valid` in order."""
+        for row in range(num_valid, self.layout.split.global_batch_size):
+            self.copy_row(row, self, row % num_valid)
+
+    def lease(self, on_free: Callable[[HostSlot], None]) -> np.ndarray:
+        """This slot's bytes, calling `on_free(slot)` once they and every view of them are gone.
+
+        The bytes are exported from a ctypes array made for this lease alone: every array or
+        tensor derived from them keeps it alive, so its finalizer runs exactly when the last of
+        them is freed, in whichever thread frees it. Nothing polls.
+        """
+        owner = (ctypes.c_char * self.layout.nbytes).from_buffer(self.buffer)
+        weakref.finalize(owner, on_free, self)
+        return np.frombuffer(owner, np.uint8)
+
+
+class SlotPool:
+    """A fixed set of host slots, allocated once and reused.
+
+    Invariant: a slot is handed to a producer only when nothing made from its last lease is
+    alive. If every slot is held and the consumer is starving (it keeps batches it has taken),
+    a one-off overflow slot is made rather than deadlock; it is dropped when freed.
+
+    With `reuse=False` every batch gets fresh memory that its consumer keeps: for batches handed
+    to TensorFlow's own input pipeline, which holds them for as long as it prefetches. With
+    `shared`, slots are memory that worker processes can map.
+    """
+
+    def __init__(
+        self, layout: SlotLayout, capacity: int, *, reuse: bool = True, shared: bool = False
+    ):
+        self.layout = layout
+        self.capacity = capacity
+        self.reuse = reuse
+        self.shared = shared
+        self.dropped: list[int] = []
+        """Idents of one-off slots dropped since the last `take_dropped` (workers unmap them)."""
+        self.allocated = 0
+        self.overflow_allocations = 0
+        self._free: list[HostSlot] = []
+        # Re-entrant: a finalizer can run in a thread that already holds the lock.
+        self._cond = threading.Condition(threading.RLock())
+
+    def acquire(self, stop: threading.Event, may_overflow: Callable[[], bool]) -> HostSlot:
+        """A free slot; waits while all are in use, raising `Stopped` if `stop` is set."""
+        return self._acquire(stop, may_overflow, block=True)
+
+    def try_acquire(self, stop: threading.Event) -> HostSlot | None:
+        """A free slot if one is ready now (or can still be allocated), else None."""
+        return self._acquire(stop, lambda: False, block=False)
+
+    def _acquire(self, stop, may_overflow, *, block: bool) -> HostSlot | None:
+        if not self.reuse:
+            if stop.is_set():
+                raise Stopped
+            return HostSlot(self.layout, overflow=True, shared=self.shared)
+        with self._cond:
+            while True:
+                if stop.is_set():
+                    raise Stopped
+                if self._free:
+                    return self._free.pop()
+                if self.allocated < self.capacity:
+                    self.allocated += 1
+                    return HostSlot(self.layout, shared=self.shared)
+                if may_overflow():
+                    self.overflow_allocations += 1
+                    return HostSlot(self.layout, overflow=True, shared=self.shared)
+                if not block:
+                    return None
+                self._cond.wait(WAIT_SLICE_S)
+
+    def wake(self) -> None:
+        """Makes a waiting `acquire` re-check `may_overflow` now (the consumer started starving)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def give_back(self, slot: HostSlot) -> None:
+        """Returns a slot to the pool (a producer that did not use it, or a freed lease)."""
+        with self._cond:
+            if slot.overflow:
+                if slot.shared is not None:
+                    self.dropped.append(slot.ident)
+                return
+            self._free.append(slot)
+            self._cond.notify()
+
+    def take_dropped(self) -> list[int]:
+        """The idents of shared one-off slots dropped since the last call."""
+        with self._cond:
+            dropped, self.dropped = self.dropped, []
+        return dropped
+
+    def __repr__(self) -> str:
+        return (
+            f"SlotPool(capacity={self.capacity}, allocated={self.allocated}, "
+            f"free={len(self._free)}, slot_bytes={self.layout.nbytes})"
+        )

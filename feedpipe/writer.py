@@ -1,0 +1,222 @@
+"""Writer: everything that runs per sample, in whichever thread or process makes it.
+
+`SampleWriter` reads a sample, applies `transform` (with an rng drawn from (seed, epoch,
+index) where it asks for one), checks it against the spec and writes its fields into the rows
+of a host slot, transposed where asked. `RowStream` does the same for the rows of a stream
+source (a generator or a tf.data.Dataset), in its own order. An error in user code gets a note
+naming the thread and the sample. Nothing here imports TensorFlow: worker processes run it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from feedpipe.sampler import Step
+from feedpipe.slots import HostSlot
+from feedpipe.source import ArraySource, SampleSpec, Source, TFDatasetSource
+
+Transform = Callable[..., Any]
+
+
+def accepts_rng(transform: Transform) -> bool:
+    """Whether `transform` takes `(sample, rng)` rather than `(sample)`."""
+    try:
+        inspect.signature(transform).bind(None, None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature (some builtins): call it with the sample alone
+        return False
+    return True
+
+
+def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
+    """The generator a `transform` gets for one sample: a function of (seed, epoch, index)."""
+    return np.random.default_rng([seed, epoch, index])
+
+
+def note_origin(error: BaseException, doing: str, index: int, epoch: int) -> None:
+    error.add_note(
+        f"feedpipe: raised in {threading.current_thread().name} while {doing} index {index} "
+        f"of epoch {epoch}."
+    )
+
+
+def apply_transform(
+    transform: Transform, with_rng: bool, sample: Any, seed: int, epoch: int, index: int
+) -> Any:
+    """`transform(sample)` or `transform(sample, rng)`; an error gets a note naming the sample."""
+    try:
+        if with_rng:
+            return transform(sample, sample_rng(seed, epoch, index))
+        return transform(sample)
+    except Exception as error:
+        note_origin(error, "producing sample", index, epoch)
+        raise
+
+
+class SampleWriter:
+    """Reads samples, applies `transform`, checks them against the spec and writes rows.
+
+    `spec` is what `transform` returns; `axes[field]`, where given, reorders that field's axes
+    as it is written (for example HWC to CHW), so the slot holds `out_spec` and no transpose
+    ever runs later. `status`, where given, is a float64 array that the writer keeps at
+    `[sample index, epoch, time.monotonic() when it started]` (index -1 when idle), so a hang
+    can be named from outside.
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        spec: SampleSpec,
+        transform: Transform | None,
+        seed: int,
+        axes: Sequence[tuple[int, ...] | None] | None = None,
+    ):
+        self.source = source
+        self.spec = spec
+        self.transform = transform
+        self.seed = seed
+        self.axes = list(axes) if axes is not None else [None] * len(spec.leaves)
+        self.out_spec = spec.transposed(self.axes)
+        self.with_rng = transform is not None and accepts_rng(transform)
+        # Arrays without a transform are gathered with one vectorised copy per field.
+        self.vectorised = (
+            transform is None
+            and isinstance(source, ArraySource)
+            and all(a is None for a in self.axes)
+        )
+        self.status: np.ndarray | None = None
+
+    def mark(self, index: int, epoch: int) -> None:
+        """Notes that sample `index` of `epoch` is being made (-1: idle)."""
+        if self.status is not None:
+            self.status[2] = time.monotonic()
+            self.status[1] = epoch
+            self.status[0] = index
+
+    def prepare(self, sample: Any, index: int, epoch: int) -> list[np.ndarray]:
+        """The fields of one sample after `transform`, as checked arrays in the slot's layout."""
+        if self.transform is not None:
+            sample = apply_transform(self.transform, self.with_rng, sample, self.seed, epoch, index)
+        try:
+            leaves = self.spec.flatten(sample, index)
+        except ValueError as error:
+            note_origin(error, "checking sample", index, epoch)
+            raise
+        return [
+            leaf if axes is None else leaf.transpose(axes)
+            for leaf, axes in zip(leaves, self.axes, strict=True)
+        ]
+
+    def read(self, index: int, epoch: int) -> list[np.ndarray]:
+        """The checked fields of sample `index` of an indexed source."""
+        self.mark(index, epoch)
+        try:
+            sample = self.source.sample(index)
+        except Exception as error:
+            note_origin(error, "producing sample", index, epoch)
+            raise
+        return self.prepare(sample, index, epoch)
+
+    def fill_rows(self, slot: HostSlot, epoch: int, first_row: int, indices: np.ndarray) -> None:
+        """Writes samples `indices` to global rows `first_row`, `first_row + 1`, ... of `slot`."""
+        b = slot.layout.split.per_replica
+        done = 0
+        while done < len(indices):
+            replica, offset = divmod(first_row + done, b)
+            count = min(len(indices) - done, b - offset)
+            rows = indices[done : done + count]
+            outs = [out[offset : offset + count] for out in slot.regions[replica]]
+            if self.vectorised:
+                self.mark(int(rows[0]), epoch)
+                self.source.take(rows, outs)
+            else:
+                for row, index in enumerate(rows.tolist()):
+                    for out, leaf in zip(outs, self.read(index, epoch), strict=True):
+                        out[row] = leaf
+            done += count
+        self.mark(-1, epoch)
+
+    def fill(self, slot: HostSlot, step: Step) -> None:
+        """Writes the real rows of `step` into `slot`, then pads the rest of the batch."""
+        self.fill_rows(slot, step.epoch, 0, step.rows)
+        slot.pad(step.num_valid)
+
+
+class RowStream:
+    """The rows of one epoch of a stream source, in blocks or one sample at a time."""
+
+    def __init__(self, writer: SampleWriter, epoch: int, block_rows: int):
+        self.writer = writer
+        self.epoch = epoch
+        self.position = 0  # samples of this epoch read so far
+        source = writer.source
+        if (
+            isinstance(source, TFDatasetSource)
+            and writer.transform is None
+            and not any(writer.axes)
+        ):
+            # tf.data reads many samples at once: an error names where its block began.
+            self._blocks = self._noted(source.blocks(block_rows), "reading the samples from")
+        else:
+            self._blocks = (
+                [leaf[np.newaxis] for leaf in writer.prepare(sample, index, epoch)]
+                for index, sample in enumerate(
+                    self._noted(source.samples(epoch), "producing sample")
+                )
+            )
+        self._block: list[np.ndarray] | None = None
+        self._offset = 0
+
+    def _noted(self, items: Iterator, doing: str) -> Iterator:
+        """`items`, adding to an error they raise a note naming the sample reached."""
+        while True:
+            self.writer.mark(self.position, self.epoch)
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+            except Exception as error:
+                note_origin(error, doing, self.position, self.epoch)
+                raise
+            yield item
+
+    def _next_rows(self, limit: int) -> tuple[list[np.ndarray], int, int] | None:
+        """Up to `limit` rows of the current block, as (leaves, first row, count)."""
+        if self._block is None or self._offset == len(self._block[0]):
+            block = next(self._blocks, None)
+            if block is None:
+                return None
+            self._block, self._offset = block, 0
+        lo = self._offset
+        count = min(limit, len(self._block[0]) - lo)
+        self._offset += count
+        self.position += count
+        return self._block, lo, count
+
+    def skip(self, count: int) -> None:
+        while count:
+            taken = self._next_rows(count)
+            if taken is None:
+                return
+            count -= taken[2]
+
+    def read_into(self, slot: HostSlot) -> int:
+        """Fills `slot` from row 0 with up to a global batch of rows; returns how many."""
+        size = slot.layout.split.global_batch_size
+        filled = 0
+        while filled < size:
+            taken = self._next_rows(size - filled)
+            if taken is None:
+                break
+            leaves, lo, count = taken
+            slot.write_rows(filled, leaves, lo, count)
+            filled += count
+        self.writer.mark(-1, self.epoch)
+        return filled
