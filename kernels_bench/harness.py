@@ -280,7 +280,7 @@ def environment() -> dict:
     import importlib.metadata as md
 
     versions = {}
-    for package in ("tensorflow", "keras", "numpy", "optree", "psutil", "feedpipe"):
+    for package in ("tensorflow", "keras", "numpy", "optree", "psutil", "grain", "feedpipe"):
         try:
             versions[package] = md.version(package)
         except md.PackageNotFoundError:

@@ -24,6 +24,7 @@ SCRIPTS = (
     "get_latency",
     "mirrored",
     "train_loop",
+    "fit_paths",
     "copy_cost",
     "workers",
     "monitor_overhead",

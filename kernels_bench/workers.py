@@ -28,12 +28,31 @@ Peers:
   pickled), after `on_epoch_begin()`.
 * tf.data: `Dataset.from_generator(gen, output_signature=...).batch(64).prefetch(AUTOTUNE)`
   over the same samples.
+* Grain: `grain.MapDataset.source(source).batch(64).to_iter_dataset().mp_prefetch(
+  grain.MultiprocessingOptions(num_workers=2))`, iterated with Grain's own iterator (2 spawned
+  worker processes, each making whole batches and handing them over in shared memory; its
+  default buffer of 1 batch per worker). The source's `__getitem__` holds the per-sample code,
+  as for every other peer; a `.map(fn)` holding it instead runs in the same worker processes.
+  `model.fit` on such a dataset wraps Grain's iterator in Keras's `from_generator`, as it
+  wraps the others.
 
 Targets (case "GIL-bound"): feedpipe processes >= 1.8x serial (DESIGN.md's generator
-speedup), >= 1.3x Keras, >= 2.5x tf.data. Case "GIL-releasing" repeats serial, bare, processes
-and threads over `GilFreeSource` (about 1 ms of `hashlib.sha256` per sample, GIL released), and
-the row "thread vs process" sets process/thread of both sources side by side: the measurement
-that chooses the default `worker_mode` (no target).
+speedup), >= 1.3x Keras, >= 2.5x tf.data; Grain is reported beside them (no target). Case
+"GIL-releasing" repeats serial, bare, processes and threads over `GilFreeSource` (about 1 ms
+of `hashlib.sha256` per sample, GIL released), and the row "thread vs process" sets
+process/thread of both sources side by side: the measurement that chooses the default
+`worker_mode` (no target).
+
+Case "whole epochs": serial, feedpipe's processes, Keras, tf.data and Grain, timed over whole
+epochs with their start-up, as a training run meets them. Each peer is built fresh over the
+first `--epoch-batches` batches of the GIL-bound source (default 60; 30 with --quick), then reads
+2 epochs back to back, each the way `model.fit` starts an epoch: the same feeder iterated
+again, `on_epoch_begin()`/`on_epoch_end()` around a pass of the Keras adapter's dataset, a new
+iterator of the tf.data dataset, a new iterator of the Grain dataset (which starts its worker
+processes again). `<peer>_first_batch_s` is the time from building the peer to its first batch,
+`<peer>_epoch1_s` the first epoch with that start-up, `<peer>_epoch2_s` the second;
+`process_over_<peer>_epoch1` and `_epoch2` are the ratios of the peer's epoch time to feedpipe's
+(above 1: feedpipe's processes finish the epoch sooner). Closing each peer is not timed.
 
 Case "interference": the duration of an emulated accelerator's step (`harness.EmulatedStep`,
 a GIL-free `time.sleep` of `--step-ms`, default 20) timed alone, then while 2 worker
@@ -59,8 +78,9 @@ library: feedpipe's worker processes are fresh interpreters that unpickle the so
 reference, and must never import TensorFlow. This module, too, imports neither TensorFlow nor
 feedpipe at the top.
 
-Run: `python -m kernels_bench.workers [--quick] [--step-ms 20] [--sample-ms 1]`; writes
-`kernels_bench/results/workers.json`.
+Run: `python -m kernels_bench.workers [--quick] [--step-ms 20] [--sample-ms 1]
+[--epoch-batches 60]`; writes `kernels_bench/results/workers.json`. The Grain peer needs
+`pip install grain` (in `feedpipe[bench]`).
 """
 
 from __future__ import annotations
@@ -68,6 +88,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import copy
 import gc
 import itertools
 import multiprocessing
@@ -96,7 +117,9 @@ LENGTH = GLOBAL_BATCH * 1000
 falls inside one. No more: the feeder holds each epoch's order, 8 bytes per sample."""
 BATCH_BYTES = GLOBAL_BATCH * (int(np.prod(SAMPLE_SHAPE)) * 4 + 8)
 
-GIL_PEERS = ("serial", "bare", "process", "thread", "w0", "pydataset", "tfdata")
+GIL_PEERS = ("serial", "bare", "process", "thread", "w0", "pydataset", "tfdata", "grain")
+EPOCH_PEERS = ("serial", "process", "pydataset", "tfdata", "grain")
+EPOCHS = 2
 GIL_FREE_PEERS = ("serial", "bare", "process", "thread")
 PEER_NAMES = {
     "serial": "serial loop in the main process (source[i] x 64, np.stack)",
@@ -112,6 +135,10 @@ PEER_NAMES = {
         "PyDatasetAdapter.get_tf_dataset(), as model.fit on TensorFlow"
     ),
     "tfdata": "tf.data.Dataset.from_generator(...).batch(64).prefetch(AUTOTUNE)",
+    "grain": (
+        "grain.MapDataset.source(source).batch(64).to_iter_dataset().mp_prefetch("
+        f"MultiprocessingOptions(num_workers={WORKERS}))"
+    ),
 }
 
 
@@ -232,6 +259,27 @@ def tfdata_batches(source) -> Iterator[Iterator]:
     yield iter(dataset)
 
 
+def grain_dataset(source):
+    """The Grain peer's dataset: whole batches made in `WORKERS` spawned processes."""
+    import grain
+
+    return (
+        grain.MapDataset.source(source)
+        .batch(GLOBAL_BATCH)
+        .to_iter_dataset()
+        .mp_prefetch(grain.MultiprocessingOptions(num_workers=WORKERS))
+    )
+
+
+@contextlib.contextmanager
+def grain_batches(source) -> Iterator[Iterator]:
+    iterator = iter(grain_dataset(source))
+    try:
+        yield iterator
+    finally:
+        iterator.close()  # stops its processes and frees its shared memory
+
+
 def open_peer(peer: str, source, device: str):
     if peer == "serial":
         return contextlib.nullcontext(serial_batches(source))
@@ -245,6 +293,8 @@ def open_peer(peer: str, source, device: str):
         return pydataset_batches(source)
     if peer == "tfdata":
         return tfdata_batches(source)
+    if peer == "grain":
+        return grain_batches(source)
     raise ValueError(peer)
 
 
@@ -323,7 +373,137 @@ def throughput_case(report, settings, name, source, peers, device, warmup, count
     return rows
 
 
-# ---- case 2: interference --------------------------------------------------------------------
+# ---- case 2: whole epochs, start-up included -------------------------------------------------
+
+
+@contextlib.contextmanager
+def epoch_peer(peer: str, source, device: str) -> Iterator:
+    """`peer` built over `source`: yields a function that returns the batches of its next
+    epoch, started as `model.fit` starts an epoch. Everything is freed on return."""
+    import tensorflow as tf
+
+    batches = len(source) // GLOBAL_BATCH
+    if peer == "serial":
+        yield lambda: (make_batch(source, number) for number in range(batches))
+    elif peer == "process":
+        with process_feeder(source, device) as feeder:
+            yield lambda: iter(feeder)
+    elif peer == "pydataset":
+        from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
+
+        dataset = pydataset_class()(source, workers=WORKERS, use_multiprocessing=True)
+        adapter = PyDatasetAdapter(dataset, shuffle=False)
+        tf_dataset = adapter.get_tf_dataset()
+
+        def pydataset_epoch():
+            adapter.on_epoch_begin()
+            try:
+                yield from tf_dataset
+            finally:
+                adapter.on_epoch_end()
+
+        yield pydataset_epoch
+    elif peer == "tfdata":
+        dataset = (
+            tf.data.Dataset.from_generator(
+                lambda: (source[index] for index in range(len(source))),
+                output_signature=(
+                    tf.TensorSpec(SAMPLE_SHAPE, tf.float32),
+                    tf.TensorSpec((), tf.int64),
+                ),
+            )
+            .batch(GLOBAL_BATCH)
+            .prefetch(tf.data.AUTOTUNE)
+        )
+        yield lambda: iter(dataset)
+    elif peer == "grain":
+        dataset = grain_dataset(source)
+
+        def grain_epoch():
+            iterator = iter(dataset)
+            try:
+                yield from iterator
+            finally:
+                iterator.close()
+
+        yield grain_epoch
+    else:
+        raise ValueError(peer)
+
+
+def epoch_times(peer: str, source, device: str) -> tuple[dict, float]:
+    """`EPOCHS` whole epochs of a fresh `peer`, back to back: the seconds from building it to
+    its first batch and to the end of each epoch (each from the end of the one before), and
+    the cores other processes used meanwhile."""
+    expected = len(source) // GLOBAL_BATCH
+    with OtherLoad() as other:
+        started = time.perf_counter()
+        with epoch_peer(peer, source, device) as next_epoch:
+            times, first, mark = {}, None, started
+            for epoch in range(1, EPOCHS + 1):
+                taken = 0
+                for batch in next_epoch():
+                    if first is None:
+                        first = time.perf_counter() - started
+                    taken += 1
+                    del batch
+                now = time.perf_counter()
+                if taken != expected:
+                    raise RuntimeError(f"{peer}: epoch {epoch} gave {taken}, not {expected}")
+                times[f"epoch{epoch}_s"] = now - mark
+                mark = now
+    return {"first_batch_s": first, **times}, other.cores
+
+
+def epoch_case(report, settings, source, device, batches: int) -> None:
+    epoch_source = copy.copy(source)  # the same calibrated work per sample, fewer samples
+    epoch_source.length = batches * GLOBAL_BATCH
+    rows = []
+    for rep in range(settings.reps):
+        measured, other_cores = {}, []
+        for peer in harness.rotate(EPOCH_PEERS, rep):
+            measured[peer], other = epoch_times(peer, epoch_source, device)
+            other_cores.append(other)
+            gc.collect()
+        row = {}
+        for peer in EPOCH_PEERS:
+            row.update({f"{peer}_{key}": value for key, value in measured[peer].items()})
+        for peer in EPOCH_PEERS:
+            if peer != "process":
+                for epoch in range(1, EPOCHS + 1):
+                    key = f"epoch{epoch}_s"
+                    row[f"process_over_{peer}_epoch{epoch}"] = (
+                        measured[peer][key] / measured["process"][key]
+                    )
+        row["other_cores"] = max(other_cores)
+        rows.append(row)
+        print(
+            f"  whole epochs rep {rep + 1}/{settings.reps}: "
+            + "  ".join(
+                f"{peer} {measured[peer]['first_batch_s']:.2f} + "
+                + "/".join(f"{measured[peer][f'epoch{e}_s']:.2f}" for e in range(1, EPOCHS + 1))
+                + " s"
+                for peer in EPOCH_PEERS
+            )
+            + f"  (other processes: up to {row['other_cores']:.2f} core)",
+            flush=True,
+        )
+    report.add_case(
+        "whole epochs",
+        {
+            "source": epoch_source.as_dict(),
+            "peers": {peer: PEER_NAMES[peer] for peer in EPOCH_PEERS},
+            "global_batch": GLOBAL_BATCH,
+            "workers": WORKERS,
+            "batches_per_epoch": batches,
+            "epochs": EPOCHS,
+        },
+        rows,
+        units={key: "s" for key in rows[0] if key.endswith("_s")},
+    )
+
+
+# ---- case 3: interference --------------------------------------------------------------------
 
 
 def step_durations(step, count: int, batches: Iterator | None = None) -> list[float]:
@@ -424,7 +604,7 @@ def interference_case(report, settings, source, device, step_s, warmup, count) -
     report.target(name, "step_ratio", "<=", 1.03, "mean step with workers / alone")
 
 
-# ---- case 3: steady-state memory -------------------------------------------------------------
+# ---- case 4: steady-state memory -------------------------------------------------------------
 
 
 def held_memory(source, device: str, warmup: int, count: int) -> dict:
@@ -523,6 +703,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--step-ms", type=float, default=20.0, help="interference: emulated step (default 20)"
     )
+    parser.add_argument(
+        "--epoch-batches",
+        type=int,
+        default=None,
+        help="whole epochs: batches per epoch (default 60; 30 with --quick)",
+    )
 
 
 def main(argv=None) -> None:
@@ -582,6 +768,7 @@ def main(argv=None) -> None:
         "GIL-releasing one; above 1, processes produce faster."
     )
 
+    epoch_case(report, settings, gil, device, settings.args.epoch_batches or settings.pick(30, 60))
     interference_case(
         report,
         settings,
@@ -607,10 +794,19 @@ def main(argv=None) -> None:
             "bare_over_serial",
             "process_over_pydataset",
             "process_over_tfdata",
+            "process_over_grain",
+            "grain_over_serial",
             "process_over_thread",
             "thread_over_serial",
             "gil_bound_process_over_thread",
             "gil_releasing_process_over_thread",
+            "process_first_batch_s",
+            "grain_first_batch_s",
+            "process_over_serial_epoch1",
+            "process_over_pydataset_epoch1",
+            "process_over_tfdata_epoch1",
+            "process_over_grain_epoch1",
+            "process_over_grain_epoch2",
             "step_ratio",
             "p99_ratio",
             "allocations",

@@ -1,0 +1,367 @@
+"""Which path feeds a Keras model fastest, and at what CPU cost?
+
+Four ways to train the same model on the same in-memory data, with the same global batch,
+loss, optimizer and metric, each shuffling every epoch:
+
+* `arrays`: `model.fit(x, y, batch_size=B, shuffle=True)`: Keras's own array adapter, the
+  reference every ratio is taken against;
+* `tfdata`: `model.fit` on `from_tensor_slices((x, y)).shuffle(N).batch(B).prefetch(AUTOTUNE)`
+  (a full shuffle buffer: the uniform order of the others);
+* `feeder`: `model.fit(feeder.as_dataset())` over `fp.Feeder((x, y), B, shuffle=True)` (its
+  defaults otherwise: `remainder="pad"`, so the dataset yields `(x, y, sample_weight)`);
+* `train`: `fp.train(model, feeder, ...)` over the same kind of feeder, its batches staged on
+  the replicas' devices.
+
+Two models: keras-io's MNIST convnet (Conv 32 -> pool -> Conv 64 -> pool -> Dropout -> Dense
+10 softmax; categorical cross-entropy on one-hot labels, Adam, accuracy, batch 128), and a
+small MLP (Flatten -> Dense 32 -> Dense 10) on the same data, where the input's cost per step
+is large beside the step's. The data are MNIST-shaped and synthetic (uint8 pixels scaled to
+float32 in [0, 1], one-hot float32 labels; no download). Each model runs without a strategy
+(Keras's default, one device) and under `MirroredStrategy` on 2 logical CPU devices
+(`ReductionToOneDevice`, what it picks for CPU devices); the feeders are built with that
+strategy.
+
+A session is one fresh model (the same initial weights every time), its input built inside
+the timed call, and one `fit` (or `fp.train`) of `epochs` epochs of `steps` steps each
+(the data hold exactly `steps` global batches). A callback listed last reads the wall clock
+and the process CPU time (`time.process_time`: every thread of the process, TensorFlow's
+pools, tf.data's and the feeder's) at the end of the first step and of every epoch:
+
+* start-up: `first_step_s` (from before the input is built to the end of the first step:
+  building the input, tracing the step, the input's first batch) and `first_epoch_s`,
+  `first_epoch_cpu_s` (the whole first epoch, start-up included);
+* steady state: the epochs after the first, start-up excluded (each later epoch still pays
+  its input's restart: tf.data's shuffle buffer refill, the feeder's new pass): `steps_s`
+  and `cpu_ms` (process CPU per step).
+
+Each repetition runs one session of every peer, in rotating order (`harness.rotate`), and
+takes its ratios against `arrays` within the repetition: `<peer>_over_arrays` (steps/s),
+`<peer>_cpu_over_arrays` (CPU per step), `<peer>_first_epoch_over_arrays` (first epoch's
+wall time, start-up included); then the medians over repetitions.
+
+Targets: `fit(feeder.as_dataset())` / `fit(tf.data)` >= 1.0 in steps/s without a strategy
+(both models). Reported beside it, without a target: the CPU per step of
+`fit(feeder.as_dataset())` over `fit(x, y)`.
+
+Run: `python -m kernels_bench.fit_paths [--quick] [--steps 60] [--epochs 3]`; writes
+`kernels_bench/results/fit_paths.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import numpy as np
+
+from kernels_bench import harness
+from kernels_bench.workers import OtherLoad
+
+GLOBAL_BATCH = 128
+"""keras-io's MNIST convnet batch."""
+IMAGE_SHAPE = (28, 28, 1)
+CLASSES = 10
+PEERS = ("arrays", "tfdata", "feeder", "train")
+PEER_NAMES = {
+    "arrays": "model.fit(x, y, batch_size=128, shuffle=True)",
+    "tfdata": ("model.fit(from_tensor_slices((x, y)).shuffle(N).batch(128).prefetch(AUTOTUNE))"),
+    "feeder": "model.fit(fp.Feeder((x, y), 128, shuffle=True).as_dataset())",
+    "train": "fp.train(model, fp.Feeder((x, y), 128, shuffle=True), ...)",
+}
+MODELS = ("mnist convnet", "mlp")
+STEPS = {"mnist convnet": (12, 30), "mlp": (80, 200)}
+"""Steps per epoch (quick, full): a steady epoch of at least ~2 s of training, so that its
+input's restart does not dominate it."""
+
+
+def build_model(name: str, strategy, seed: int):
+    """The model `name`, its variables made under `strategy` (or the default), seeded."""
+    import keras
+
+    def layers():
+        if name == "mnist convnet":  # keras-io/examples/vision/mnist_convnet.py
+            return [
+                keras.Input(IMAGE_SHAPE),
+                keras.layers.Conv2D(32, kernel_size=(3, 3), activation="relu"),
+                keras.layers.MaxPooling2D(pool_size=(2, 2)),
+                keras.layers.Conv2D(64, kernel_size=(3, 3), activation="relu"),
+                keras.layers.MaxPooling2D(pool_size=(2, 2)),
+                keras.layers.Flatten(),
+                keras.layers.Dropout(0.5),
+                keras.layers.Dense(CLASSES, activation="softmax"),
+            ]
+        if name == "mlp":
+            return [
+                keras.Input(IMAGE_SHAPE),
+                keras.layers.Flatten(),
+                keras.layers.Dense(32, activation="relu"),
+                keras.layers.Dense(CLASSES, activation="softmax"),
+            ]
+        raise ValueError(name)
+
+    keras.utils.set_random_seed(seed)
+    if strategy is None:
+        return keras.Sequential(layers())
+    with strategy.scope():
+        return keras.Sequential(layers())
+
+
+def make_data(rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """MNIST-shaped data: uint8 pixels scaled to float32 [0, 1], one-hot float32 labels."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 256, (rows, *IMAGE_SHAPE), dtype=np.uint8).astype(np.float32) / 255
+    y = np.eye(CLASSES, dtype=np.float32)[rng.integers(0, CLASSES, rows)]
+    return x, y
+
+
+def clock_callback(started: tuple[float, float]):
+    """A Keras callback marking (wall, process CPU) at the end of the first step and of every
+    epoch, counting each epoch's steps; `started` is the session's (wall, CPU) at its start."""
+    import keras
+
+    class Clock(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.started = started
+            self.first_step = None
+            self.epoch_ends: list[tuple[float, float]] = []
+            self.epoch_steps: list[int] = []
+            self._steps = 0
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._steps = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self._steps += 1
+            if self.first_step is None:
+                self.first_step = (time.perf_counter(), time.process_time())
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.epoch_ends.append((time.perf_counter(), time.process_time()))
+            self.epoch_steps.append(self._steps)
+
+    return Clock()
+
+
+def session(peer: str, model_name: str, strategy, x, y, epochs: int, seed: int) -> dict:
+    """One fresh model trained by `peer` for `epochs` epochs: its start-up and steady figures."""
+    import tensorflow as tf
+
+    import feedpipe as fp
+
+    model = build_model(model_name, strategy, seed)
+    compile_args = {"loss": "categorical_crossentropy", "metrics": ["accuracy"]}
+    if peer != "train":
+        if strategy is None:
+            model.compile(optimizer="adam", **compile_args)
+        else:
+            with strategy.scope():
+                model.compile(optimizer="adam", **compile_args)
+    gc.collect()
+    started = (time.perf_counter(), time.process_time())
+    clock = clock_callback(started)
+    fit = {"epochs": epochs, "verbose": 0, "callbacks": [clock]}
+    if peer == "arrays":
+        model.fit(x, y, batch_size=GLOBAL_BATCH, shuffle=True, **fit)
+    elif peer == "tfdata":
+        dataset = (
+            tf.data.Dataset.from_tensor_slices((x, y))
+            .shuffle(len(x), seed=seed, reshuffle_each_iteration=True)
+            .batch(GLOBAL_BATCH)
+            .prefetch(tf.data.AUTOTUNE)
+        )
+        model.fit(dataset, shuffle=False, **fit)  # the dataset shuffles
+    else:
+        with fp.Feeder((x, y), GLOBAL_BATCH, strategy=strategy, shuffle=True, seed=seed) as feeder:
+            if peer == "feeder":
+                model.fit(feeder.as_dataset(), shuffle=False, **fit)  # the feeder shuffles
+            elif peer == "train":
+                fp.train(model, feeder, optimizer="adam", **compile_args, **fit)
+            else:
+                raise ValueError(peer)
+    steps = len(x) // GLOBAL_BATCH
+    if clock.epoch_steps != [steps] * epochs:
+        raise RuntimeError(f"{peer}: epochs of {clock.epoch_steps} steps, not {epochs} x {steps}")
+    (wall0, cpu0), (first_wall, first_cpu) = started, clock.epoch_ends[0]
+    last_wall, last_cpu = clock.epoch_ends[-1]
+    steady_steps = steps * (epochs - 1)
+    return {
+        "first_step_s": clock.first_step[0] - wall0,
+        "first_epoch_s": first_wall - wall0,
+        "first_epoch_cpu_s": first_cpu - cpu0,
+        "steps_s": steady_steps / (last_wall - first_wall),
+        "cpu_ms": 1000 * (last_cpu - first_cpu) / steady_steps,
+    }
+
+
+def repetition_row(measured: dict[str, dict]) -> dict:
+    """One repetition's figures and its ratios against `fit(x, y)` (and tf.data)."""
+    row = {}
+    for peer in PEERS:
+        row.update({f"{peer}_{key}": value for key, value in measured[peer].items()})
+    ref = measured["arrays"]
+    for peer in PEERS[1:]:
+        seen = measured[peer]
+        row[f"{peer}_over_arrays"] = seen["steps_s"] / ref["steps_s"]
+        row[f"{peer}_cpu_over_arrays"] = seen["cpu_ms"] / ref["cpu_ms"]
+        row[f"{peer}_first_epoch_over_arrays"] = seen["first_epoch_s"] / ref["first_epoch_s"]
+        row[f"{peer}_first_epoch_cpu_over_arrays"] = (
+            seen["first_epoch_cpu_s"] / ref["first_epoch_cpu_s"]
+        )
+    row["feeder_over_tfdata"] = measured["feeder"]["steps_s"] / measured["tfdata"]["steps_s"]
+    row["train_over_feeder"] = measured["train"]["steps_s"] / measured["feeder"]["steps_s"]
+    return row
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--steps",
+        default=None,
+        help="steps per epoch of the convnet and the MLP, e.g. 30,200 (12,80 with --quick)",
+    )
+    parser.add_argument(
+        "--epochs", type=int, default=None, help="epochs per session, >= 2 (3; 2 with --quick)"
+    )
+
+
+def steps_per_epoch(settings) -> dict[str, int]:
+    if settings.args.steps is None:
+        return {model: settings.pick(*STEPS[model]) for model in MODELS}
+    values = [int(v) for v in settings.args.steps.split(",")]
+    if len(values) != len(MODELS) or min(values) < 1:
+        raise SystemExit(f"--steps={settings.args.steps}: give two counts >= 1, e.g. 30,200.")
+    return dict(zip(MODELS, values, strict=True))
+
+
+def run_case(report, settings, model_name, strategy, steps, epochs) -> None:
+    """One model under one strategy: every peer, `settings.reps` repetitions."""
+    import keras
+
+    case = f"{model_name}, {'mirrored' if strategy is not None else 'no strategy'}"
+    x, y = make_data(steps * GLOBAL_BATCH, settings.seed)
+    # Untimed, on 2 batches: what the process does once for each kind of fit (the models
+    # are fresh in every session, so every session traces its own step).
+    for peer in PEERS:
+        session(peer, model_name, strategy, x[: 2 * GLOBAL_BATCH], y[: 2 * GLOBAL_BATCH], 2, 0)
+    rows = []
+    for rep in range(settings.reps):
+        measured, other_cores = {}, []
+        for peer in harness.rotate(PEERS, rep):
+            with OtherLoad() as other:
+                measured[peer] = session(peer, model_name, strategy, x, y, epochs, settings.seed)
+            other_cores.append(other.cores)
+        row = repetition_row(measured)
+        row["other_cores"] = max(other_cores)
+        rows.append(row)
+        print(
+            f"  {case} rep {rep + 1}/{settings.reps}: "
+            + "  ".join(
+                f"{p} {measured[p]['steps_s']:.1f}/s {measured[p]['cpu_ms']:.1f} CPU-ms"
+                for p in PEERS
+            )
+            + f"  as_dataset/tf.data {row['feeder_over_tfdata']:.3f}"
+            + f"  (other processes: up to {row['other_cores']:.2f} core)",
+            flush=True,
+        )
+    units = {}
+    for peer in PEERS:
+        units.update(
+            {
+                f"{peer}_first_step_s": "s",
+                f"{peer}_first_epoch_s": "s",
+                f"{peer}_first_epoch_cpu_s": "CPU-s",
+                f"{peer}_steps_s": "steps/s",
+                f"{peer}_cpu_ms": "CPU-ms per step",
+            }
+        )
+    report.add_case(
+        case,
+        {
+            "model": model_name,
+            "strategy": (
+                "none (Keras's default, one device)"
+                if strategy is None
+                else "MirroredStrategy(2 logical CPUs, ReductionToOneDevice)"
+            ),
+            "peers": PEER_NAMES,
+            "global_batch": GLOBAL_BATCH,
+            "per_replica_batch": GLOBAL_BATCH // (1 if strategy is None else 2),
+            "steps_per_epoch": steps,
+            "epochs_per_session": epochs,
+            "loss": "categorical_crossentropy",
+            "optimizer": "adam",
+            "metrics": ["accuracy"],
+            "parameters": build_model(model_name, None, 0).count_params(),
+            "keras": keras.__version__,
+        },
+        rows,
+        units=units,
+    )
+    if strategy is None:
+        report.target(case, "feeder_over_tfdata", ">=", 1.0, "fit(as_dataset) / fit(tf.data)")
+    report.target(
+        case,
+        "feeder_cpu_over_arrays",
+        "<=",
+        1.0,
+        "CPU per step, fit(as_dataset) / fit(x, y)",
+        applies=False,
+        why_not="reported, no target",
+    )
+
+
+def main(argv=None) -> None:
+    settings = harness.parse_settings(__doc__, add_args, argv)
+    devices = harness.configure_tf(2)
+    import tensorflow as tf
+
+    steps = steps_per_epoch(settings)
+    epochs = settings.args.epochs or settings.pick(2, 3)
+    if epochs < 2:
+        raise SystemExit(f"--epochs={epochs}: the steady state is the epochs after the first.")
+    report = harness.Report(
+        "fit_paths",
+        "steps/s and CPU per step of model.fit(x, y), fit on tf.data, fit on "
+        "feeder.as_dataset() and fp.train, without a strategy and under MirroredStrategy",
+        settings,
+        "kernels_bench.fit_paths",
+    )
+    mirrored = tf.distribute.MirroredStrategy(
+        devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
+    for model_name in MODELS:
+        print(
+            f"{model_name}: {steps[model_name]} steps of {GLOBAL_BATCH} x {IMAGE_SHAPE} per "
+            f"epoch, {epochs} epochs per session (the first is start-up)",
+            flush=True,
+        )
+        for strategy in (None, mirrored):
+            run_case(report, settings, model_name, strategy, steps[model_name], epochs)
+            gc.collect()
+    report.note(
+        "Steady state: the epochs after the first of each session (each later epoch includes "
+        "its input's restart). Start-up: from before the input is built to the end of the "
+        "first step / of the first epoch, on a fresh model (tracing included). CPU: "
+        "time.process_time, every thread of the process. Ratios within a repetition, peers in "
+        "rotating order; medians over repetitions. other_cores: the most CPU (in cores) that "
+        "other processes on the machine used during one of the repetition's sessions."
+    )
+    report.finish(
+        columns=[
+            "tfdata_over_arrays",
+            "feeder_over_arrays",
+            "train_over_arrays",
+            "feeder_over_tfdata",
+            "tfdata_cpu_over_arrays",
+            "feeder_cpu_over_arrays",
+            "train_cpu_over_arrays",
+            "feeder_first_epoch_over_arrays",
+            "train_first_epoch_over_arrays",
+            "other_cores",
+        ]
+    )
+
+
+if __name__ == "__main__":
+    main()
