@@ -22,10 +22,13 @@ float32 in [0, 1], one-hot float32 labels; no download). Each model runs without
 strategy.
 
 A session is one fresh model (the same initial weights every time), its input built inside
-the timed call, and one `fit` (or `fp.train`) of `epochs` epochs of `steps` steps each
-(the data hold exactly `steps` global batches). A callback listed last reads the wall clock
-and the process CPU time (`time.process_time`: every thread of the process, TensorFlow's
-pools, tf.data's and the feeder's) at the end of the first step and of every epoch:
+the timed call, and one `fit` (or `fp.train`) of `--epochs` epochs (3; 2 with --quick) of
+`--steps` steps each (the convnet 30, the MLP 200; 12 and 80 with --quick: a steady epoch
+of at least ~2 s; the data hold exactly that many global batches). Before the repetitions,
+each peer runs one untimed session on 2 batches (what the process does once per kind of
+fit). A callback listed last reads the wall clock and the process CPU time
+(`time.process_time`: every thread of the process, TensorFlow's pools, tf.data's and the
+feeder's) at the end of the first step and of every epoch:
 
 * start-up: `first_step_s` (from before the input is built to the end of the first step:
   building the input, tracing the step, the input's first batch) and `first_epoch_s`,
@@ -36,14 +39,17 @@ pools, tf.data's and the feeder's) at the end of the first step and of every epo
 
 Each repetition runs one session of every peer, in rotating order (`harness.rotate`), and
 takes its ratios against `arrays` within the repetition: `<peer>_over_arrays` (steps/s),
-`<peer>_cpu_over_arrays` (CPU per step), `<peer>_first_epoch_over_arrays` (first epoch's
-wall time, start-up included); then the medians over repetitions.
+`<peer>_cpu_over_arrays` (CPU per step), `<peer>_first_epoch_over_arrays` and
+`_first_epoch_cpu_over_arrays` (the first epoch's wall and CPU time, start-up included); then
+the medians over repetitions. Each repetition also records `other_cores` (as in `workers.py`):
+the CPU other processes on the machine used during its sessions. Wall-clock ratios move with
+it; CPU per step much less.
 
 Targets: `fit(feeder.as_dataset())` / `fit(tf.data)` >= 1.0 in steps/s without a strategy
 (both models). Reported beside it, without a target: the CPU per step of
 `fit(feeder.as_dataset())` over `fit(x, y)`.
 
-Run: `python -m kernels_bench.fit_paths [--quick] [--steps 60] [--epochs 3]`; writes
+Run: `python -m kernels_bench.fit_paths [--quick] [--steps 30,200] [--epochs 3]`; writes
 `kernels_bench/results/fit_paths.json`.
 """
 
