@@ -3,16 +3,25 @@
 Each buffer is a file that has no name by the time anyone uses it: on Linux a `memfd`, elsewhere
 a file created in the shared-memory directory and unlinked at once. Its descriptor is passed to
 the workers, so no `/dev/shm` entry can outlive its owner, even one killed with SIGKILL. Names
-carry `feedpipe-<owner pid>-` for `/proc/<pid>/maps` listings; a file of that name found at start
-(an owner killed between create and unlink) is removed if its owner is gone.
+are `feedpipe-<owner pid>-<kind>-<n>` (`NAME_PATTERN`) for `/proc/<pid>/maps` listings; a file
+of that name found at start (an owner killed between create and unlink) is removed if its owner
+is gone.
+
+Buffers are mapped with libc's `mmap`, not Python's, which keeps a duplicate descriptor open for
+as long as the mapping lives: a mapping here holds no descriptor, so batches a consumer keeps
+cost memory, never descriptors. A buffer's own descriptor, needed only to hand it to workers,
+is closed by `close()` as soon as no worker needs it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import itertools
 import mmap
 import os
+import re
 import tempfile
 import weakref
 from pathlib import Path
@@ -20,6 +29,10 @@ from pathlib import Path
 import numpy as np
 
 PREFIX = "feedpipe"
+KINDS = ("slot", "data", "status")
+NAME_PATTERN = re.compile(rf"{PREFIX}-\d+-(?:{'|'.join(KINDS)})-\d+")
+"""The names of feedpipe's buffers, and nothing else (not a path that merely holds
+`feedpipe-`, such as an unpacked `feedpipe-0.1.0/` checkout)."""
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 """Where a named buffer briefly lives on systems without `memfd_create`."""
 
@@ -49,12 +62,50 @@ def remove_orphans() -> list[str]:
 
 
 def _anonymous_file(name: str) -> int:
-    if hasattr(os, "memfd_create"):
-        return os.memfd_create(name, os.MFD_CLOEXEC)
-    path = SHM_DIR / name
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    path.unlink()
-    return fd
+    try:
+        if hasattr(os, "memfd_create"):
+            return os.memfd_create(name, os.MFD_CLOEXEC)
+        path = SHM_DIR / name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        path.unlink()
+        return fd
+    except OSError as error:
+        if error.errno == errno.EMFILE:
+            error.add_note(
+                "feedpipe: this process has run out of file descriptors. feedpipe keeps one per "
+                "host slot it shares with worker processes (a few per feeder), none per batch "
+                "kept; look for other open files, or raise the limit (`ulimit -n`)."
+            )
+        raise
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map(fd: int, nbytes: int, *, writable: bool) -> np.ndarray:
+    """The file `fd` mapped as `np.uint8` bytes; unmapped when the last view of them goes."""
+    size = max(nbytes, 1)
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    address = _libc.mmap(None, size, prot, mmap.MAP_SHARED, fd, 0)
+    if address is None or address == _MAP_FAILED:
+        code = ctypes.get_errno()
+        raise OSError(code, f"mmap of {size} shared bytes failed: {os.strerror(code)}")
+    memory = (ctypes.c_char * size).from_address(address)
+    weakref.finalize(memory, _libc.munmap, address, size)
+    array = np.frombuffer(memory, np.uint8)[:nbytes]
+    array.flags.writeable = writable
+    return array
 
 
 class SharedBuffer:
@@ -70,7 +121,11 @@ class SharedBuffer:
         self.fd = _anonymous_file(self.name)
         self._close_fd = weakref.finalize(self, os.close, self.fd)
         os.ftruncate(self.fd, max(nbytes, 1))
-        self.array = np.frombuffer(mmap.mmap(self.fd, max(nbytes, 1)), np.uint8)[:nbytes]
+        self.array = _map(self.fd, nbytes, writable=True)
+
+    @property
+    def closed(self) -> bool:
+        return not self._close_fd.alive
 
     def close(self) -> None:
         """Closes the descriptor and drops `array`: the mapping goes with the last other view."""
@@ -84,8 +139,6 @@ class SharedBuffer:
 def map_shared(fd: int, nbytes: int, *, writable: bool = True) -> np.ndarray:
     """The `np.uint8` bytes of a `SharedBuffer` received as `fd` (which this closes)."""
     try:
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        memory = mmap.mmap(fd, max(nbytes, 1), prot=prot)
+        return _map(fd, nbytes, writable=writable)
     finally:
         os.close(fd)
-    return np.frombuffer(memory, np.uint8)[:nbytes]

@@ -1,47 +1,68 @@
 """What runs inside a worker: the tasks, and the main loop of a worker process.
 
-A worker process is started as `python -m feedpipe._worker NAME FD` (see `feedpipe.workers`):
-a fresh interpreter that imports only what the source and `transform` need, never TensorFlow
-on feedpipe's account. It receives its setup and tasks over the socket `FD`, maps the host
-slots it is sent, writes samples straight into them and replies with one message per task.
-It exits when told to, when the socket closes, or when its parent process is gone.
+A worker process is started as `python -m feedpipe._worker NAME FD PARENT PDEATHSIG` (see
+`feedpipe.workers`): a fresh interpreter that imports only what the source and `transform`
+need, never TensorFlow on feedpipe's account (and says so, once, if they pull it in). It
+receives its setup and tasks over the socket `FD`, maps the host slots it is sent, writes
+samples straight into them and replies with one message per task.
+
+It ignores SIGINT: Ctrl-C reaches every process of the terminal's process group, and it is meant
+for the training loop, not for the pool that feeds it. It exits when told to, when the socket
+closes, or when its parent is gone: on Linux the kernel kills it (`PR_SET_PDEATHSIG`), even when
+it is stopped or stuck in C code holding the GIL; a thread checks as well, for other systems.
 """
 
 from __future__ import annotations
 
+import ctypes
+import importlib.abc
 import os
 import pickle
+import signal
 import sys
+import sysconfig
 import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 
+import cloudpickle
 import numpy as np
 
 from feedpipe._shm import map_shared
 from feedpipe.slots import HostSlot, SlotLayout
-from feedpipe.writer import RowStream, SampleWriter
+from feedpipe.writer import RowStream, SampleWriter, read_spec
 
 PARENT_CHECK_S = 0.25
-"""How often a worker process checks that its parent is still alive."""
+"""How often a worker process checks that its parent is still alive (besides the kernel)."""
+_PR_SET_PDEATHSIG = 1
 
 
 class TaskRunner:
-    """Runs one worker's tasks with its own copy of the writer (and of a generator's shard).
+    """Runs one worker's tasks with its own copy of the source (a generator's: its shard).
 
-    Tasks are tuples: `("rows", id, slot, epoch, first_row, indices)` fills those rows of a
-    slot; `("stream", id, slot, epoch, generation)` fills a slot with the next rows of this
-    worker's shard, restarting the shard for a new (generation, epoch); `("epoch_end", epoch)`
-    tells the source an epoch ended. `run` returns the rows written.
+    Until `configure` gives it the spec, it can only read the spec (`("spec", id)`). Then:
+    `("rows", id, slot, epoch, first_row, indices)` fills those rows of a slot;
+    `("stream", id, slot, epoch, generation)` fills a slot with the next rows of this worker's
+    shard, restarting the shard for a new (generation, epoch); `("epoch_end", id, epoch)` tells
+    the source an epoch ended. `run` returns the rows written (the spec, for "spec").
     """
 
-    def __init__(self, writer: SampleWriter, layouts: dict[bool, SlotLayout]):
-        self.writer = writer
-        self.layouts = layouts
+    def __init__(self, source, transform, seed: int, status: np.ndarray | None):
+        self.source = source
+        self.transform = transform
+        self.seed = seed
+        self.status = status
+        self.writer: SampleWriter | None = None
+        self.layouts: dict[bool, SlotLayout] = {}
         self.slots: dict[int, HostSlot] = {}
         self._stream: tuple[tuple[int, int], RowStream] | None = None
+
+    def configure(self, spec, axes, layouts: dict[bool, SlotLayout]) -> None:
+        self.writer = SampleWriter(self.source, spec, self.transform, self.seed, axes)
+        self.writer.status = self.status
+        self.layouts = layouts
 
     def add_slot(self, ident: int, contiguous: bool, buffer: np.ndarray) -> None:
         self.slots[ident] = HostSlot(self.layouts[contiguous], buffer=buffer, ident=ident)
@@ -49,8 +70,10 @@ class TaskRunner:
     def forget(self, ident: int) -> None:
         self.slots.pop(ident, None)
 
-    def run(self, task: tuple) -> int:
+    def run(self, task: tuple):
         kind = task[0]
+        if kind == "spec":
+            return read_spec(self.source, self.transform, self.seed, self.status)
         if kind == "rows":
             _, _, ident, epoch, first_row, indices = task
             self.writer.fill_rows(self.slots[ident], epoch, first_row, indices)
@@ -64,18 +87,17 @@ class TaskRunner:
                 self._stream = (key, RowStream(self.writer, epoch, size))
             return self._stream[1].read_into(slot)
         if kind == "epoch_end":
-            on_epoch_end = getattr(self.writer.source, "on_epoch_end", None)
-            if on_epoch_end is not None:
-                on_epoch_end()
+            self.source.on_epoch_end()
             return 0
         raise ValueError(f"Unknown task {kind!r}.")
 
 
 def pack_error(error: BaseException) -> bytes:
-    """`error` pickled; one that does not survive the round trip goes as a RuntimeError that
-    names its type and message and keeps its notes."""
+    """`error` pickled with cloudpickle, which carries classes defined in the user's script
+    (`__main__`) back as the very class the consumer knows; one that does not survive the
+    round trip goes as a RuntimeError that names its type and message and keeps its notes."""
     try:
-        packed = pickle.dumps(error)
+        packed = cloudpickle.dumps(error)
         pickle.loads(packed)
     except Exception:
         kind = type(error)
@@ -89,17 +111,85 @@ def pack_error(error: BaseException) -> bytes:
     return packed
 
 
+def _library_paths() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    return tuple({paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+
+class TensorFlowWatch(importlib.abc.MetaPathFinder):
+    """Notes where TensorFlow is first imported from, in a worker that should never need it:
+    each worker would load it (hundreds of MB, seconds) and compete with training for the CPU."""
+
+    def __init__(self):
+        self.imported_from: str | None = None
+        self.reported = False
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "tensorflow" and self.imported_from is None:
+            self.imported_from = _importer()
+        return None  # the import itself goes on as usual
+
+    def news(self, worker: str) -> str | None:
+        """A warning, once, if TensorFlow has been imported in this worker."""
+        if self.reported or "tensorflow" not in sys.modules:
+            return None
+        self.reported = True
+        return (
+            f"{worker} imported TensorFlow (from {self.imported_from or 'an unknown place'}): "
+            "every worker process now loads it, hundreds of MB and seconds each, and competes "
+            "with training for the CPU. Keep TensorFlow and Keras out of `source` and "
+            "`transform` (decode and augment with PIL or numpy; `keras.utils.load_img` is PIL "
+            'underneath), or pass worker_mode="thread" to run them in the training process.'
+        )
+
+
+_MACHINERY = ("importlib", "feedpipe", "cloudpickle", "pickle.py", "runpy")
+"""Frames that only pass an import along: the import system, unpickling, this package."""
+
+
+def _importer() -> str:
+    """Where the import now running comes from: the outermost package whose import led to it,
+    and the first frame of user code (not a library) on the way, if any."""
+    libraries = _library_paths()
+    outermost = user = None
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith("<") and not any(part in filename for part in _MACHINERY):
+            outermost = frame.f_globals.get("__name__", "?").split(".")[0]
+            if not filename.startswith(libraries):
+                user = f"{filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    if outermost is None:
+        return "the import system"
+    return outermost if user is None else f"{outermost}, reached from {user}"
+
+
 def _watch_parent(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(PARENT_CHECK_S)
     os._exit(0)
 
 
-def _serve(conn: Connection, runner: TaskRunner) -> None:
+def _die_with_parent(parent: int, kernel: bool) -> None:
+    """Ends this process when `parent` ends: by the kernel's SIGKILL where it can (`kernel`:
+    the parent thread that started us lives as long as the parent process), and by a thread."""
+    if kernel and sys.platform == "linux":
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(0)
+    threading.Thread(
+        target=_watch_parent, args=(parent,), name="feedpipe-parent-watch", daemon=True
+    ).start()
+
+
+def _serve(conn: Connection, runner: TaskRunner, watch: TensorFlowWatch, name: str) -> None:
     """Answers tasks until the feeder closes the socket (or asks the worker to stop)."""
     try:
         while _answer(conn, runner, conn.recv()):
-            pass
+            news = watch.news(name)
+            if news is not None:
+                conn.send(("warning", None, news))
     except (EOFError, OSError):  # the feeder is gone or closed: nothing is waiting for us
         return
 
@@ -113,10 +203,12 @@ def _answer(conn: Connection, runner: TaskRunner, message: tuple) -> bool:
         runner.add_slot(ident, contiguous, map_shared(recv_handle(conn), nbytes))
     elif kind == "forget":
         runner.forget(message[1])
+    elif kind == "configure":
+        runner.configure(*message[1:])
     else:
         try:
             reply = ("done", message[1], runner.run(message))
-        except Exception as error:
+        except BaseException as error:
             reply = ("error", message[1], pack_error(error), traceback.format_exc())
         conn.send(reply)
     return True
@@ -131,28 +223,29 @@ def _load(conn: Connection, index: int) -> TaskRunner:
     payload = conn.recv_bytes()
     buffers = [data[lo:hi] for lo, hi in spans] if data is not None else []
     setup = pickle.loads(payload, buffers=buffers)
-    writer = setup["writer"]
+    source = setup["source"]
     if setup["num_shards"] > 1:
-        writer.source = writer.source.sharded(index, setup["num_shards"])
-    writer.status = status.view(np.float64)[3 * index : 3 * index + 3]
-    return TaskRunner(writer, setup["layouts"])
+        source = source.sharded(index, setup["num_shards"])
+    row = status.view(np.float64)[3 * index : 3 * index + 3]
+    return TaskRunner(source, setup["transform"], setup["seed"], row)
 
 
 def main(argv: list[str]) -> int:
-    name, fd = argv[1], int(argv[2])
+    name, fd, parent, kernel = argv[1], int(argv[2]), int(argv[3]), argv[4] == "1"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent(parent, kernel)
     index = int(name.rsplit("-", 1)[1])
     threading.current_thread().name = name
-    threading.Thread(
-        target=_watch_parent, args=(os.getppid(),), name=f"{name}-watch", daemon=True
-    ).start()
+    watch = TensorFlowWatch()
+    sys.meta_path.insert(0, watch)
     conn = Connection(fd)
     try:
         runner = _load(conn, index)
-    except Exception as error:
+    except BaseException as error:
         error.add_note(f"feedpipe: raised in {name} while loading the source and transform.")
         conn.send(("error", None, pack_error(error), traceback.format_exc()))
         return 1
-    _serve(conn, runner)
+    _serve(conn, runner, watch, name)
     return 0
 
 

@@ -37,9 +37,10 @@ from typing import Any
 
 import numpy as np
 
-from feedpipe.producers import Position, SlotSupply
+from feedpipe.producers import Position, Producer, SlotSupply
 from feedpipe.remainder import Remainder
 from feedpipe.sampler import EpochEnd, Step
+from feedpipe.source import Source
 from feedpipe.split import ReplicaSplit
 from feedpipe.stage import Imported
 
@@ -58,7 +59,7 @@ def _dali():
     return dali
 
 
-class DaliSource:
+class DaliSource(Source):
     """A DALI pipeline definition for `fp.Feeder`: one pipeline per replica, each its shard.
 
     Args:
@@ -221,7 +222,7 @@ def _probe_device() -> int | None:
         return None
 
 
-class DaliProducer:
+class DaliProducer(Producer):
     """Runs one pipeline per replica and hands each step's outputs over where DALI left them."""
 
     def __init__(

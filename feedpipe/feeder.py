@@ -11,6 +11,8 @@ import dataclasses
 import json
 import sys
 import time
+import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -26,9 +28,16 @@ from feedpipe.sampler import EpochEnd, Sampler
 from feedpipe.slots import SlotLayout, SlotPool
 from feedpipe.source import SampleSpec, TFDatasetSource, as_source, field_name
 from feedpipe.split import ReplicaSplit
-from feedpipe.stage import Batch, HostBatch, HostStager, Stager, resolve_devices
+from feedpipe.stage import (
+    Batch,
+    HostBatch,
+    HostStager,
+    Stager,
+    check_stageable,
+    resolve_devices,
+)
 from feedpipe.stats import FeedStats, StatsRecorder
-from feedpipe.writer import SampleWriter, accepts_rng, apply_transform
+from feedpipe.writer import SampleWriter, read_spec
 
 STATE_VERSION = 1
 WORKER_MODES = ("process", "thread")
@@ -108,6 +117,26 @@ class _Pass:
     host: bool
     start: Position
     counters: dict
+    number: int
+    """Passes begun on this feeder so far, this one included."""
+    handed: int = 0
+    """Batches handed to the consumer; a pass's batches are consecutive steps of one epoch."""
+    end: Position | None = None
+    """Where the next pass starts, once this one has reached the end of its epoch."""
+
+    def after(self, count: int) -> Position:
+        """The position once the consumer has used the first `count` batches of this pass."""
+        if count == self.handed and self.end is not None:
+            return self.end
+        return Position(self.start.epoch, self.start.step + count)
+
+
+_SUPERSEDED = (
+    "This loop over feeder.as_dataset() was superseded: another loop over the dataset (or the "
+    "feeder) began, or set_state() was called, before it ended. A feeder is one stream with one "
+    "consumer: finish or drop one iterator before starting the next, and build a second "
+    "fp.Feeder to read the same data twice at once."
+)
 
 
 class Feeder(tf.train.experimental.PythonState):
@@ -138,6 +167,8 @@ class Feeder(tf.train.experimental.PythonState):
     ):
         self._pipeline: Pipeline | None = None
         self._workers = None
+        self._producer = None
+        self._pools: dict[bool, SlotPool] = {}
         self._closed = False
         self.options = FeedOptions(
             global_batch_size, remainder, shuffle, seed, workers, depth, worker_mode, timeout_s
@@ -150,21 +181,20 @@ class Feeder(tf.train.experimental.PythonState):
         self.strategy = strategy
         self.split = ReplicaSplit(global_batch_size, len(self.devices))
         self._source = as_source(source)
-        dali = hasattr(self._source, "producer")
-        if dali and (workers or transform is not None or transpose is not None):
+        rule = Remainder(remainder, global_batch_size)
+        own_producer = self._source.producer(self.split, self.devices, rule)
+        if own_producer is not None and (workers or transform is not None or transpose is not None):
             raise ValueError(
                 "A DaliSource decodes and augments in DALI's own threads: pass workers=0, "
                 "transform=None and transpose=None, and do that work in the DALI pipeline "
                 "(its num_threads sets the parallelism)."
             )
-        indexed = hasattr(self._source, "sample")
-        if shuffle and not indexed:
+        if shuffle and not self._source.indexed:
             raise ValueError(
                 f"`shuffle`=True, but a {type(self._source).__name__} has no indices to shuffle; "
                 "shuffle inside the generator, the tf.data.Dataset or the DALI reader "
                 "(random_shuffle=True), and pass shuffle=False."
             )
-        sample_spec = self._read_spec(transform)
         length = self._source.length
         self._plan = (
             None
@@ -175,32 +205,60 @@ class Feeder(tf.train.experimental.PythonState):
                 remainder=remainder,
                 shuffle=shuffle,
                 seed=seed,
-                block_size=getattr(self._source, "block_size", 1),
+                block_size=self._source.block_size,
             )
         )
         """The epoch's batches, where the length is known (it applies the remainder rules)."""
-        self._sampler = self._plan if indexed else None
+        self._sampler = self._plan if self._source.indexed else None
         """What chooses the samples of indexed sources; streams keep their own order."""
-        writer = SampleWriter(
-            self._source, sample_spec, transform, seed, _axes(transpose, sample_spec)
-        )
-        self.spec = writer.out_spec
-        """What each batch holds: the samples after `transform` and `transpose`."""
-        rule = Remainder(remainder, global_batch_size)
         self._shared = workers > 0 and worker_mode == "process"
-        if dali:
-            self._producer = self._source.producer(self.split, self.devices, rule)
-        elif workers:
-            self._producer = self._start_workers(writer, transform)
-        else:
-            self._producer = ThreadProducer(writer, global_batch_size, self._sampler, rule)
+        if workers:
+            self._workers = self._start_workers(transform)
+        try:
+            # With workers, sample 0 is read in a worker: a crash or hang there is theirs.
+            if workers:
+                sample_spec = self._workers.first_spec()
+            else:
+                sample_spec = read_spec(self._source, transform, seed)
+            axes = _axes(transpose, sample_spec)
+            self.spec = sample_spec.transposed(axes)
+            """What each batch holds: the samples after `transform` and `transpose`."""
+            check_stageable(self.spec, self.devices[0])
+            if own_producer is not None:
+                self._producer = own_producer
+            elif workers:
+                layouts = {
+                    c: SlotLayout(self.spec, self.split, contiguous=c) for c in (False, True)
+                }
+                self._workers.configure(sample_spec, axes, layouts)
+                self._producer = WorkerProducer(
+                    self._workers, self._source, global_batch_size, self._sampler, rule
+                )
+            else:
+                writer = SampleWriter(self._source, sample_spec, transform, seed, axes)
+                self._producer = ThreadProducer(writer, global_batch_size, self._sampler, rule)
+        except BaseException:
+            self.close()
+            raise
         self._stats = StatsRecorder(depth)
-        self._pools: dict[bool, SlotPool] = {}
         self._position = Position(0, 0)
         self._active: _Pass | None = None
         """The pass being iterated, if any."""
+        self._passes = 0
+        self._last_host: _Pass | None = None
+        """The latest pass of `as_dataset`, ended or not: what a `fit` has been reading."""
+        self._settled = (self._position, 0)
+        """The position and pass count when the position was last known to be the consumer's
+        (set_state, the end of a `for` loop or of a tracked `fit`); later passes of
+        `as_dataset` may be Keras's look at a batch before training."""
+        self._tracker: Any = None
+        """The `FitTracker` of the `model.fit` reading `as_dataset()`, if any."""
+        self._failure: BaseException | None = None
+        """The error that closed the feeder: every later read raises it again."""
+        if workers > 1 and self._source.shards_order:
+            self._source.warn_if_unsharded(workers)
 
-    def _start_workers(self, writer: SampleWriter, transform) -> WorkerProducer:
+    def _start_workers(self, transform):
         from feedpipe import workers as pool
 
         o = self.options
@@ -214,37 +272,13 @@ class Feeder(tf.train.experimental.PythonState):
             pool.check_picklable("source", self._source)
             pool.check_picklable("transform", transform)
         setup = {
-            "writer": writer,
-            "layouts": {c: SlotLayout(self.spec, self.split, contiguous=c) for c in (False, True)},
+            "source": self._source,
+            "transform": transform,
+            "seed": o.seed,
             "num_shards": o.workers if self._sampler is None else 1,
         }
         kind = pool.ProcessWorkers if self._shared else pool.ThreadWorkers
-        self._workers = kind(o.workers, setup, o.timeout_s)
-        return WorkerProducer(
-            self._workers,
-            self._source,
-            o.global_batch_size,
-            self._sampler,
-            Remainder(o.remainder, o.global_batch_size),
-        )
-
-    def _read_spec(self, transform) -> SampleSpec:
-        """The spec of what producers will make: the first sample, after `transform`."""
-        try:
-            if hasattr(self._source, "sample"):
-                sample = self._source.sample(0)
-            else:
-                sample = self._source.first_sample()
-        except Exception as error:
-            error.add_note(
-                "feedpipe: raised while reading sample 0 to learn the structure, shapes and "
-                "dtypes of the samples."
-            )
-            raise
-        if transform is not None:
-            seed = self.options.seed
-            sample = apply_transform(transform, accepts_rng(transform), sample, seed, 0, 0)
-        return SampleSpec.of(sample)
+        return kind(o.workers, setup, o.timeout_s)
 
     # ---- iteration ------------------------------------------------------------------------
 
@@ -295,76 +329,119 @@ class Feeder(tf.train.experimental.PythonState):
         return self._pipeline
 
     def _stop_pipeline(self) -> None:
-        if self._pipeline is not None:
-            self._pipeline.close()
-            self._pipeline = None
+        # Forgotten first: a second Ctrl-C during the close must not leave a stopped pipeline
+        # for the next loop to wait on (it stops by itself once `close` has set its stop).
+        pipeline, self._pipeline = self._pipeline, None
+        if pipeline is not None:
+            pipeline.close()
 
-    def _iterate(self, host: bool) -> Iterator[Batch | HostBatch]:
-        """One pass over the rest of the current epoch.
+    def _iterate(self, host: bool, steps: int | None = None) -> Iterator[Batch | HostBatch]:
+        """One pass over the rest of the current epoch (`steps` batches, where given).
 
         A loop left early keeps its position (the next loop resumes there). A pass of
-        `as_dataset` left early does not count, because TensorFlow prefetches batches the step
-        never takes and Keras peeks at a batch to build the model: the next pass starts again
-        where it began. Such a pass, if TensorFlow finalises it late, is superseded.
+        `as_dataset` left early does not count unless a `FitTracker` says which of its batches
+        the step used, because TensorFlow prefetches batches the step never takes and Keras
+        peeks at a batch to build the model: the next pass starts again where it began. Such a
+        pass, if TensorFlow finalises it late, is superseded, and raises if read again.
         """
         if self._closed:
+            if self._failure is not None:
+                raise self._failure
             raise RuntimeError("The feeder is closed; build a new fp.Feeder to read again.")
         if self._active is not None:
-            if not (host and self._active.host):
+            if not self._active.host:
                 raise RuntimeError(
                     "The feeder is already being iterated; finish or break that loop first "
                     "(one consumer per feeder)."
                 )
-            self._stop_pipeline()
-            self._abandon(self._active)
-        this = _Pass(host, self._position, self._stats.consumer_counters())
+            self._supersede()
+        if steps is not None:
+            self._check_pass_steps(steps)
+        self._passes += 1
+        this = _Pass(host, self._position, self._stats.consumer_counters(), self._passes)
         self._active = this
+        if host:
+            self._last_host = this
         pipeline = self._start(host)
-        finished = False
         try:
-            while self._active is this:
+            while True:
                 staged = pipeline.handoff.staged
                 asked = time.perf_counter()
-                item = pipeline.get()
+                item = self._next(pipeline)
                 got = time.perf_counter()
                 if isinstance(item, EpochEnd):
-                    self._stats.loop_ended(asked)
-                    self._position = Position(item.epoch + 1, 0)
-                    if item.dropped and self._plan is None:
-                        warn_dropped(item.epoch, item.dropped, stacklevel=2)
-                    finished = True
+                    self._end_epoch(this, item, asked)
                     return
-                if isinstance(item, Failure):
-                    self.close()
-                    raise item.error
                 self._stats.taken(asked=asked, got=got, occupancy=staged, samples=item.num_valid)
                 self._position = Position(item.epoch, item.step + 1)
+                this.handed += 1
+                if host and self._plan is not None and item.step + 1 == len(self._plan):
+                    # The epoch's end is taken with its last batch: Keras never asks past it.
+                    self._end_epoch(this, self._next(pipeline), got)
+                    yield item
+                    return
                 yield item
                 del item  # the slot returns when the consumer drops the batch, not this frame
+                if self._active is not this:
+                    raise RuntimeError(_SUPERSEDED)
         finally:
             # At interpreter exit a suspended loop is finalised after modules are torn down.
             if self._active is this and not sys.is_finalizing():
-                self._active = None
-                if not finished:
-                    self._stats.loop_ended()
-                    # Staged batches are dropped and made again by the next pass.
-                    self._stop_pipeline()
-                    if host:
-                        self._abandon(this)
+                self._stats.loop_ended()
+                if host:
+                    self._supersede()
+                else:
+                    self._active = None
+                    self._stop_pipeline()  # staged batches are made again by the next loop
+                    self._settle()
 
-    def _abandon(self, left: _Pass) -> None:
-        """Undoes a pass of `as_dataset` left early: its batches will be made and taken again."""
-        self._position = left.start
-        self._stats.restore_consumer(left.counters)
+    def _next(self, pipeline: Pipeline) -> Any:
+        """The next item of the hand-off; a failure closes the feeder and raises its error."""
+        item = pipeline.get()
+        if isinstance(item, Failure):
+            self._failure = item.error
+            self.close()
+            raise item.error
+        return item
+
+    def _end_epoch(self, this: _Pass, end: EpochEnd, asked: float) -> None:
+        self._stats.loop_ended(asked)
+        self._position = this.end = Position(end.epoch + 1, 0)
+        if end.dropped and self._plan is None:
+            warn_dropped(end.epoch, end.dropped, stacklevel=4)
+        self._active = None
+        if not this.host:
+            self._settle()
+
+    def _supersede(self) -> None:
+        """Ends the pass of `as_dataset` being read: the consumer's position is what a tracker
+        says it used, else where the pass began (its batches will be made and taken again)."""
+        left, self._active = self._active, None
+        self._stop_pipeline()
+        if self._tracker is not None:
+            self._position = self._tracked()
+        elif left is not None and left.end is None:
+            self._position = left.start
+            self._stats.restore_consumer(left.counters)
+
+    def _settle(self) -> None:
+        self._settled = (self._position, self._passes)
 
     def as_dataset(self) -> tf.data.Dataset:
         """A `tf.data.Dataset` of global batches for `model.fit` and other wrappers.
 
         Each complete pass over the dataset is the feeder's next epoch; a pass left early does
-        not count (see `_iterate`). With `remainder="pad"` an `(x, y)` source gets a third
-        element, `sample_weight`: 0 on padding rows, and real rows scaled by
-        `global_batch_size / num_valid` so the batch's mean loss is the mean over its real
-        samples (an `(x, y, w)` source has its weights scaled the same way).
+        not count (see `_iterate`). Under `model.fit`, pass `callbacks=[feeder.fit_callback()]`
+        so that the feeder's state (and a checkpoint holding it) is the batches the step
+        trained on. With `remainder="pad"` an `(x, y)` source gets a third element,
+        `sample_weight`: 0 on padding rows, and real rows scaled by `global_batch_size /
+        num_valid` so the batch's mean loss is the mean over its real samples (an `(x, y, w)`
+        source has its weights scaled the same way). The weight of a label field of shape `s`
+        has shape `[batch, 1, ..., 1]` with `len(s)` ones, so that it broadcasts against
+        per-element losses (per pixel, per timestep) as well as per-sample ones.
+
+        The dataset holds the feeder; the feeder does not hold the dataset, so dropping both
+        frees the workers and memory.
         """
         size = self.options.global_batch_size
         signature = self.spec.unflatten(
@@ -375,17 +452,51 @@ class Feeder(tf.train.experimental.PythonState):
         )
         weighting = self._weighting()
         if weighting == "add":
-            signature = (*signature, tf.TensorSpec((size,), tf.float32))
+            signature = (*signature, optree.tree_map(_weight_spec, signature[1]))
+        steps = None
+        if self._plan is not None:
+            # A feeder left or restored mid-epoch first serves the rest of that epoch: shorter.
+            steps = len(self._plan) - self._position_state(self._position)["step"]
+        feeder = weakref.ref(self)  # TensorFlow keeps `generate` for the life of the process
 
         def generate():
-            for batch in self._iterate(host=True):
-                yield self._with_weights(batch, weighting)
+            this = feeder()
+            if this is None:
+                raise RuntimeError(
+                    "The fp.Feeder of this dataset was closed and collected; keep the feeder "
+                    "while its dataset is read."
+                )
+            for batch in this._iterate(host=True, steps=steps):
+                yield this._with_weights(batch, weighting)
 
         dataset = tf.data.Dataset.from_generator(generate, output_signature=signature)
-        # A feeder left or restored mid-epoch first serves the rest of that epoch: shorter.
-        if self._plan is not None and self._position_state()["step"] == 0:
-            dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(self)))
+        if steps is not None:
+            dataset = dataset.apply(tf.data.experimental.assert_cardinality(steps))
+        options = tf.data.Options()
+        # Elements are global batches: a strategy splits each among its replicas, and several
+        # workers (each with the same feeder) each keep their replicas' rows of it.
+        policy = tf.data.experimental.AutoShardPolicy.DATA
+        options.experimental_distribute.auto_shard_policy = policy
+        dataset = dataset.with_options(options)
+        dataset._feedpipe_feeder = self  # the feeder lives as long as its dataset
+        # Keras's fit(shuffle=True), its default, cannot shuffle a dataset and says so on every
+        # fit; the feeder shuffles (fp.Feeder(shuffle=True)), so the warning says nothing here.
+        warnings.filterwarnings(
+            "ignore",
+            message="`shuffle=True` was passed, but will be ignored since the data `x` was "
+            "provided as a tf.data.Dataset",
+            category=UserWarning,
+        )
         return dataset
+
+    def fit_callback(self) -> Any:
+        """A Keras callback for `model.fit(feeder.as_dataset(), callbacks=[...])`: with it,
+        `get_state()` and checkpoints taken in any callback hold exactly the batches the step
+        trained on, and an error in the source or `transform` leaves `fit` as itself where the
+        step has not reached it yet (see `feedpipe.training.FitTracker`)."""
+        from feedpipe.training import FitTracker  # training imports this module
+
+        return FitTracker(self)
 
     def _weighting(self) -> str | None:
         """How padding is weighted in `as_dataset`: add a sample_weight, scale one, or none."""
@@ -398,14 +509,16 @@ class Feeder(tf.train.experimental.PythonState):
         sample = self.spec.unflatten(batch.arrays)
         if weighting is None:
             return sample
+        # Fresh arrays every batch: TensorFlow may take a generator's array over without a copy
+        # and later write into its memory.
         size = self.options.global_batch_size
-        weights = np.zeros(size, np.float32)
-        real = slice(batch.num_valid) if batch.real is None else batch.real
-        weights[real] = size / batch.num_valid
+        rows = np.zeros(size, np.float32)
+        rows[slice(batch.num_valid) if batch.real is None else batch.real] = size / batch.num_valid
         if weighting == "add":
-            return (*sample, weights)
+            return (*sample, optree.tree_map(lambda y: _broadcastable(rows, y.ndim), sample[1]))
         x, y, given = sample
-        return x, y, (np.asarray(given, np.float32) * weights).astype(given.dtype, copy=False)
+        factor = _broadcastable(rows, given.ndim)
+        return x, y, (np.asarray(given, np.float32) * factor).astype(given.dtype, copy=False)
 
     # ---- diagnostics and state ------------------------------------------------------------
 
@@ -422,16 +535,41 @@ class Feeder(tf.train.experimental.PythonState):
         return 0 if self._pipeline is None else self._pipeline.handoff.staged
 
     def get_state(self) -> dict:
-        """The consumer's position, as a small JSON-serialisable dict."""
-        state = self._position_state()
-        state_at = getattr(self._producer, "state_at", None)
-        if state_at is not None:  # a DALI source: its pipelines' own checkpoints
-            state["source"] = state_at((state["epoch"], state["step"]))
+        """The consumer's position, as a small JSON-serialisable dict.
+
+        While `as_dataset()` is being read, the position is known only with a `fit_callback()`
+        in the fit's callbacks: TensorFlow takes batches ahead of the step.
+        """
+        state = self._position_state(self._consumed())
+        source_state = self._producer.state_at(Position(state["epoch"], state["step"]))
+        if source_state is not None:  # a DALI source: its pipelines' own checkpoints
+            state["source"] = source_state
         return state
 
-    def _position_state(self) -> dict:
-        """The state without what the source adds: what a restore must agree with."""
-        epoch, step = self._position
+    def _consumed(self) -> Position:
+        """The batches the consumer has used, as a position."""
+        if self._tracker is not None:
+            return self._tracked()
+        if self._active is not None and self._active.host:
+            raise RuntimeError(
+                "get_state() was called while feeder.as_dataset() is being read: TensorFlow and "
+                "Keras take batches ahead of the step, so the feeder cannot tell which of them "
+                "were trained on. Pass the feeder's callback to fit, model.fit(dataset, "
+                "callbacks=[feeder.fit_callback(), ...]), and the state is exactly the batches "
+                "the step consumed; elsewhere, take the state between passes."
+            )
+        return self._position
+
+    def _tracked(self) -> Position:
+        """The position after the batches the tracked `fit` has trained on."""
+        last, tracker = self._last_host, self._tracker
+        if last is None or last.number <= tracker.first_pass:
+            return self._position  # this epoch's pass has not begun: it begins there
+        return last.after(min(tracker.steps, last.handed))
+
+    def _position_state(self, position: Position) -> dict:
+        """The state at `position`, without what the source adds."""
+        epoch, step = position
         if self._plan is not None and step >= len(self._plan):
             epoch, step = epoch + 1, 0
         return {
@@ -441,20 +579,28 @@ class Feeder(tf.train.experimental.PythonState):
             "dataset_length": self._source.length,
             "global_batch_size": self.options.global_batch_size,
             "num_replicas": self.split.num_replicas,
+            "num_shards": self._num_shards(),
             "seed": self.options.seed,
             "shuffle": self.options.shuffle,
         }
 
+    def _num_shards(self) -> int:
+        """The generator shards whose rotation is the stream's order (1 for other sources)."""
+        return self.options.workers if self._source.shards_order else 1
+
     def set_state(self, state: dict) -> None:
-        """Continues the stream exactly where `state` was taken; staged batches are remade."""
-        if self._active is not None:
+        """Continues the stream exactly where `state` was taken; staged batches are remade.
+
+        A loop over `as_dataset()` that is still open is superseded (Keras's look at a batch
+        before training, for a restore in a callback's `on_train_begin`).
+        """
+        if self._active is not None and not self._active.host:
             raise RuntimeError(
                 "set_state() was called while a loop over the feeder is running; restore "
                 "before the loop starts (or break out of it first)."
             )
-        mine = self._position_state()
-        if hasattr(self._producer, "state_at"):
-            mine["source"] = None
+        mine = self._position_state(self._position)
+        state = {"num_shards": 1, **state}  # states written before shards were recorded
         missing = sorted(set(mine) - set(state))
         if missing:
             raise ValueError(f"The state lacks {', '.join(missing)}; pass a dict from get_state().")
@@ -463,21 +609,80 @@ class Feeder(tf.train.experimental.PythonState):
             "dataset_length",
             "global_batch_size",
             "num_replicas",
+            "num_shards",
             "seed",
             "shuffle",
         ):
             if state[field] != mine[field]:
+                fix = (
+                    f"build the feeder with workers={state[field]} (a generator's order is the "
+                    "rotation of its shards, one per worker)"
+                    if field == "num_shards"
+                    else f"build the feeder with the same {field}"
+                )
                 raise ValueError(
                     f"Cannot restore: the state has {field}={state[field]!r} but this feeder has "
-                    f"{field}={mine[field]!r}; build the feeder with the same {field}."
+                    f"{field}={mine[field]!r}; {fix}."
                 )
         for field in ("epoch", "step"):
             if not isinstance(state[field], int) or state[field] < 0:
                 raise ValueError(f"The state's {field}={state[field]!r} must be an integer >= 0.")
+        if state["step"] > 0:
+            self._source.check_resumable(state["step"] * self.options.global_batch_size)
+        self._active = None
         self._stop_pipeline()
         self._position = Position(state["epoch"], state["step"])
-        if hasattr(self._producer, "restore"):
-            self._producer.restore(tuple(self._position), state["source"])
+        self._producer.restore(self._position, state.get("source"))
+        self._settle()
+
+    # ---- model.fit -----------------------------------------------------------------------
+
+    def _track(self, tracker: Any) -> None:
+        """A tracked `fit` begins: passes of `as_dataset` since the position was last settled
+        were Keras's look at a batch to build the model, not training."""
+        position, passes = self._settled
+        if self._passes != passes:
+            self._active = None
+            self._stop_pipeline()
+            self._position = position
+            self._settle()
+        self._tracker = tracker
+
+    def _untrack(self, tracker: Any) -> None:
+        """A tracked `fit` ended: the position becomes what it trained on."""
+        if self._tracker is not tracker:
+            return
+        position = self._tracked()
+        self._tracker = None
+        if position != self._position or self._active is not None:
+            self._active = None
+            self._stop_pipeline()
+            self._position = position
+        self._settle()
+
+    def _check_pass_steps(self, steps: int | None, epochs: int | None = None) -> None:
+        """Refuses passes of `steps` batches (`epochs` of them) that are not the feeder's next."""
+        if self._plan is None:
+            return
+        state = self._position_state(self._position)
+        epoch, step = state["epoch"], state["step"]
+        left = len(self._plan) - step
+        if steps == left and (step == 0 or epochs is None or epochs <= 1):
+            return
+        raise ValueError(
+            f"The dataset's passes have {steps} batches (Keras runs every epoch of a fit for "
+            f"that many steps{'' if epochs is None else f', here {epochs} epochs'}), but the "
+            f"feeder is at step {step} of epoch {epoch}, which has {left} batches left, and "
+            f"its later epochs {len(self._plan)}. Leave steps_per_epoch unset; after a restore "
+            "mid-epoch, finish that epoch in a fit of its own on a dataset made after the "
+            f"restore, model.fit(feeder.as_dataset(), initial_epoch={epoch}, "
+            f"epochs={epoch + 1}), then go on with model.fit(feeder.as_dataset(), "
+            f"initial_epoch={epoch + 1}, epochs=...)."
+        )
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
 
     def serialize(self) -> bytes:
         """For `tf.train.Checkpoint`: the state as JSON."""
@@ -495,6 +700,7 @@ class Feeder(tf.train.experimental.PythonState):
         self._stop_pipeline()
         if self._workers is not None:
             self._workers.close()
+        if self._producer is not None:
             self._producer.close()
         self._pools.clear()  # staged batches still held keep their own slots alive
 
@@ -514,6 +720,16 @@ class Feeder(tf.train.experimental.PythonState):
             + (f", timeout_s={o.timeout_s}" if o.timeout_s is not None else "")
             + ")"
         )
+
+
+def _broadcastable(rows: np.ndarray, ndim: int) -> np.ndarray:
+    """One weight per row, shaped `[batch, 1, ..., 1]` to the rank `ndim` of a label field."""
+    return rows.reshape(rows.shape + (1,) * (ndim - 1))
+
+
+def _weight_spec(label: tf.TensorSpec) -> tf.TensorSpec:
+    """The sample weight of a label field: `[batch, 1, ..., 1]`, of the label's rank."""
+    return tf.TensorSpec((label.shape[0],) + (1,) * (label.shape.rank - 1), tf.float32)
 
 
 def _axes(transpose: Any, spec: SampleSpec) -> list[tuple[int, ...] | None]:

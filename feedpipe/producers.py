@@ -50,12 +50,31 @@ class SlotSupply(Protocol):
         """Idents of one-off shared slots dropped since the last call."""
 
 
-class Producer(Protocol):
-    """Makes the filled slots of every epoch from `start` on, in order."""
+class Producer:
+    """Makes the filled slots of every epoch from `start` on, in order.
+
+    A producer whose source has a state of its own beyond the position (DALI's pipelines)
+    returns it from `state_at` and takes it back in `restore`; for the others the position is
+    the whole state.
+    """
+
+    slots_in_flight = 1
+    """Slots being filled at once."""
 
     def slots(
         self, start: Position, supply: SlotSupply
-    ) -> Iterator[tuple[Step, HostSlot] | EpochEnd]: ...
+    ) -> Iterator[tuple[Step, HostSlot] | EpochEnd]:
+        raise NotImplementedError
+
+    def state_at(self, position: Position) -> object | None:
+        """What the source needs, besides `position`, to continue from it (JSON-safe)."""
+        return None
+
+    def restore(self, position: Position, state: object | None) -> None:
+        """Makes the next stream start at `position`, from `state_at`'s `state`."""
+
+    def close(self) -> None:
+        """Forgets work still out once the workers are gone."""
 
 
 def _last_batch(
@@ -72,7 +91,7 @@ def _last_batch(
     yield EpochEnd(epoch)
 
 
-class ThreadProducer:
+class ThreadProducer(Producer):
     """Produces in the calling thread: the feeder's background thread when `workers=0`."""
 
     def __init__(
@@ -86,9 +105,6 @@ class ThreadProducer:
         self.global_batch_size = global_batch_size
         self.sampler = sampler
         self.rule = rule
-
-    slots_in_flight = 1
-    """Slots being filled at once."""
 
     def slots(
         self, start: Position, supply: SlotSupply
@@ -105,9 +121,7 @@ class ThreadProducer:
             slot = supply.acquire()
             self.writer.fill(slot, step)
             yield step, slot
-        on_epoch_end = getattr(self.writer.source, "on_epoch_end", None)
-        if on_epoch_end is not None:
-            on_epoch_end()
+        self.writer.source.on_epoch_end()
         yield EpochEnd(epoch, self.sampler.dropped_per_epoch)
 
     def _stream_epoch(self, epoch: int, first: int, supply: SlotSupply) -> Iterator:
@@ -148,7 +162,7 @@ class _Filling:
             raise min(self.errors, key=lambda pair: pair[0])[1]
 
 
-class WorkerProducer:
+class WorkerProducer(Producer):
     """Produces with a pool of workers, delivering filled slots in the order of the plan.
 
     An indexed source's batch is cut into one run of rows per worker, so every worker helps
@@ -171,12 +185,10 @@ class WorkerProducer:
         self.size = global_batch_size
         self.sampler = sampler
         self.rule = rule
-        self.block_size = getattr(source, "block_size", 1)
-        self.epoch_end_tasks = hasattr(source, "on_epoch_end")
+        self.block_size = source.block_size
         self._ids = itertools.count()
         self._tasks: dict[int, tuple[_Filling | None, int]] = {}
         """Tasks out: what each fills and its first row (None: a task without a slot)."""
-        self._queued = [0] * workers.count
         self._held: set[_Filling] = set()
         self._generation = 0
 
@@ -216,7 +228,6 @@ class WorkerProducer:
     def _send(self, worker: int, filling: _Filling | None, first_row: int, task: tuple) -> None:
         task_id = next(self._ids)
         self._tasks[task_id] = (filling, first_row)
-        self._queued[worker] += 1
         if filling is not None:
             self.workers.share(worker, filling.slot)
         self.workers.submit(worker, (task[0], task_id, *task[1:]))
@@ -226,7 +237,6 @@ class WorkerProducer:
         supply.check_stop()
         self.workers.forget(supply.take_dropped())
         for reply in self.workers.replies(WAIT_SLICE_S):
-            self._queued[reply.worker] -= 1
             filling, first_row = self._tasks.pop(reply.task)
             if filling is None:
                 if reply.kind == "error":
@@ -243,6 +253,10 @@ class WorkerProducer:
     def _deliver(self, filling: _Filling) -> None:
         self._held.discard(filling)
         filling.check()
+        if filling.slot.overflow and filling.slot.shared is not None:
+            # No worker writes a one-off slot again: a batch the consumer keeps holds memory,
+            # not a descriptor.
+            filling.slot.shared.close()
 
     # ---- indexed sources ------------------------------------------------------------------
 
@@ -268,8 +282,7 @@ class WorkerProducer:
             while filling_now < self.slots_in_flight:
                 if isinstance(upcoming, EpochEnd):
                     order.append(upcoming)
-                    if self.epoch_end_tasks:
-                        runs.append(upcoming)
+                    runs.append(upcoming)
                     upcoming = next(plan)
                     continue
                 slot = supply.try_acquire() if filling_now else supply.acquire()
@@ -305,8 +318,9 @@ class WorkerProducer:
                 for worker in range(self.workers.count):
                     self._send(worker, None, 0, ("epoch_end", epoch))
                 continue
-            worker = min(range(self.workers.count), key=self._queued.__getitem__)
-            if self._queued[worker] >= MAX_TASKS_PER_WORKER:
+            queued = self.workers.outstanding
+            worker = min(range(self.workers.count), key=queued.__getitem__)
+            if queued[worker] >= MAX_TASKS_PER_WORKER:
                 return
             filling, lo, rows = runs.popleft()
             task = ("rows", filling.slot.ident, filling.step.epoch, lo, rows)

@@ -1,12 +1,14 @@
 """Sources: what the samples are.
 
-Every input a user already has is adapted to one of two small interfaces:
+Every input a user already has is adapted to a `Source`, one of two kinds:
 
 * an *indexed* source (`length`, `sample(i)`) reads any sample on demand, so the sampler
   chooses the order: numpy arrays, map-style objects, a `keras.utils.PyDataset` (its batches,
   split into rows);
-* a *stream* source (`blocks(epoch)`) yields rows in its own order: `from_generator(fn)` and
-  `tf.data.Dataset`.
+* a *stream* source (`samples(epoch)`, `first_sample()`) yields rows in its own order:
+  `from_generator(fn)` and `tf.data.Dataset`;
+
+and a source may make whole batches itself (`producer`: DALI's pipelines).
 
 A `SampleSpec` records the structure, shapes and dtypes of one sample and checks every later
 sample against it. Nothing here imports TensorFlow at module level: worker processes import it.
@@ -15,9 +17,11 @@ sample against it. Nothing here imports TensorFlow at module level: worker proce
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -125,12 +129,44 @@ class SampleSpec:
         return f"{self.treespec} with {fields}"
 
 
-class ArraySource:
+class Source:
+    """What the pipeline asks of every source; the defaults suit most of them."""
+
+    length: int | None = None
+    """Samples per epoch; None where unknown until the epoch ends (a stream)."""
+    indexed = False
+    """True: any sample can be read on demand with `sample(i)`, so the feeder picks the order."""
+    block_size = 1
+    """Shuffle in blocks of this many consecutive samples (a PyDataset: its batch size)."""
+
+    def on_epoch_end(self) -> None:
+        """Called once an epoch's last sample has been read."""
+
+    def producer(self, split, devices, rule):
+        """The producer of a source that makes whole batches itself; None for the others."""
+        return None
+
+    shards_order = False
+    """True: the stream's order is the rotation of its shards (one per worker)."""
+
+    def check_resumable(self, skipped: int) -> None:
+        """Raises if skipping the first `skipped` samples of a fresh epoch cannot resume it."""
+
+
+class ArraySource(Source):
     """Samples are rows of numpy arrays (one array, or a tuple/dict of equal-length arrays)."""
 
-    block_size = 1
+    indexed = True
 
     def __init__(self, data: Any):
+        paths, nodes, _ = optree.tree_flatten_with_path(data, is_leaf=_is_list)
+        for path, leaf in zip(paths, nodes, strict=True):
+            if isinstance(leaf, list):
+                raise TypeError(
+                    f"Field {field_name(path)} of `source` is a list of {len(leaf)} items; a "
+                    "field is one array whose first dimension counts the samples: stack them "
+                    "(np.stack(images)), or pass a list of samples (list(zip(images, labels)))."
+                )
         paths, leaves, self.treespec = optree.tree_flatten_with_path(data)
         self.arrays = [np.asarray(leaf) for leaf in leaves]
         for path, array in zip(paths, self.arrays, strict=True):
@@ -170,10 +206,10 @@ class ArraySource:
         return f"ArraySource(length={self.length}, fields={len(self.arrays)})"
 
 
-class MapSource:
+class MapSource(Source):
     """Samples come from an object with `__len__` and `__getitem__(i)` returning one sample."""
 
-    block_size = 1
+    indexed = True
 
     def __init__(self, data: Any):
         self.data = data
@@ -187,12 +223,14 @@ class MapSource:
         return f"MapSource({type(self.data).__name__}, length={self.length})"
 
 
-class PyDatasetSource:
+class PyDatasetSource(Source):
     """Samples are the rows of a `keras.utils.PyDataset`'s batches.
 
     Its batches are read whole and kept while their rows are taken, and the sampler shuffles
     whole batches (`block_size` rows), so each batch is read once per epoch.
     """
+
+    indexed = True
 
     def __init__(self, dataset: Any):
         self.dataset = dataset
@@ -259,14 +297,15 @@ class PyDatasetSource:
         return f"PyDatasetSource(batches={self.num_batches}, rows={self.length})"
 
 
-class GeneratorSource:
-    """Samples come from `fn(shard, num_shards)`, a generator function called once per epoch.
+class GeneratorSource(Source):
+    """Samples come from `fn(shard, num_shards)`, a generator function called once per epoch
+    (`fn(shard, num_shards, epoch)` where `fn` takes three arguments).
 
     Build one with `fp.from_generator(fn)`. With one producer, `fn(0, 1)` yields the whole
     epoch; with N workers, worker `i` reads the `sharded(i, N)` copy, which calls `fn(i, N)`.
     """
 
-    length = None
+    shards_order = True
 
     def __init__(
         self, fn: Callable[[int, int], Iterable[Any]], shard: int = 0, num_shards: int = 1
@@ -279,14 +318,33 @@ class GeneratorSource:
         self.fn = fn
         self.shard = shard
         self.num_shards = num_shards
+        self.takes_epoch = _accepts(fn, 3)
 
     def sharded(self, shard: int, num_shards: int) -> GeneratorSource:
         """The source of shard `shard` of `num_shards`."""
         return GeneratorSource(self.fn, shard, num_shards)
 
     def samples(self, epoch: int) -> Iterator[Any]:
-        del epoch  # the generator decides its own order
+        if self.takes_epoch:
+            return iter(self.fn(self.shard, self.num_shards, epoch))
         return iter(self.fn(self.shard, self.num_shards))
+
+    def warn_if_unsharded(self, num_shards: int) -> None:
+        """Warns when shards 0 and 1 of `num_shards` begin with the same sample: `fn` then
+        seems to ignore its shard, and every worker would deliver every sample."""
+        first, second = (
+            optree.tree_leaves(self.sharded(shard, num_shards).first_sample()) for shard in (0, 1)
+        )
+        if len(first) == len(second) and all(
+            np.array_equal(a, b) for a, b in zip(first, second, strict=True)
+        ):
+            warnings.warn(
+                f"fn(0, {num_shards}) and fn(1, {num_shards}) of fp.from_generator begin with "
+                "the same sample: fn seems to ignore (shard, num_shards), so each of the "
+                f"{num_shards} workers would deliver every sample. Yield only shard `shard` "
+                "(e.g. itertools.islice(samples, shard, None, num_shards)).",
+                stacklevel=3,
+            )
 
     def first_sample(self) -> Any:
         for sample in self.samples(0):
@@ -297,17 +355,21 @@ class GeneratorSource:
         return f"GeneratorSource({getattr(self.fn, '__qualname__', self.fn)!r})"
 
 
-def from_generator(fn: Callable[[int, int], Iterable[Any]]) -> GeneratorSource:
+def from_generator(fn: Callable[..., Iterable[Any]]) -> GeneratorSource:
     """A source of the samples that `fn(shard, num_shards)` yields, for `fp.Feeder`.
 
     `fn` is called once per epoch; each call must yield that epoch's samples (a shard of them
-    when `num_shards` > 1). Generators have no indices, so they cannot be shuffled by the feeder:
-    shuffle inside `fn`.
+    when `num_shards` > 1: with N workers every shard is read, so a `fn` that ignores its shard
+    delivers each sample N times). Generators have no indices, so they cannot be shuffled by the
+    feeder: shuffle inside `fn`, and take a third argument, `fn(shard, num_shards, epoch)`, to
+    seed that shuffle from the epoch. A restore mid-epoch calls `fn` for the restored epoch and
+    skips the samples already taken, so `fn` must yield the same order whenever it is called for
+    the same epoch.
     """
     return GeneratorSource(fn)
 
 
-class TFDatasetSource:
+class TFDatasetSource(Source):
     """Samples are the elements of a `tf.data.Dataset`, read in blocks batched by TensorFlow."""
 
     def __init__(self, dataset: Any):
@@ -335,6 +397,26 @@ class TFDatasetSource:
         del epoch  # tf.data decides its own order (shuffle inside the dataset)
         return self.dataset.as_numpy_iterator()
 
+    def check_resumable(self, skipped: int) -> None:
+        """Refuses to resume mid-epoch where a new iteration would reorder the samples."""
+        for dataset in _pipeline_of(self.dataset):
+            if type(dataset).__name__ != "_ShuffleDataset":
+                continue
+            if dataset._reshuffle_each_iteration or dataset._seed is None:
+                raise ValueError(
+                    "Cannot restore mid-epoch: the tf.data.Dataset source shuffles "
+                    + (
+                        "anew on each iteration (reshuffle_each_iteration=True)"
+                        if dataset._reshuffle_each_iteration
+                        else "without a seed"
+                    )
+                    + f", so a new iteration does not repeat the order being resumed, and "
+                    f"skipping the {skipped} samples already taken would deliver some twice and "
+                    "others never. Shuffle with a seed and reshuffle_each_iteration=False, or "
+                    "give the feeder an indexed source (arrays, a map-style object) with "
+                    "shuffle=True, or restore a state taken at an epoch's end."
+                )
+
     def blocks(self, rows: int) -> Iterator[list[np.ndarray]]:
         """Blocks of up to `rows` samples, batched by tf.data itself."""
         for block in self.dataset.batch(rows).prefetch(2):
@@ -347,6 +429,30 @@ class TFDatasetSource:
 
     def __repr__(self) -> str:
         return f"TFDatasetSource(length={self.length})"
+
+
+def _pipeline_of(dataset: Any) -> Iterator[Any]:
+    """`dataset` and every dataset it reads, depth first."""
+    yield dataset
+    try:
+        inputs = dataset._inputs()
+    except NotImplementedError:
+        return
+    for child in inputs:
+        yield from _pipeline_of(child)
+
+
+def _is_list(node: Any) -> bool:
+    return isinstance(node, list)
+
+
+def _accepts(fn: Callable, count: int) -> bool:
+    """Whether `fn` can be called with `count` positional arguments."""
+    try:
+        inspect.signature(fn).bind(*range(count))
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _is_instance_of_loaded(obj: Any, module: str, path: str) -> bool:
@@ -362,15 +468,10 @@ def _is_instance_of_loaded(obj: Any, module: str, path: str) -> bool:
     return isinstance(obj, cls)
 
 
-Source = ArraySource | MapSource | PyDatasetSource | GeneratorSource | TFDatasetSource
-
-
 def as_source(data: Any) -> Source:
     """Adapts what the user passed as `source` to the matching source class."""
-    if isinstance(data, ArraySource | MapSource | PyDatasetSource | GeneratorSource):
-        return data
-    if _is_instance_of_loaded(data, "feedpipe.dali", "DaliSource"):
-        return data  # produces per replica in DALI's threads (see feedpipe.dali)
+    if isinstance(data, Source):
+        return data  # fp.from_generator(fn), or a DaliSource (see feedpipe.dali)
     if _is_instance_of_loaded(data, "tensorflow", "data.Dataset"):
         return TFDatasetSource(data)
     if _is_instance_of_loaded(data, "keras", "utils.PyDataset"):

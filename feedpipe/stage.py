@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from feedpipe.sampler import Step
 from feedpipe.slots import SlotLayout
+from feedpipe.source import SampleSpec
 
 
 def _canonical(spec: tf.DeviceSpec) -> tuple[str, int]:
@@ -139,6 +140,26 @@ def to_device(array: np.ndarray, device: str) -> tf.Tensor:
     # `_copy_to_device` is the eager runtime's own placement: ~3 µs, where tf.identity under
     # tf.device costs ~50 µs; between CPU devices it shares the buffer.
     return tf.experimental.dlpack.from_dlpack(array.__dlpack__())._copy_to_device(device)
+
+
+def check_stageable(spec: SampleSpec, device: str) -> None:
+    """Refuses, at construction, a field TensorFlow cannot hold, naming it and the fix,
+    instead of failing at the first batch."""
+    for leaf in spec.leaves:
+        if not leaf.dtype.isnative:
+            raise TypeError(
+                f"Field {leaf.name} has the non-native byte order of dtype {leaf.dtype.str}; "
+                "TensorFlow takes native byte order only: convert it once, e.g. "
+                f"array.astype(array.dtype.newbyteorder('=')), or in `transform`."
+            )
+        try:
+            to_device(np.zeros(1, leaf.dtype), device)
+        except Exception as error:
+            raise TypeError(
+                f"Field {leaf.name} has dtype {leaf.dtype}, which TensorFlow cannot stage on "
+                f"{device} ({type(error).__name__}: {str(error).splitlines()[0][:120]}); cast "
+                "it in `transform` or beforehand, e.g. to float16, bfloat16 or int8."
+            ) from error
 
 
 _DLPACK_CPU = 1

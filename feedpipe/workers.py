@@ -6,19 +6,23 @@ never travels through a pipe. They are fresh interpreters (`python -m feedpipe._
 forks of a process that runs TensorFlow, and they see no GPU. Their source and `transform` are
 sent pickled with cloudpickle, which carries functions and classes defined in `__main__` by
 value; numpy arrays inside them go out of band into one read-only shared buffer that every
-worker maps, so N workers do not hold N copies of an array dataset.
+worker maps, so N workers do not hold N copies of an array dataset. Even sample 0, which tells
+the feeder what a sample looks like, is read by a worker: a source that crashes, hangs or
+opens its files on first use does so there, not in the training process.
 
 Worker threads (`worker_mode="thread"`) share the process and its GIL: they pay off only for
 code that releases the GIL (numpy, Pillow decode) and cost no start-up or pickling.
 
-Both kinds answer every task with one reply and keep a status row `[sample, epoch, started]`,
-so a hang is named; a dead process is found at once, because its socket closes.
+Both kinds answer every task with one reply, and keep a status row `[sample, epoch, started]`
+that `feedpipe._sync.Watchdog` reads: a worker with work outstanding that shows no progress
+for `timeout_s` is named in a TimeoutError. A dead process is found at once (its socket
+closes), and so is a dead thread.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
+import ctypes
 import os
 import pickle
 import queue
@@ -32,23 +36,23 @@ import warnings
 import weakref
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import send_handle
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import cloudpickle
 import numpy as np
 
 from feedpipe._shm import SharedBuffer, remove_orphans
+from feedpipe._sync import STOP_GRACE_S, WAIT_SLICE_S, Watchdog, join_within
 from feedpipe._worker import TaskRunner
 from feedpipe.slots import ALIGN_BYTES, HostSlot
 
-STOP_GRACE_S = 1.0
-"""How long `close()` lets worker processes finish their current task before killing them."""
-JOIN_TIMEOUT_S = 5.0
-"""How long `close()` waits for a worker thread stuck in user code."""
+SPEC_TASK = -1
+"""The id of the one task sent before any other: read sample 0 and return its spec."""
 
 
 class WorkerError(RuntimeError):
-    """A worker process died: killed by a signal, or exited, while the feeder needed it."""
+    """A worker died: a process killed by a signal or exited, or a thread that ended, while the
+    feeder needed it."""
 
 
 class Reply(NamedTuple):
@@ -58,26 +62,6 @@ class Reply(NamedTuple):
     kind: str
     task: int
     value: Any
-
-
-class Workers(Protocol):
-    """A pool of `count` workers, each running its tasks in the order submitted."""
-
-    count: int
-    names: list[str]
-
-    def share(self, worker: int, slot: HostSlot) -> None:
-        """Makes `slot` writable by `worker` (before a task names it)."""
-
-    def forget(self, idents: list[int]) -> None:
-        """Tells every worker that these slots are gone."""
-
-    def submit(self, worker: int, task: tuple) -> None: ...
-
-    def replies(self, timeout_s: float) -> list[Reply]:
-        """Replies that arrived within `timeout_s`; raises if a worker died or hangs."""
-
-    def close(self) -> None: ...
 
 
 def check_picklable(name: str, value: Any) -> None:
@@ -111,28 +95,10 @@ def _pack(setup: dict) -> tuple[bytes, SharedBuffer | None, list[tuple[int, int]
     return payload, data, spans
 
 
-def _status(count: int) -> np.ndarray:
-    status = np.zeros((count, 3))
+def _idle_status(status: np.ndarray) -> np.ndarray:
+    status[:] = 0
     status[:, 0] = -1
     return status
-
-
-def _overdue(
-    status: np.ndarray, names: list[str], timeout_s: float | None, pids: list[int | None]
-) -> tuple[int, TimeoutError] | None:
-    """The first worker that has spent over `timeout_s` on one sample, and its error."""
-    if timeout_s is None:
-        return None
-    now = time.monotonic()
-    for worker, (index, epoch, started) in enumerate(status.tolist()):
-        if index >= 0 and now - started > timeout_s:
-            pid = f" (pid {pids[worker]})" if pids[worker] is not None else ""
-            return worker, TimeoutError(
-                f"{names[worker]}{pid} has spent {now - started:.1f} s on sample {int(index)} "
-                f"of epoch {int(epoch)}, more than `timeout_s`={timeout_s:g}; fix the hang in "
-                "the source or `transform`, or raise `timeout_s`."
-            )
-    return None
 
 
 def _rebuild(packed: bytes, text: str, name: str) -> BaseException:
@@ -140,6 +106,76 @@ def _rebuild(packed: bytes, text: str, name: str) -> BaseException:
     error = pickle.loads(packed)
     error.add_note(f"feedpipe: the traceback in {name}:\n{text.rstrip()}")
     return error
+
+
+class _Pool:
+    """What both kinds of pool share: names, status rows, the watchdog and the spec request.
+
+    A kind sends with `_send`, receives raw replies with `_receive` and names a worker that
+    stopped answering with `_abandon`.
+    """
+
+    def __init__(self, count: int, status: np.ndarray, timeout_s: float | None):
+        self.count = count
+        self.timeout_s = timeout_s
+        self.names = [f"feedpipe-worker-{i}" for i in range(count)]
+        self.status = _idle_status(status)
+        self.watchdog = Watchdog(self.status, self.names, timeout_s)
+        self._warned = False
+
+    @property
+    def outstanding(self) -> list[int]:
+        """Tasks sent to each worker and not yet answered."""
+        return self.watchdog.outstanding
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [None] * self.count
+
+    def submit(self, worker: int, task: tuple) -> None:
+        self._send(worker, task)
+        self.watchdog.sent(worker)
+
+    def replies(self, timeout_s: float) -> list[Reply]:
+        """Replies that arrived within `timeout_s`; raises if a worker died or is overdue."""
+        replies = []
+        for reply in self._receive(timeout_s):
+            if reply.kind == "warning":
+                if not self._warned:
+                    self._warned = True
+                    warnings.warn(reply.value, stacklevel=2)
+                continue
+            self.watchdog.answered(reply.worker)
+            replies.append(reply)
+        overdue = self.watchdog.overdue(self.pids)
+        if overdue is not None:
+            worker, error = overdue
+            self._abandon(worker)
+            raise error
+        return replies
+
+    def first_spec(self) -> Any:
+        """The spec of sample 0, read (and transformed) by worker 0."""
+        self.submit(0, ("spec", SPEC_TASK))
+        while True:
+            for reply in self.replies(WAIT_SLICE_S):
+                if reply.kind == "error":
+                    raise reply.value
+                return reply.value
+
+    def configure(self, spec: Any, axes: list, layouts: dict) -> None:
+        """Tells every worker what samples look like and how slots are laid out."""
+        for worker in range(self.count):
+            self._send(worker, ("configure", spec, axes, layouts))
+
+    def _send(self, worker: int, message: tuple) -> None:
+        raise NotImplementedError
+
+    def _receive(self, timeout_s: float) -> list[Reply]:
+        raise NotImplementedError
+
+    def _abandon(self, worker: int) -> None:
+        """Gives up on an overdue worker, which is stuck in user code."""
 
 
 def _stop_processes(procs: list[subprocess.Popen], conns: list[Connection]) -> None:
@@ -156,7 +192,7 @@ def _stop_processes(procs: list[subprocess.Popen], conns: list[Connection]) -> N
             proc.wait()
 
 
-class ProcessWorkers:
+class ProcessWorkers(_Pool):
     """`count` worker processes named `feedpipe-worker-<i>`, started at once.
 
     Invariant: each live worker holds one socket to this process and maps only the slots it
@@ -167,24 +203,33 @@ class ProcessWorkers:
 
     def __init__(self, count: int, setup: dict, timeout_s: float | None):
         remove_orphans()
-        self.count = count
-        self.timeout_s = timeout_s
-        self.names = [f"feedpipe-worker-{i}" for i in range(count)]
         payload, data, spans = _pack(setup)
         self._status_buffer = SharedBuffer(count * 3 * 8, "status")
-        self.status = self._status_buffer.array.view(np.float64).reshape(count, 3)
-        self.status[:] = _status(count)
+        super().__init__(
+            count, self._status_buffer.array.view(np.float64).reshape(count, 3), timeout_s
+        )
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         self._known: list[set[int]] = [set() for _ in range(count)]
         self._finalizer = weakref.finalize(self, _stop_processes, self.procs, self.conns)
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+        # The kernel ends a worker with the thread that started it: only the main thread
+        # lives exactly as long as this process.
+        kernel = "1" if threading.current_thread() is threading.main_thread() else "0"
         for name in self.names:
             ours, theirs = socket.socketpair()
             with theirs:
                 self.procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "feedpipe._worker", name, str(theirs.fileno())],
+                        [
+                            sys.executable,
+                            "-m",
+                            "feedpipe._worker",
+                            name,
+                            str(theirs.fileno()),
+                            str(os.getpid()),
+                            kernel,
+                        ],
                         pass_fds=[theirs.fileno()],
                         stdin=subprocess.DEVNULL,
                         env=env,
@@ -200,6 +245,8 @@ class ProcessWorkers:
                 conn.send_bytes(payload)
             except OSError:
                 raise self._death(worker) from None
+        if data is not None:
+            data.close()  # every worker has mapped it or will: the descriptor is no longer needed
 
     @property
     def pids(self) -> list[int]:
@@ -226,6 +273,7 @@ class ProcessWorkers:
         return WorkerError(f"{name} {how} while the feeder needed it.{hint}")
 
     def share(self, worker: int, slot: HostSlot) -> None:
+        """Makes `slot` writable by `worker` (before a task names it)."""
         if slot.ident in self._known[worker]:
             return
         conn = self.conns[worker]
@@ -237,91 +285,105 @@ class ProcessWorkers:
         self._known[worker].add(slot.ident)
 
     def forget(self, idents: list[int]) -> None:
+        """Tells every worker that these slots are gone."""
         for worker, known in enumerate(self._known):
             for ident in idents:
                 if ident in known:
                     known.discard(ident)
-                    self.submit(worker, ("forget", ident))
+                    self._send(worker, ("forget", ident))
 
-    def submit(self, worker: int, task: tuple) -> None:
+    def _send(self, worker: int, message: tuple) -> None:
         try:
-            self.conns[worker].send(task)
+            self.conns[worker].send(message)
         except OSError:
             raise self._death(worker) from None
 
-    def replies(self, timeout_s: float) -> list[Reply]:
+    def _receive(self, timeout_s: float) -> list[Reply]:
         replies = []
         for conn in wait(self.conns, timeout_s):
             worker = self.conns.index(conn)
-            try:
-                while conn.poll():
+            while True:
+                try:
+                    if not conn.poll():
+                        break
                     kind, task, value, *text = conn.recv()
-                    if kind == "error":
-                        value = _rebuild(value, text[0], self.names[worker])
-                        if task is None:  # the worker could not load its setup
-                            raise value
-                    replies.append(Reply(worker, kind, task, value))
-            except (EOFError, OSError):
-                raise self._death(worker) from None
-        overdue = _overdue(self.status, self.names, self.timeout_s, self.pids)
-        if overdue is not None:
-            worker, error = overdue
-            self.procs[worker].kill()  # it is stuck in user code: closing would wait for it
-            raise error
+                except (EOFError, OSError):
+                    raise self._death(worker) from None
+                if kind == "error":
+                    value = _rebuild(value, text[0], self.names[worker])
+                    if task is None:  # the worker could not load its setup
+                        raise value
+                replies.append(Reply(worker, kind, task, value))
         return replies
+
+    def _abandon(self, worker: int) -> None:
+        self.procs[worker].kill()  # it is stuck in user code: closing would wait for it
 
     def close(self) -> None:
         self._finalizer()
         # The shared status goes now, not when this object is collected (a dataset that
         # outlives its feeder may keep it): its last rows stay readable in a private copy.
-        self.status = self.status.copy()
+        self.status = self.watchdog.status = self.status.copy()
         self._status_buffer.close()
 
 
+class _Abandoned(BaseException):
+    """Raised inside a worker thread stuck in user code, to end it where Python can."""
+
+
 def _serve_thread(runner: TaskRunner, tasks: queue.SimpleQueue, replies, worker: int) -> None:
-    while (task := tasks.get()) is not None:
-        try:
-            replies.put(Reply(worker, "done", task[1], runner.run(task)))
-        except Exception as error:
-            replies.put(Reply(worker, "error", task[1], error))
+    try:
+        while (task := tasks.get()) is not None:
+            if task[0] == "configure":
+                runner.configure(*task[1:])
+                continue
+            try:
+                replies.put(Reply(worker, "done", task[1], runner.run(task)))
+            except _Abandoned:
+                return
+            except BaseException as error:
+                replies.put(Reply(worker, "error", task[1], error))
+    except _Abandoned:
+        return
 
 
-def _stop_threads(threads: list[threading.Thread], tasks: list[queue.SimpleQueue]) -> None:
-    for inbox in tasks:
-        inbox.put(None)
-    deadline = time.monotonic() + JOIN_TIMEOUT_S
-    for thread in threads:
-        if thread is not threading.current_thread():
-            thread.join(max(0.0, deadline - time.monotonic()))
-    stuck = [t.name for t in threads if t.is_alive()]
-    if stuck:
-        warnings.warn(
-            f"{', '.join(stuck)} did not stop within {JOIN_TIMEOUT_S:.0f} s (user code still "
-            "running); daemon threads end with the process.",
-            stacklevel=3,
+def _interrupt(thread: threading.Thread) -> None:
+    """Raises `_Abandoned` in `thread` at its next Python instruction (not inside a C call)."""
+    if thread.ident is not None and thread.is_alive():
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(thread.ident), ctypes.py_object(_Abandoned)
         )
 
 
-class ThreadWorkers:
-    """`count` worker threads named `feedpipe-worker-<i>`, sharing this process's memory."""
+def _stop_threads(
+    threads: list[threading.Thread], tasks: list[queue.SimpleQueue], stuck: set
+) -> None:
+    for inbox in tasks:
+        inbox.put(None)
+    join_within(threads, skip=stuck)
+
+
+class ThreadWorkers(_Pool):
+    """`count` worker threads named `feedpipe-worker-<i>`, sharing this process's memory.
+
+    A thread stuck past `timeout_s` is interrupted where Python can interrupt it (its next
+    Python instruction) and not waited for; one stuck inside a C call ends with that call.
+    """
 
     kind = "thread"
 
     def __init__(self, count: int, setup: dict, timeout_s: float | None):
-        self.count = count
-        self.timeout_s = timeout_s
-        self.names = [f"feedpipe-worker-{i}" for i in range(count)]
-        self.status = _status(count)
+        super().__init__(count, np.zeros((count, 3)), timeout_s)
         self._slots: dict[int, HostSlot] = {}
         self._tasks = [queue.SimpleQueue() for _ in range(count)]
         self._replies: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = []
+        self._threads: list[threading.Thread] = []
+        self._stuck: set[threading.Thread] = set()
         for worker, name in enumerate(self.names):
-            writer = copy.copy(setup["writer"])
+            source = setup["source"]
             if setup["num_shards"] > 1:
-                writer.source = writer.source.sharded(worker, setup["num_shards"])
-            writer.status = self.status[worker]
-            runner = TaskRunner(writer, setup["layouts"])
+                source = source.sharded(worker, setup["num_shards"])
+            runner = TaskRunner(source, setup["transform"], setup["seed"], self.status[worker])
             runner.slots = self._slots
             thread = threading.Thread(
                 target=_serve_thread,
@@ -331,7 +393,9 @@ class ThreadWorkers:
             )
             thread.start()
             self._threads.append(thread)
-        self._finalizer = weakref.finalize(self, _stop_threads, self._threads, self._tasks)
+        self._finalizer = weakref.finalize(
+            self, _stop_threads, self._threads, self._tasks, self._stuck
+        )
 
     def share(self, worker: int, slot: HostSlot) -> None:
         self._slots[slot.ident] = slot
@@ -340,19 +404,28 @@ class ThreadWorkers:
         for ident in idents:
             self._slots.pop(ident, None)
 
-    def submit(self, worker: int, task: tuple) -> None:
-        self._tasks[worker].put(task)
+    def _send(self, worker: int, message: tuple) -> None:
+        self._tasks[worker].put(message)
 
-    def replies(self, timeout_s: float) -> list[Reply]:
+    def _receive(self, timeout_s: float) -> list[Reply]:
         replies = []
         with contextlib.suppress(queue.Empty):
             replies.append(self._replies.get(timeout=timeout_s))
             while True:
                 replies.append(self._replies.get_nowait())
-        overdue = _overdue(self.status, self.names, self.timeout_s, [None] * self.count)
-        if overdue is not None:
-            raise overdue[1]
+        if not replies:
+            for worker, thread in enumerate(self._threads):
+                if not thread.is_alive() and self.outstanding[worker]:
+                    raise WorkerError(
+                        f"{thread.name} ended with {self.outstanding[worker]} task(s) "
+                        "outstanding while the feeder needed it."
+                    )
         return replies
+
+    def _abandon(self, worker: int) -> None:
+        thread = self._threads[worker]
+        self._stuck.add(thread)
+        _interrupt(thread)
 
     def close(self) -> None:
         self._finalizer()

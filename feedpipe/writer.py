@@ -13,7 +13,7 @@ import inspect
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -40,11 +40,36 @@ def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
     return np.random.default_rng([seed, epoch, index])
 
 
-def note_origin(error: BaseException, doing: str, index: int, epoch: int) -> None:
-    error.add_note(
+def raise_noted(error: BaseException, doing: str, index: int, epoch: int) -> NoReturn:
+    """Raises `error` with a note naming the thread and the sample.
+
+    A `StopIteration` from user code becomes a RuntimeError that says so: raised as it is, it
+    would end the generators the pipeline is made of, which Python turns into a RuntimeError
+    that names neither the sample nor the cause.
+    """
+    note = (
         f"feedpipe: raised in {threading.current_thread().name} while {doing} index {index} "
         f"of epoch {epoch}."
     )
+    if isinstance(error, StopIteration):
+        stand_in = RuntimeError(
+            f"User code raised StopIteration({', '.join(map(repr, error.args))}); an indexed "
+            "source says it has no sample `i` with IndexError, and a `transform` must return "
+            "a sample."
+        )
+        stand_in.add_note(note)
+        raise stand_in from error
+    error.add_note(note)
+    raise error
+
+
+def mark(status: np.ndarray | None, index: int, epoch: int) -> None:
+    """Keeps a status row at `[index, epoch, time.monotonic()]`: the sample being made (-1:
+    idle) and since when, so a hang can be named from outside (see `feedpipe._sync.Watchdog`)."""
+    if status is not None:
+        status[2] = time.monotonic()
+        status[1] = epoch
+        status[0] = index
 
 
 def apply_transform(
@@ -55,9 +80,28 @@ def apply_transform(
         if with_rng:
             return transform(sample, sample_rng(seed, epoch, index))
         return transform(sample)
+    except BaseException as error:
+        raise_noted(error, "producing sample", index, epoch)
+
+
+def read_spec(
+    source: Source, transform: Transform | None, seed: int, status: np.ndarray | None = None
+) -> SampleSpec:
+    """The spec of what producers will make: sample 0 (the first of a stream), transformed."""
+    mark(status, 0, 0)
+    try:
+        sample = source.sample(0) if source.indexed else source.first_sample()
+        if transform is not None:
+            sample = apply_transform(transform, accepts_rng(transform), sample, seed, 0, 0)
+        return SampleSpec.of(sample)
     except Exception as error:
-        note_origin(error, "producing sample", index, epoch)
+        error.add_note(
+            "feedpipe: raised while reading sample 0 to learn the structure, shapes and "
+            "dtypes of the samples."
+        )
         raise
+    finally:
+        mark(status, -1, 0)
 
 
 class SampleWriter:
@@ -95,10 +139,7 @@ class SampleWriter:
 
     def mark(self, index: int, epoch: int) -> None:
         """Notes that sample `index` of `epoch` is being made (-1: idle)."""
-        if self.status is not None:
-            self.status[2] = time.monotonic()
-            self.status[1] = epoch
-            self.status[0] = index
+        mark(self.status, index, epoch)
 
     def prepare(self, sample: Any, index: int, epoch: int) -> list[np.ndarray]:
         """The fields of one sample after `transform`, as checked arrays in the slot's layout."""
@@ -107,8 +148,7 @@ class SampleWriter:
         try:
             leaves = self.spec.flatten(sample, index)
         except ValueError as error:
-            note_origin(error, "checking sample", index, epoch)
-            raise
+            raise_noted(error, "checking sample", index, epoch)
         return [
             leaf if axes is None else leaf.transpose(axes)
             for leaf, axes in zip(leaves, self.axes, strict=True)
@@ -119,9 +159,8 @@ class SampleWriter:
         self.mark(index, epoch)
         try:
             sample = self.source.sample(index)
-        except Exception as error:
-            note_origin(error, "producing sample", index, epoch)
-            raise
+        except BaseException as error:
+            raise_noted(error, "producing sample", index, epoch)
         return self.prepare(sample, index, epoch)
 
     def fill_rows(self, slot: HostSlot, epoch: int, first_row: int, indices: np.ndarray) -> None:
@@ -183,8 +222,7 @@ class RowStream:
             except StopIteration:
                 return
             except Exception as error:
-                note_origin(error, doing, self.position, self.epoch)
-                raise
+                raise_noted(error, doing, self.position, self.epoch)
             yield item
 
     def _next_rows(self, limit: int) -> tuple[list[np.ndarray], int, int] | None:

@@ -16,7 +16,7 @@ import psutil
 import pytest
 import tensorflow as tf
 
-from feedpipe._shm import SHM_DIR
+from feedpipe._shm import NAME_PATTERN, SHM_DIR
 
 NUM_CPU_DEVICES = 4
 LEAK_WAIT_S = 2.0
@@ -84,20 +84,22 @@ def feedpipe_processes() -> list[str]:
         with contextlib.suppress(psutil.Error):
             cmdline = child.cmdline()
             if "feedpipe._worker" in cmdline and child.status() != psutil.STATUS_ZOMBIE:
-                found.append(f"{cmdline[-2]} (pid {child.pid})")
+                name = cmdline[cmdline.index("feedpipe._worker") + 1]
+                found.append(f"{name} (pid {child.pid})")
     return found
 
 
 def feedpipe_memory() -> list[str]:
-    """This process's descriptors and mappings of feedpipe shared memory (memfds included)."""
+    """This process's descriptors and mappings of feedpipe shared memory (memfds included),
+    matched by the buffers' exact names, not by a path that merely holds `feedpipe-`."""
     found = []
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):
             target = os.readlink(f"/proc/self/fd/{fd}")
-            if "feedpipe-" in target:
+            if NAME_PATTERN.search(target):
                 found.append(f"fd {fd}: {target}")
     with open("/proc/self/maps") as maps:
-        found += [line.split()[-1] for line in maps if "feedpipe-" in line]
+        found += [line.split()[-1] for line in maps if NAME_PATTERN.search(line)]
     return found
 
 

@@ -10,6 +10,7 @@ prints its measured figures as JSON and the test asserts on them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -99,7 +100,7 @@ def worker_pids():
         try:
             cmdline = child.cmdline()
             if "feedpipe._worker" in cmdline and child.status() != psutil.STATUS_ZOMBIE:
-                found[cmdline[-2]] = child.pid
+                found[cmdline[cmdline.index("feedpipe._worker") + 1]] = child.pid
         except psutil.Error:
             pass
     return found
@@ -205,7 +206,7 @@ def test_a_source_error_reaches_the_consumer_after_every_earlier_batch(devices, 
     assert f"index {fail_at} of epoch 0" in notes(error)
     assert delivered == [list(range(b * GLOBAL_BATCH, (b + 1) * GLOBAL_BATCH)) for b in range(5)]
     assert error_s < 1.0, f"the error took {error_s:.2f} s to reach the consumer"
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(wf.SourceBroke):  # every later read raises the same error again
         next(iter(feeder))
     assert feedpipe_processes() == []
     assert wait_for_no_feedpipe_threads() == []
@@ -523,3 +524,387 @@ def test_a_transform_returning_another_structure_names_both_structures(devices, 
         "Sample 11 has structure PyTreeSpec(*), but the first sample had PyTreeSpec((*, *))"
     )
     assert delivered == [list(range(8))]
+
+
+# ---- every error keeps its type ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("worker_mode", ["process", "thread"])
+def test_an_os_error_in_a_worker_keeps_its_type_message_and_note(devices, worker_mode):
+    feeder = fp.Feeder(
+        wf.OSErrorSource(32, 13), GLOBAL_BATCH, devices=devices, workers=2, worker_mode=worker_mode
+    )
+    delivered, _, error = take_until_error(feeder)
+
+    assert type(error) is FileNotFoundError
+    assert error.filename == "/data/13.npy"
+    assert "index 13 of epoch 0" in notes(error)
+    assert delivered == [list(range(8))]
+
+
+def test_an_os_error_while_a_worker_loads_the_source_is_raised_at_construction(devices):
+    with pytest.raises(FileNotFoundError) as raised:
+        fp.Feeder(wf.FailsOnLoad(32), GLOBAL_BATCH, devices=devices, workers=2)
+    assert "while loading the source and transform" in notes(raised.value)
+    assert wait_gone([])[0] == []
+    assert feedpipe_processes() == []
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stop_iteration_from_a_source_is_named_with_its_sample(devices, workers):
+    feeder = fp.Feeder(
+        wf.StopIterationSource(32, 13), GLOBAL_BATCH, devices=devices, workers=workers
+    )
+    delivered, _, error = take_until_error(feeder)
+
+    assert type(error) is RuntimeError
+    assert "StopIteration('no more rows')" in str(error)
+    assert "IndexError" in str(error)
+    assert "index 13 of epoch 0" in notes(error)
+    assert delivered == [list(range(8))]
+
+
+@pytest.mark.parametrize("kind", [SystemExit, KeyboardInterrupt, wf.Custom])
+@pytest.mark.parametrize("timeout_s", [None, 1.0])
+def test_a_base_exception_in_a_thread_worker_reaches_the_consumer_with_its_type(
+    devices, kind, timeout_s
+):
+    feeder = fp.Feeder(
+        wf.RaisingBaseException(32, 13, kind),
+        GLOBAL_BATCH,
+        devices=devices,
+        workers=2,
+        worker_mode="thread",
+        timeout_s=timeout_s,
+    )
+    got: dict = {}
+
+    def consume():
+        try:
+            got["ids"] = [real_ids(batch) for batch in feeder]
+        except BaseException as error:
+            got["error"] = error
+
+    consumer = threading.Thread(target=consume, name="test-consumer", daemon=True)
+    consumer.start()
+    consumer.join(10.0)
+    feeder.close()
+    assert not consumer.is_alive(), "the consumer still waits: the worker's error was lost"
+    assert type(got.get("error")) is kind
+    assert str(got["error"]) == "raised at sample 13"
+    assert "index 13 of epoch 0" in notes(got["error"])
+
+
+@pytest.fixture(scope="module")
+def script_errors() -> dict[str, dict]:
+    """An exception class defined in the user's script, raised by a source defined there."""
+    reports, _ = run_isolated(
+        """
+        class ScriptError(Exception):
+            pass
+
+        class ScriptSource:
+            def __len__(self):
+                return 32
+
+            def __getitem__(self, index):
+                if index == 13:
+                    raise ScriptError(f"sample {index} is broken")
+                return wf.index_sample(index)
+
+        feeder = fp.Feeder(ScriptSource(), 8, devices=DEVICES, workers=2)
+        try:
+            list(feeder)
+            report("script", caught=False, **described(None))
+        except ScriptError as error:
+            report("script", caught=True, **described(error))
+        except Exception as error:
+            report("script", caught=False, **described(error))
+        """
+    )
+    return reports
+
+
+def test_an_exception_class_defined_in_the_script_keeps_its_class(script_errors):
+    got = script_errors["script"]
+    assert got["caught"], f"arrived as {got['type']}: {got['message']}"
+    assert got["type"] == "ScriptError"
+    assert got["message"] == "sample 13 is broken"
+
+
+# ---- sample 0 is read by a worker -------------------------------------------------------------
+
+
+def test_sample_zero_is_read_by_a_worker_not_the_training_process(devices):
+    with fp.Feeder(
+        wf.NotInTheTrainingProcess(32), GLOBAL_BATCH, devices=devices, workers=2
+    ) as feeder:
+        assert [i for batch in feeder for i in real_ids(batch)] == list(range(32))
+
+
+def test_a_source_that_opens_its_file_on_first_use_is_sent_to_workers(devices, tmp_path):
+    path = tmp_path / "data.bin"
+    path.write_bytes(b"\0" * 16)
+    source = wf.LazyFileSource(32, str(path))
+    with fp.Feeder(source, GLOBAL_BATCH, devices=devices, workers=2) as feeder:
+        assert [i for batch in feeder for i in real_ids(batch)] == list(range(32))
+    assert source.file is None  # never read here
+
+
+@pytest.fixture(scope="module")
+def first_sample_faults() -> dict[str, dict]:
+    """Sample 0 crashes a worker; sample 0 hangs with timeout_s=1; the source hangs while a
+    worker loads it, with timeout_s=1."""
+    reports, _ = run_isolated(
+        """
+        cases = {
+            "segv": dict(source=wf.ActionSource(64, 0, "segv")),
+            "hang": dict(source=wf.ActionSource(64, 0, "hang"), timeout_s=1),
+            "load": dict(source=wf.HangsOnLoad(64), timeout_s=1),
+        }
+        for name, case in cases.items():
+            started = time.monotonic()
+            try:
+                fp.Feeder(case["source"], 4, devices=DEVICES, workers=2,
+                          timeout_s=case.get("timeout_s"))
+                error = None
+            except Exception as raised:
+                error = raised
+            report(name, error_s=time.monotonic() - started, **described(error),
+                   processes_left=worker_pids(), threads_left=feedpipe_threads())
+        """
+    )
+    return reports
+
+
+def test_a_crash_on_sample_zero_is_a_worker_error_not_a_dead_training_process(first_sample_faults):
+    got = first_sample_faults["segv"]
+    assert got["is_worker_error"], got
+    assert "killed by signal 11 (SIGSEGV)" in got["message"]
+    assert got["processes_left"] == {}
+
+
+@pytest.mark.parametrize("case", ["hang", "load"])
+def test_a_hang_before_the_first_batch_is_a_timeout_at_construction(first_sample_faults, case):
+    got = first_sample_faults[case]
+    assert got["type"] == "TimeoutError", got
+    assert "feedpipe-worker-0" in got["message"]
+    assert "`timeout_s`=1" in got["message"]
+    if case == "hang":
+        assert "on sample 0 of epoch 0" in got["message"]
+    else:
+        assert "no progress" in got["message"]
+    # ~3 s of start-up (a fresh interpreter per worker) plus the timeout, on a loaded machine.
+    assert got["error_s"] < 15.0
+    assert got["processes_left"] == {}
+    assert got["threads_left"] == []
+
+
+# ---- liveness: stopped workers, workers stuck in C, thread workers ----------------------------
+
+
+@pytest.fixture(scope="module")
+def stopped() -> dict[str, dict]:
+    """A worker frozen between samples (SIGSTOP) with timeout_s=1."""
+    reports, _ = run_isolated(
+        """
+        feeder = fp.Feeder(wf.SleepySource(400, 0.005), 4, devices=DEVICES, workers=2,
+                           timeout_s=1)
+        pids = worker_pids()
+        frozen = {}
+
+        def freeze(taken):
+            if taken == 3:
+                frozen["at"] = time.monotonic()
+                os.kill(pids["feedpipe-worker-1"], signal.SIGSTOP)
+
+        ids, asked, raised, error = take_until_error(feeder, freeze)
+        report("stopped", error_s=raised - frozen["at"], **described(error),
+               **closed_and_cleaned(feeder, list(pids.values())))
+        """
+    )
+    return reports
+
+
+def test_a_worker_stopped_between_samples_is_a_timeout(stopped):
+    got = stopped["stopped"]
+    assert got["type"] == "TimeoutError", got
+    assert "feedpipe-worker-1" in got["message"]
+    assert got["error_s"] < 3.0, f"{got['error_s']:.2f} s to the TimeoutError"
+    assert got["processes_left"] == {}
+    assert wait_gone(got["pids"])[0] == []
+
+
+@pytest.mark.parametrize("stuck", ["SIGSTOP", "GIL-holding C call"])
+def test_a_stuck_worker_dies_with_its_parent(stuck):
+    freeze = (
+        'os.kill(worker_pids()["feedpipe-worker-0"], signal.SIGSTOP)'
+        if stuck == "SIGSTOP"
+        else "time.sleep(1.0)  # worker 0 is inside the regex by now"
+    )
+    source = "wf.IndexSource(64)" if stuck == "SIGSTOP" else "wf.GILHolder(64, 5)"
+    reports, returncode = run_isolated(
+        f"""
+        feeder = fp.Feeder({source}, 4, devices=DEVICES, workers=2)
+        batches = iter(feeder)
+        next(batches)
+        {freeze}
+        report("parent", pids=list(worker_pids().values()))
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    assert returncode == -9
+    pids = reports["parent"]["pids"]
+    assert len(pids) == 2
+    running, waited_s = wait_gone(pids)
+    assert running == [], f"workers {running} outlived their parent by {waited_s:.1f} s"
+
+
+def test_a_thread_worker_past_its_timeout_is_reported_promptly_and_ended(devices):
+    feeder = fp.Feeder(
+        wf.ActionSource(200, 50, "hang"),
+        4,
+        devices=devices,
+        workers=2,
+        worker_mode="thread",
+        timeout_s=1,
+    )
+    _, error_s, error = take_until_error(feeder)
+    started = time.monotonic()
+    feeder.close()
+    close_s = time.monotonic() - started
+
+    assert type(error) is TimeoutError
+    assert "on sample 50 of epoch 0" in str(error)
+    assert error_s < 2.5, f"{error_s:.2f} s to the TimeoutError"
+    assert close_s < 1.0, f"close() waited {close_s:.2f} s for the stuck thread"
+    assert wait_for_no_feedpipe_threads() == []  # interrupted at its next Python instruction
+
+
+# ---- Ctrl-C -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def interrupted() -> dict[str, dict]:
+    """Ctrl-C as a terminal sends it: SIGINT to the training process and to every worker."""
+    reports, _ = run_isolated(
+        """
+        feeder = fp.Feeder(wf.SleepySource(64, 0.002), 4, devices=DEVICES, workers=2)
+        pids = worker_pids()
+        ids = []
+        try:
+            for batch in feeder:
+                ids.append(int(batch.replicas[0][1].numpy()[0]))
+                if len(ids) == 3:
+                    for pid in pids.values():
+                        os.kill(pid, signal.SIGINT)
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(1.0)
+        except KeyboardInterrupt:
+            interrupted = True
+        else:
+            interrupted = False
+        try:
+            rest = [int(batch.replicas[0][1].numpy()[0]) for batch in feeder]
+            error = None
+        except Exception as raised:
+            rest, error = [], raised
+        report("ctrl-c", interrupted=interrupted, ids=ids, rest=rest, **described(error),
+               **closed_and_cleaned(feeder, list(pids.values())))
+        """
+    )
+    return reports
+
+
+def test_ctrl_c_interrupts_the_loop_and_the_next_loop_goes_on(interrupted):
+    got = interrupted["ctrl-c"]
+    assert got["interrupted"]
+    assert got["type"] == "NoneType", got["message"]
+    assert got["ids"] + got["rest"] == list(range(0, 64, 4))
+    assert got["processes_left"] == {}
+
+
+def test_a_second_ctrl_c_during_cleanup_leaves_the_feeder_usable(devices, monkeypatch):
+    from feedpipe import _pipeline
+
+    joined = _pipeline.join_within
+    pressed = []
+
+    def interrupted_join(threads, *args, **kwargs):
+        if not pressed:
+            pressed.append(True)
+            raise KeyboardInterrupt  # pressed again while the loop was being cleaned up
+        return joined(threads, *args, **kwargs)
+
+    monkeypatch.setattr(_pipeline, "join_within", interrupted_join)
+    with fp.Feeder(wf.IndexSource(64), GLOBAL_BATCH, devices=devices) as feeder:
+        # Python raises it, or reports it as unraisable when it comes from a loop's cleanup.
+        with contextlib.suppress(KeyboardInterrupt):
+            for _ in feeder:
+                break
+        assert pressed
+        assert [i for batch in feeder for i in real_ids(batch)] == list(range(GLOBAL_BATCH, 64))
+
+
+# ---- descriptors ------------------------------------------------------------------------------
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_batches_kept_by_the_consumer_hold_no_file_descriptor(devices):
+    with fp.Feeder(wf.IndexSource(800), GLOBAL_BATCH, devices=devices, workers=2) as feeder:
+        batches = iter(feeder)
+        kept = [next(batches) for _ in range(10)]
+        before = open_descriptors()
+        kept += [next(batches) for _ in range(60)]
+        grown = open_descriptors() - before
+        assert feeder.stats().overflow_slots >= 60
+        assert grown <= 2, f"{grown} more descriptors for 60 more kept batches"
+        del batches, kept
+
+
+def test_many_kept_batches_fit_a_small_descriptor_limit():
+    reports, _ = run_isolated(
+        """
+        import resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+        feeder = fp.Feeder(wf.IndexSource(4000), 4, devices=DEVICES, workers=2)
+        kept, error = [], None
+        try:
+            for batch in feeder:
+                kept.append(batch)
+                if len(kept) == 300:
+                    break
+        except Exception as raised:
+            error = raised
+        report("kept", count=len(kept), **described(error))
+        feeder.close()
+        """
+    )
+    got = reports["kept"]
+    assert got["type"] == "NoneType", got["message"]
+    assert got["count"] == 300
+
+
+# ---- a worker that loads TensorFlow -----------------------------------------------------------
+
+
+def test_a_worker_that_imports_tensorflow_is_named_in_one_warning(devices, tmp_path):
+    package = tmp_path / "tensorflow"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    transform = functools.partial(wf.import_a_package_named_tensorflow, fake_root=str(tmp_path))
+    with (
+        pytest.warns(UserWarning) as caught,
+        fp.Feeder(
+            wf.IndexSource(64), GLOBAL_BATCH, devices=devices, workers=2, transform=transform
+        ) as feeder,
+    ):
+        assert len([batch for batch in feeder]) == 8
+    mine = [str(w.message) for w in caught if "imported TensorFlow" in str(w.message)]
+    assert len(mine) == 1, mine
+    assert mine[0].startswith("feedpipe-worker-")
+    assert 'worker_mode="thread"' in mine[0]
+    assert "worker_fakes.py" in mine[0]  # the user's code that pulled it in

@@ -159,3 +159,112 @@ def to_channels_last(sample):
 def drop_label(sample):
     """A transform that returns another structure than the sample's: just the features."""
     return sample[0]
+
+
+class OSErrorSource(IndexSource):
+    """Raises FileNotFoundError at sample `fail_at`, as a source reading a missing file does."""
+
+    def __init__(self, length: int, fail_at: int):
+        super().__init__(length)
+        self.fail_at = fail_at
+
+    def __getitem__(self, index: int):
+        if index == self.fail_at:
+            raise FileNotFoundError(2, "No such file or directory", f"/data/{index}.npy")
+        return super().__getitem__(index)
+
+
+class StopIterationSource(IndexSource):
+    """Raises StopIteration at sample `at`, as code ending its data with `next()` does."""
+
+    def __init__(self, length: int, at: int):
+        super().__init__(length)
+        self.at = at
+
+    def __getitem__(self, index: int):
+        if index == self.at:
+            raise StopIteration("no more rows")
+        return super().__getitem__(index)
+
+
+class RaisingBaseException(IndexSource):
+    """Raises `kind` (a BaseException, e.g. SystemExit) at sample `at`."""
+
+    def __init__(self, length: int, at: int, kind: type[BaseException]):
+        super().__init__(length)
+        self.at = at
+        self.kind = kind
+
+    def __getitem__(self, index: int):
+        if index == self.at:
+            raise self.kind(f"raised at sample {index}")
+        return super().__getitem__(index)
+
+
+class Custom(BaseException):
+    """A BaseException of the user's own."""
+
+
+class LazyFileSource(IndexSource):
+    """Opens its file on first use and keeps it open, as feedpipe's own message advises: an
+    object that has read a sample cannot be pickled."""
+
+    def __init__(self, length: int, path: str):
+        super().__init__(length)
+        self.path = path
+        self.file = None
+
+    def __getitem__(self, index: int):
+        if self.file is None:
+            self.file = open(self.path, "rb")  # noqa: SIM115 (kept open on purpose)
+        return super().__getitem__(index)
+
+
+class NotInTheTrainingProcess(IndexSource):
+    """Refuses to be read in a process that has TensorFlow loaded (the training process)."""
+
+    def __getitem__(self, index: int):
+        if "tensorflow" in sys.modules:
+            raise RuntimeError(f"sample {index} was read in the training process")
+        return super().__getitem__(index)
+
+
+class HangsOnLoad(IndexSource):
+    """Hangs while it is unpickled in a worker (as a source that connects to a server might)."""
+
+    def __setstate__(self, state):
+        while True:
+            time.sleep(0.1)
+
+
+class FailsOnLoad(IndexSource):
+    """Raises OSError while it is unpickled in a worker (a missing file opened at load)."""
+
+    def __setstate__(self, state):
+        raise FileNotFoundError(2, "No such file or directory", "/data/index.bin")
+
+
+class GILHolder(IndexSource):
+    """At sample `at`, runs one C call that holds the GIL for minutes (a regex that
+    backtracks exponentially)."""
+
+    def __init__(self, length: int, at: int):
+        super().__init__(length)
+        self.at = at
+
+    def __getitem__(self, index: int):
+        if index == self.at:
+            import re
+
+            re.match(r"(a+)+$", "a" * 40 + "b")
+        return super().__getitem__(index)
+
+
+def import_a_package_named_tensorflow(sample, fake_root: str):
+    """A transform that imports `tensorflow` (a stand-in package under `fake_root`, so the
+    test does not pay for loading the real one in every worker)."""
+    if fake_root not in sys.path:
+        sys.path.insert(0, fake_root)
+    import tensorflow  # noqa: F401
+
+    return sample
