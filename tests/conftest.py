@@ -99,7 +99,7 @@ def feedpipe_memory() -> list[str]:
             if NAME_PATTERN.search(target):
                 found.append(f"fd {fd}: {target}")
     with open("/proc/self/maps") as maps:
-        found += [line.split()[-1] for line in maps if NAME_PATTERN.search(line)]
+        found += [line.split(maxsplit=5)[-1].strip() for line in maps if NAME_PATTERN.search(line)]
     return found
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import feedpipe as fp
 from feedpipe.sampler import Step
 from feedpipe.slots import HostSlot, SlotLayout
 from feedpipe.source import SampleSpec
@@ -135,3 +136,19 @@ def test_distributed_needs_a_strategy(devices):
 def test_batch_exposes_its_position():
     batch = Batch((), (), 3, epoch=2, step=7)
     assert (batch.epoch, batch.step, batch.num_valid) == (2, 7, 3)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "rule"),
+    [
+        (np.dtype(">f4"), "non-native byte order"),
+        (np.dtype(">i8"), "non-native byte order"),
+        (ml_dtypes.float8_e4m3fn, "TensorFlow cannot stage"),
+        (ml_dtypes.float8_e5m2, "TensorFlow cannot stage"),
+        (ml_dtypes.int4, "TensorFlow cannot stage"),
+    ],
+)
+def test_a_field_tensorflow_cannot_hold_is_refused_at_construction_naming_it(devices, dtype, rule):
+    features, labels = np.zeros((8, 3), np.float32), np.zeros((8, 2), dtype)
+    with pytest.raises(TypeError, match=rf"^Field \[1\] .*{rule}"):
+        fp.Feeder((features, labels), 4, devices=devices)
