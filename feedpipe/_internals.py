@@ -1,0 +1,88 @@
+"""Every call feedpipe makes into TensorFlow's and Keras's private APIs, in one place.
+
+Each is here because no public API does the job (the reason is beside it), so a new release of
+TensorFlow or Keras is checked against this file alone. TensorFlow and Keras are imported
+inside the functions: worker processes import modules that use this one and never load them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+
+def copy_to_device(tensor: Any, device: str) -> Any:
+    """`tensor` placed on `device`: the eager runtime's own placement, ~3 µs, where
+    `tf.identity` under `tf.device` costs ~50 µs; between CPU devices it shares the buffer."""
+    return tensor._copy_to_device(device)
+
+
+def keras_dataset(source: Any) -> Any:
+    """The `tf.data.Dataset` Keras's `fit` would make of `source` (a generator, a PyDataset):
+    Keras's own adapter, so the input is read exactly as `fit` reads it."""
+    from keras.src.trainers.data_adapters import get_data_adapter
+
+    adapter = get_data_adapter(source)
+    adapter.on_epoch_begin()
+    return adapter.get_tf_dataset()
+
+
+def build_for_batch(model: Any, batch: Any) -> None:
+    """Builds `model`, its loss, metrics and optimizer from `batch`, as `fit` does before its
+    first step (a batch of per-replica values goes through Keras's distributed path)."""
+    import tensorflow as tf
+
+    if any(isinstance(v, tf.distribute.DistributedValues) for v in tf.nest.flatten(batch)):
+        model._maybe_symbolic_build(iterator=[(0, 0, iter([batch]))])
+    else:
+        model._symbolic_build(data_batch=batch)
+
+
+def keras_loss(loss: Any, y_true: Any, y_pred: Any) -> Any:
+    """The Keras loss object `compile(loss=...)` would build from `loss` (a name, a class or a
+    function), for these targets and predictions."""
+    from keras.src.trainers import compile_utils
+
+    return compile_utils.get_loss(loss, y_true, y_pred)
+
+
+def keras_metric(metric: Any, y_true: Any, y_pred: Any) -> Any:
+    """The Keras metric object `compile(metrics=[...])` would build from `metric`."""
+    from keras.src.trainers import compile_utils
+
+    return compile_utils.get_metric(metric, y_true, y_pred)
+
+
+def scalar_summary_metadata() -> Any:
+    """What TensorBoard's scalar dashboard reads, written by TensorFlow alone:
+    `tf.summary.scalar` needs the `tensorboard` package installed (viewing still does)."""
+    from tensorflow.core.framework import summary_pb2
+
+    return summary_pb2.SummaryMetadata(
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"),
+        data_class=summary_pb2.DATA_CLASS_SCALAR,
+    )
+
+
+def dataset_pipeline(dataset: Any) -> Iterator[Any]:
+    """`dataset` and every dataset it reads, depth first (tf.data has no public graph walk)."""
+    yield dataset
+    try:
+        inputs = dataset._inputs()
+    except NotImplementedError:
+        return
+    for child in inputs:
+        yield from dataset_pipeline(child)
+
+
+def unseeded_or_reshuffling(dataset: Any) -> str | None:
+    """How a shuffle in `dataset` changes its order between iterations, if one does: "anew on
+    each iteration" (reshuffle_each_iteration=True) or "without a seed"; None if none does."""
+    for node in dataset_pipeline(dataset):
+        if type(node).__name__ != "_ShuffleDataset":
+            continue
+        if node._reshuffle_each_iteration:
+            return "anew on each iteration (reshuffle_each_iteration=True)"
+        if node._seed is None:
+            return "without a seed"
+    return None
