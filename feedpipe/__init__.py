@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Batch": "feedpipe.stage",
+    "Batch": "feedpipe.batch",
     "Diagnosis": "feedpipe.diagnosis",
     "FeedOptions": "feedpipe.feeder",
     "FeedStats": "feedpipe.stats",
@@ -59,11 +59,11 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from feedpipe.batch import Batch
     from feedpipe.diagnosis import Diagnosis, diagnose
     from feedpipe.feeder import Feeder, FeedOptions
     from feedpipe.monitor import StarvationMonitor
     from feedpipe.source import from_generator
-    from feedpipe.stage import Batch
     from feedpipe.stats import FeedStats
     from feedpipe.training import TowerStep, Trainer, WarmupLinearScaling, train
     from feedpipe.workers import WorkerError

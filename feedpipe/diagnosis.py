@@ -227,7 +227,7 @@ def _keras_dataset(source: Any) -> tf.data.Dataset:
 
 
 def _nbytes(batch: Any) -> int:
-    from feedpipe.stage import Batch
+    from feedpipe.batch import Batch
 
     if isinstance(batch, Batch):
         batch = batch.replicas
@@ -405,7 +405,7 @@ def _memcpy_s(nbytes: int) -> float:
 
 def _image_like(batch: Any) -> bool:
     """Whether the batch holds uint8 images (rank 4 with 1, 3 or 4 channels first or last)."""
-    from feedpipe.stage import Batch
+    from feedpipe.batch import Batch
 
     leaves = tf.nest.flatten(batch.replicas if isinstance(batch, Batch) else batch)
     for leaf in leaves:

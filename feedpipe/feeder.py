@@ -22,20 +22,15 @@ import tensorflow as tf
 
 from feedpipe._pipeline import Pipeline
 from feedpipe._sync import Failure
+from feedpipe.batch import Batch, HostBatch
+from feedpipe.devices import resolve_devices
 from feedpipe.producers import Position, ThreadProducer, WorkerProducer
 from feedpipe.remainder import Remainder, check_remainder, warn_dropped
 from feedpipe.sampler import EpochEnd, Sampler
 from feedpipe.slots import SlotLayout, SlotPool
 from feedpipe.source import SampleSpec, TFDatasetSource, as_source, field_name
 from feedpipe.split import ReplicaSplit
-from feedpipe.stage import (
-    Batch,
-    HostBatch,
-    HostStager,
-    Stager,
-    check_stageable,
-    resolve_devices,
-)
+from feedpipe.stage import HostStager, Stager, check_stageable
 from feedpipe.stats import FeedStats, StatsRecorder
 from feedpipe.writer import SampleWriter, read_spec
 
@@ -515,7 +510,8 @@ class Feeder(tf.train.experimental.PythonState):
         rows = np.zeros(size, np.float32)
         rows[slice(batch.num_valid) if batch.real is None else batch.real] = size / batch.num_valid
         if weighting == "add":
-            return (*sample, optree.tree_map(lambda y: _broadcastable(rows, y.ndim), sample[1]))
+            labels = sample[1]
+            return (*sample, optree.tree_map(lambda y: _broadcastable(rows, y.ndim).copy(), labels))
         x, y, given = sample
         factor = _broadcastable(rows, given.ndim)
         return x, y, (np.asarray(given, np.float32) * factor).astype(given.dtype, copy=False)

@@ -1,9 +1,9 @@
-"""Stage: puts each replica's rows on its device, and the `Batch` the consumer takes.
+"""Stage: puts each replica's rows on its device, or keeps global batches on the host.
 
 A replica's region of a host slot is handed to TensorFlow through DLPack, which wraps the
 memory without copying, and is then placed on the replica's device: on a GPU that is the one
 host-to-device copy; on a CPU device it is free. The slot stays leased until every tensor made
-from it is gone (see `feedpipe.split`).
+from it is gone (see `feedpipe.slots`).
 
 A source whose outputs already sit in memory of their own (DALI's, on the host or a GPU) hands
 them over as `Imported`: DLPack wraps them where they are, so a GPU output is never copied
@@ -19,114 +19,10 @@ import numpy as np
 import tensorflow as tf
 
 from feedpipe._internals import copy_to_device
+from feedpipe.batch import Batch, HostBatch
 from feedpipe.sampler import Step
 from feedpipe.slots import SlotLayout
 from feedpipe.source import SampleSpec
-
-
-def _canonical(spec: tf.DeviceSpec) -> tuple[str, int]:
-    return (spec.device_type or "CPU").upper(), spec.device_index or 0
-
-
-def resolve_devices(devices: Sequence[str] | None, strategy: Any | None) -> tuple[str, ...]:
-    """Full TensorFlow names of the replica devices (from `devices`, `strategy`, or the default).
-
-    The default is every GPU, else the first CPU. A device that TensorFlow does not list is a
-    ValueError that names it and lists the devices there are.
-    """
-    if strategy is not None:
-        from_strategy = tuple(strategy.extended.worker_devices)
-        if devices is not None and len(devices) != len(from_strategy):
-            raise ValueError(
-                f"`devices` lists {len(devices)} devices but `strategy` has "
-                f"{len(from_strategy)} replicas ({', '.join(from_strategy)}); pass one of them."
-            )
-        if devices is None:
-            devices = from_strategy
-    if devices is None:
-        gpus = tf.config.list_logical_devices("GPU")
-        return tuple(d.name for d in gpus) or (tf.config.list_logical_devices("CPU")[0].name,)
-    if isinstance(devices, str):
-        raise TypeError(
-            f'`devices`={devices!r} must be a list of device strings, e.g. ["{devices}"].'
-        )
-    if not devices:
-        raise ValueError("`devices` is empty; list at least one device, e.g. ['/gpu:0'].")
-    known = {
-        _canonical(tf.DeviceSpec.from_string(d.name)): d.name
-        for d in tf.config.list_logical_devices()
-    }
-    resolved = []
-    for device in devices:
-        try:
-            key = _canonical(tf.DeviceSpec.from_string(device))
-        except ValueError:
-            key = None
-        if key not in known:
-            raise ValueError(
-                f"`devices` names {device!r}, which is not a device of this process; "
-                f"the devices are {', '.join(sorted(known.values()))}."
-            )
-        resolved.append(known[key])
-    if len(set(resolved)) != len(resolved):
-        raise ValueError(f"`devices`={list(devices)} names a device twice; list each once.")
-    return tuple(resolved)
-
-
-class Batch:
-    """One global batch, already on the devices: what the training step takes.
-
-    Attributes:
-      replicas: one entry per device, in device order: the sample's structure with every field
-        a `tf.Tensor` on that device whose leading dimension is the per-replica batch.
-      masks: one boolean `tf.Tensor` `[per_replica_batch]` per device; True marks a real
-        sample, False a padding row (only the last batch of an epoch has any).
-      num_valid: real samples in the global batch.
-      epoch, step: where the batch sits in the stream.
-    """
-
-    __slots__ = ("_strategy", "epoch", "masks", "num_valid", "replicas", "step")
-
-    def __init__(self, replicas, masks, num_valid: int, epoch: int, step: int, strategy=None):
-        self.replicas = replicas
-        self.masks = masks
-        self.num_valid = num_valid
-        self.epoch = epoch
-        self.step = step
-        self._strategy = strategy
-
-    def distributed(self, strategy: tf.distribute.Strategy | None = None) -> tuple[Any, Any]:
-        """`(inputs, mask)` as per-replica values for `strategy.run`.
-
-        Uses `strategy`, else the feeder's, else the strategy whose scope is active.
-        """
-        strategy = strategy or self._strategy
-        if strategy is None:
-            if not tf.distribute.has_strategy():
-                raise ValueError(
-                    "Batch.distributed() needs a tf.distribute strategy: pass strategy= to "
-                    "fp.Feeder or to distributed(), or call it inside strategy.scope()."
-                )
-            strategy = tf.distribute.get_strategy()
-        if strategy.num_replicas_in_sync != len(self.replicas):
-            raise ValueError(
-                f"The strategy has {strategy.num_replicas_in_sync} replicas but the batch was "
-                f"staged for {len(self.replicas)} devices; build the feeder with strategy=."
-            )
-        pairs = strategy.experimental_distribute_values_from_function(
-            lambda context: (
-                self.replicas[context.replica_id_in_sync_group],
-                self.masks[context.replica_id_in_sync_group],
-            )
-        )
-        return pairs
-
-    def __repr__(self) -> str:
-        return (
-            f"Batch(epoch={self.epoch}, step={self.step}, replicas={len(self.replicas)}, "
-            f"num_valid={self.num_valid})"
-        )
-
 
 _DLPACK_KINDS = frozenset("biufc")
 """dtype kinds DLPack carries; others (bfloat16, float8) travel as unsigned ints of their width."""
@@ -260,24 +156,3 @@ class HostStager:
         if step.replica_valid is not None:
             real = step.real_rows(split.num_replicas, split.per_replica)
         return HostBatch(arrays, step.num_valid, step.epoch, step.index, real)
-
-
-class HostBatch:
-    """A global batch on the host: one array per field, padding rows last unless `real` says
-    which rows are real (sources that fill each replica from its own shard)."""
-
-    __slots__ = ("arrays", "epoch", "num_valid", "real", "step")
-
-    def __init__(
-        self,
-        arrays: list[np.ndarray],
-        num_valid: int,
-        epoch: int,
-        step: int,
-        real: np.ndarray | None = None,
-    ):
-        self.arrays = arrays
-        self.num_valid = num_valid
-        self.epoch = epoch
-        self.step = step
-        self.real = real

@@ -11,11 +11,13 @@ import pytest
 import tensorflow as tf
 
 import feedpipe as fp
+from feedpipe.batch import Batch
+from feedpipe.devices import resolve_devices
 from feedpipe.sampler import Step
 from feedpipe.slots import HostSlot, SlotLayout
 from feedpipe.source import SampleSpec
 from feedpipe.split import ReplicaSplit
-from feedpipe.stage import Batch, Stager, resolve_devices, to_device
+from feedpipe.stage import Stager, to_device
 
 
 def test_devices_resolve_to_full_names(devices):
