@@ -2,18 +2,51 @@
 
 `StarvationMonitor` and `diagnose` time a model's own compiled train step on one batch taken
 from the real stream: the headspace measurement. These helpers put that batch on the step's
-device, save every variable a step changes and put it back afterwards, and wait for a step's
-outputs.
+device or serve it again and again from memory, save every variable a step changes and put it
+back afterwards, and wait for a step's outputs.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
+
+from feedpipe.stats import verdict
+
+HEADSPACE_MIN_S = 0.25
+"""The step alone is timed for at least this long, so that the machine's load over a quarter
+of a second sets it, not its load over the few milliseconds that ten fast steps take."""
+CANNOT_TELL = "cannot tell"
+"""The verdict when the measurement's error bound spans more than one of the profiler's bands."""
+
+
+def bounded_verdict(low: float, high: float) -> str:
+    """The profiler's verdict when both ends of an input-bound fraction's bound share it, else
+    `CANNOT_TELL`: a verdict the measurement cannot support would send users after the wrong
+    remedy."""
+    judged = verdict(low)
+    return judged if verdict(high) == judged else CANNOT_TELL
+
+
+def bracket(*measurements: list[float]) -> tuple[float, float, float]:
+    """The step alone over a stretch it was timed on both sides of: the mean of the
+    measurements' means, and the least and most it may have taken, each mean less or plus twice
+    its standard error. The machine's load, changing between the measurements, widens them."""
+    means, noise = [], []
+    for times in measurements:
+        means.append(statistics.fmean(times))
+        noise.append(2 * statistics.stdev(times) / len(times) ** 0.5 if len(times) > 1 else 0.0)
+    return (
+        statistics.fmean(means),
+        min(m - n for m, n in zip(means, noise, strict=True)),
+        max(m + n for m, n in zip(means, noise, strict=True)),
+    )
 
 
 def save_state(model: keras.Model) -> Callable[[], None]:
@@ -75,6 +108,56 @@ def on_step_device(element: Any, strategy: tf.distribute.Strategy | None = None)
         return tf.nest.map_structure(
             lambda leaf: tf.identity(leaf) if isinstance(leaf, tf.Tensor) else leaf, element
         )
+
+
+_INLINE = tf.data.Options()
+_INLINE.experimental_optimization.inject_prefetch = False
+"""No prefetch thread behind the resident element: handing it over costs the step nothing, on
+a busy machine too, where waking a thread can wait for a CPU."""
+
+
+def resident_iterator(element: Any, strategy: tf.distribute.Strategy) -> Any:
+    """An iterator of the kind `model.fit` hands its train function, serving `element` forever.
+
+    The train function then runs exactly the path it runs on the real input (the `get_next`
+    inside the compiled step, the outputs wrapped in an Optional), on an input that costs
+    nothing to make: one element held in memory. A step timed on it is the step alone as
+    `fit` runs it; timed on a plain list instead, a step under a millisecond reads up to a
+    quarter faster, and that difference would pass for input wait. A distributed element
+    (one part per replica) is served to each replica as its own part.
+    """
+    leaves = tf.nest.flatten(element)
+    if not any(isinstance(leaf, tf.distribute.DistributedValues) for leaf in leaves):
+        dataset = tf.data.Dataset.from_tensors(element).repeat().with_options(_INLINE)
+        return iter(strategy.experimental_distribute_dataset(dataset))
+    parts = [
+        tf.nest.map_structure(
+            lambda leaf, i=i: strategy.experimental_local_results(leaf)[i], element
+        )
+        for i in range(len(strategy.experimental_local_results(leaves[0])))
+    ]
+
+    def replica_batches(_context: tf.distribute.InputContext) -> tf.data.Dataset:
+        # Each replica takes the next element in turn: replica i gets part i.
+        dataset = tf.data.Dataset.from_tensors(parts[0])
+        for part in parts[1:]:
+            dataset = dataset.concatenate(tf.data.Dataset.from_tensors(part))
+        return dataset.repeat().with_options(_INLINE)
+
+    return iter(strategy.distribute_datasets_from_function(replica_batches))
+
+
+def time_step_alone(run: Callable[[], Any], calls: int, steps_per_call: int = 1) -> list[float]:
+    """Seconds per step of `run()`, one entry per call: at least `calls` calls and at least
+    `HEADSPACE_MIN_S`, after one untimed call that warms up (the first may trace)."""
+    finish(run())
+    times: list[float] = []
+    began = time.perf_counter()
+    while len(times) < calls or time.perf_counter() - began < HEADSPACE_MIN_S:
+        started = time.perf_counter()
+        finish(run())
+        times.append((time.perf_counter() - started) / steps_per_call)
+    return times
 
 
 def finish(outputs: Any) -> None:

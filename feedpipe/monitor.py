@@ -7,19 +7,23 @@ callback can read it directly. It is derived instead, by a headspace A/B:
 
 - A, the real step: the time from each call of `train_function` until Keras hands its logs to
   the callbacks (they are numbers by then, so the device has finished the step);
-- B, the step alone: the same compiled step on one batch already on the device, run
-  `headspace_steps` times once per fit, with every variable it changes saved before and put
-  back after, so training is not changed.
+- B, the step alone: the same compiled function on an input that costs nothing, one real batch
+  served again and again from memory, timed `headspace_steps` times at the end of every
+  epoch, with every variable it changes saved before and put back after, so training is not
+  changed. (Not in the middle of an epoch: the input would fill its buffers meanwhile, and
+  the steps after would read as fed.)
 
 The input-wait fraction is `1 - B / A`: the share of the real step that was not the step
-itself. It is judged with the TensorFlow profiler's thresholds (see `feedpipe.stats`).
+itself. B is measured after every epoch, because other load on the machine changes the step's
+speed: the measurements on both sides of an epoch and their noise bound B over it, so they
+bound the fraction, and a bound that spans more than one of the TensorFlow profiler's bands
+(see `feedpipe.stats`) is judged "cannot tell" rather than guessed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -28,8 +32,15 @@ import keras
 import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
-from feedpipe._headspace import finish, on_step_device, save_state
-from feedpipe.stats import verdict
+from feedpipe._headspace import (
+    CANNOT_TELL,
+    bounded_verdict,
+    bracket,
+    resident_iterator,
+    save_state,
+    time_step_alone,
+)
+from feedpipe.stats import MODERATE_FRACTION, verdict
 
 _SCALAR = summary_pb2.SummaryMetadata(
     plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"),
@@ -40,6 +51,7 @@ _SCALAR = summary_pb2.SummaryMetadata(
 
 if TYPE_CHECKING:
     from feedpipe.feeder import Feeder
+    from feedpipe.stats import FeedStats
 
 _ORIGINAL = "_feedpipe_original_train_function"
 """The attribute the monitor's wrapper keeps Keras's own `train_function` under."""
@@ -58,10 +70,25 @@ class EpochStarvation:
     real_step_s: float
     """Mean time per timed step with the real input: the step plus its wait for input."""
     step_alone_s: float
-    """Mean time per step on a batch already on the device (the headspace measurement)."""
+    """Mean time per step on an input that costs nothing (the headspace measurement): the mean
+    of the measurements at the end of the epoch before (none for the fit's first) and at the
+    end of this one."""
+    step_alone_low_s: float
+    """The shortest the step alone may have taken during the epoch: the faster measurement,
+    less twice its standard error."""
+    step_alone_high_s: float
+    """The longest the step alone may have taken during the epoch: the slower measurement, plus
+    twice its standard error. Far from `step_alone_low_s`: the machine's load changed the
+    step's speed around the epoch."""
     producer_samples_per_s: float | None = None
     """What the monitored `Feeder`'s producer alone sustains (see `FeedStats`); None
     without a feeder."""
+    feeder_wait_fraction: float | None = None
+    """The share of this epoch the monitored `Feeder`'s consumer waited for a staged batch,
+    as `feeder.stats()` counts it; None without a feeder. Under `fit` that consumer is
+    tf.data's prefetch thread reading `as_dataset()`, not the step: it waits while the step
+    computes too, so a feeder slower than the step reads near 100 % here, and the hand-off
+    into TensorFlow is not in it. The two agree on the verdict, not the figure."""
 
     @property
     def input_wait_fraction(self) -> float:
@@ -69,9 +96,18 @@ class EpochStarvation:
         return max(0.0, 1.0 - self.step_alone_s / self.real_step_s)
 
     @property
+    def input_wait_range(self) -> tuple[float, float]:
+        """The lowest and highest input-wait fraction the step alone's bounds allow."""
+        return (
+            max(0.0, 1.0 - self.step_alone_high_s / self.real_step_s),
+            max(0.0, 1.0 - self.step_alone_low_s / self.real_step_s),
+        )
+
+    @property
     def verdict(self) -> str:
-        """`not`, `moderately` or `highly input-bound`, by the profiler's thresholds."""
-        return verdict(self.input_wait_fraction)
+        """`not`, `moderately` or `highly input-bound` by the profiler's thresholds, or
+        `cannot tell` when `input_wait_range` spans more than one of them."""
+        return bounded_verdict(*self.input_wait_range)
 
     @property
     def steps_per_s(self) -> float:
@@ -85,26 +121,62 @@ class EpochStarvation:
 
     def logs(self) -> dict[str, float]:
         """The figures added to Keras's epoch logs (and so to `History`)."""
+        low, high = self.input_wait_range
         figures = {
             "input_wait_fraction": self.input_wait_fraction,
+            "input_wait_fraction_low": low,
+            "input_wait_fraction_high": high,
             "steps_per_s": self.steps_per_s,
             "step_alone_steps_per_s": self.step_alone_steps_per_s,
         }
         if self.producer_samples_per_s is not None:
             figures["producer_samples_per_s"] = self.producer_samples_per_s
+        if self.feeder_wait_fraction is not None:
+            figures["feeder_wait_fraction"] = self.feeder_wait_fraction
         return figures
 
     def __str__(self) -> str:
-        producer = (
-            ""
-            if self.producer_samples_per_s is None
-            else f"; the feeder's producer alone makes {self.producer_samples_per_s:,.0f} samples/s"
+        low, high = self.input_wait_range
+        rates = (
+            f"{self.steps_per_s:,.1f} steps/s achieved; the step alone runs "
+            f"{1 / self.step_alone_high_s:,.1f} to {1 / self.step_alone_low_s:,.1f} steps/s"
         )
-        return (
-            f"{self.verdict}: the step waited for input {self.input_wait_fraction:.1%} of the "
-            f"time ({self.steps_per_s:,.1f} steps/s achieved; the step alone runs "
-            f"{self.step_alone_steps_per_s:,.1f} steps/s{producer})"
+        if self.verdict == CANNOT_TELL:
+            line = (
+                f"{CANNOT_TELL}: the step waited for input {low:.1%} to {high:.1%} of the time "
+                f"({verdict(low)} to {verdict(high)}): the step alone changed speed around this "
+                f"epoch, as other load on the machine does ({rates})"
+            )
+        else:
+            line = (
+                f"{self.verdict}: the step waited for input {self.input_wait_fraction:.1%} of "
+                f"the time (bound {low:.1%} to {high:.1%}; {rates})"
+            )
+        return line + self._feeder_note()
+
+    def _feeder_note(self) -> str:
+        """What the feeder saw of the same wait, and why it differs where it does."""
+        if self.feeder_wait_fraction is None:
+            return ""
+        seen = self.feeder_wait_fraction
+        low, high = self.input_wait_range
+        note = (
+            f"; feeder.stats() this epoch: {seen:.1%} ({verdict(seen)}; its producer alone "
+            f"makes {self.producer_samples_per_s:,.0f} samples/s)"
         )
+        if low - seen >= MODERATE_FRACTION:
+            return note + (
+                f"; the other {self.input_wait_fraction - seen:.1%} is input work the feeder "
+                "cannot time: TensorFlow taking each batch from it (as_dataset's generator, "
+                "Python and a copy per batch) and the input's threads competing with the step "
+                "for the CPU"
+            )
+        if seen - high >= MODERATE_FRACTION:
+            return note + (
+                "; it reads higher because it times tf.data's prefetch thread, which takes "
+                "the next batch while the step runs and so also waits while the step computes"
+            )
+        return note
 
 
 class StarvationMonitor(keras.callbacks.Callback):
@@ -112,20 +184,22 @@ class StarvationMonitor(keras.callbacks.Callback):
 
     It works for any input `fit` takes (`tf.data`, `PyDataset`, a generator,
     `Feeder.as_dataset()`): it wraps `model.train_function` for the fit (two clock reads per
-    call) and puts Keras's own function back at the end. Once per fit it takes one real batch
-    from the stream (the step trains on it exactly once, as it would have) and, at the end of
-    the first epoch that has timed steps, runs the same compiled step `headspace_steps` times
-    on it (the headspace), saving and restoring every model, optimizer and metric variable
-    around it. Each measured epoch adds `input_wait_fraction`, `steps_per_s` and
-    `step_alone_steps_per_s` (and `producer_samples_per_s` with a `feeder`) to the epoch
-    logs, appends an `EpochStarvation` to `epochs`, prints the verdict when `verbose`, and
-    writes the figures as TensorBoard scalars under `log_dir`. An epoch with no timed step
-    (fewer than two calls, or three in the first epoch) adds nothing.
+    call) and puts Keras's own function back at the end. On the fit's second call it takes
+    one real batch from the stream (the step trains on it exactly once, as it would have) and
+    keeps it in memory for the fit; at the end of every epoch that has timed steps it runs the
+    same compiled train function `headspace_steps` times on that batch served from memory
+    (the headspace), saving and restoring every model, optimizer and metric variable around
+    it. Each measured epoch adds `input_wait_fraction`, its bound
+    `input_wait_fraction_low` / `_high`, `steps_per_s` and `step_alone_steps_per_s` (and,
+    with a `feeder`, `producer_samples_per_s` and `feeder_wait_fraction`) to the epoch logs,
+    appends an `EpochStarvation` to `epochs`, prints the verdict when `verbose`, and writes
+    the figures as TensorBoard scalars under `log_dir`. An epoch with no timed step (fewer
+    than two calls, or three in the first epoch) adds nothing.
 
-    Time spent in callbacks listed *before* the monitor counts as step time: list it first.
-    With `steps_per_execution` > 1 the headspace runs its steps one Python call each, while
-    the real input runs them in one compiled loop: for steps well under a millisecond the step
-    alone then reads slow, and the fraction low. The TensorFlow backend only.
+    Each measured epoch costs `headspace_steps + 1` extra steps (one warms up), or a quarter
+    of a second of them if that is more, and a copy of the model's variables to host memory
+    and back. Time spent in callbacks listed *before*
+    the monitor counts as step time: list it first. The TensorFlow backend only.
     """
 
     def __init__(
@@ -139,14 +213,14 @@ class StarvationMonitor(keras.callbacks.Callback):
         """Configures the monitor.
 
         Args:
-            headspace_steps: Steps the step alone is timed over, once per fit (rounded up to
-                whole calls of `steps_per_execution`). Default 10: a mean that evens out
-                one slow step, for about 11 extra steps (one warms up) per fit.
+            headspace_steps: Steps the step alone is timed over after each epoch (rounded up
+                to whole calls of `steps_per_execution`), and for at least a quarter of a
+                second. Default 10: enough for a standard error that bounds the verdict.
             verbose: 1 prints one line per epoch with the verdict; 0 prints nothing.
             log_dir: Where to write the figures as TensorBoard scalars, one point per epoch;
                 None writes nothing.
-            feeder: The `Feeder` whose `as_dataset()` feeds the fit, to report what its
-                producer alone sustains; optional.
+            feeder: The `Feeder` whose `as_dataset()` feeds the fit, to report what it saw
+                of the same wait and what its producer alone sustains; optional.
         """
         super().__init__()
         backend = keras.backend.backend()
@@ -157,10 +231,10 @@ class StarvationMonitor(keras.callbacks.Callback):
             )
         if isinstance(headspace_steps, bool) or not isinstance(headspace_steps, int):
             raise TypeError(f"`headspace_steps`={headspace_steps!r} must be an integer.")
-        if headspace_steps < 1:
+        if headspace_steps < 2:
             raise ValueError(
-                f"`headspace_steps`={headspace_steps} must be >= 1; the step alone is timed "
-                "over that many steps."
+                f"`headspace_steps`={headspace_steps} must be >= 2; the step alone is timed "
+                "over that many steps, and two are the fewest whose spread bounds the verdict."
             )
         if verbose not in (0, 1):
             raise ValueError(f"`verbose`={verbose!r} must be 0 (silent) or 1 (one line per epoch).")
@@ -190,9 +264,11 @@ class StarvationMonitor(keras.callbacks.Callback):
     # ---- the fit's lifecycle -----------------------------------------------------------------
 
     def _reset_fit(self) -> None:
-        self._batch: Any = None
-        """The headspace batch, taken from the real stream on the fit's second call."""
-        self._step_alone_s: float | None = None
+        self._resident: Any = None
+        """The headspace batch served from memory, taken from the real stream on the fit's
+        second call; None until then."""
+        self._alone: list[float] | None = None
+        """The latest headspace measurement: seconds per step, one entry per call."""
         self._fit_calls = 0
         self._epoch_calls = 0
         self._started: float | None = None
@@ -200,6 +276,7 @@ class StarvationMonitor(keras.callbacks.Callback):
         self._call_steps = 1
         self._epoch_busy_s = 0.0
         self._epoch_steps = 0
+        self._feeder_at_begin: Any = None
 
     def on_train_begin(self, logs=None):
         model = self.model
@@ -223,7 +300,7 @@ class StarvationMonitor(keras.callbacks.Callback):
         def train_function(iterator):
             self._fit_calls += 1
             self._epoch_calls += 1
-            if self._step_alone_s is None and self._batch is None and self._fit_calls >= 2:
+            if self._resident is None and self._fit_calls >= 2:
                 self._started = None
                 return self._take_headspace_batch(original, iterator)
             self._started = time.perf_counter() if self._epoch_calls > 1 else None
@@ -237,6 +314,7 @@ class StarvationMonitor(keras.callbacks.Callback):
         self._started = None
         self._epoch_busy_s = 0.0
         self._epoch_steps = 0
+        self._feeder_at_begin = None if self.feeder is None else self.feeder.stats()
 
     def on_train_batch_begin(self, batch, logs=None):
         total = self._total_steps
@@ -252,15 +330,22 @@ class StarvationMonitor(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if self._epoch_steps == 0:
             return
-        if self._step_alone_s is None:
-            self._step_alone_s = self._measure_step_alone()
-        producer = None if self.feeder is None else self.feeder.stats().producer_samples_per_s
+        before, self._alone = self._alone, self._time_step_alone()
+        step_alone_s, low_s, high_s = bracket(*filter(None, [before, self._alone]))
+        producer = feeder_wait = None
+        if self.feeder is not None:
+            stats = self.feeder.stats()
+            producer = stats.producer_samples_per_s
+            feeder_wait = _wait_fraction_between(self._feeder_at_begin, stats)
         result = EpochStarvation(
             epoch=epoch,
             steps=self._epoch_steps,
             real_step_s=self._epoch_busy_s / self._epoch_steps,
-            step_alone_s=self._step_alone_s,
+            step_alone_s=step_alone_s,
+            step_alone_low_s=low_s,
+            step_alone_high_s=high_s,
             producer_samples_per_s=producer,
+            feeder_wait_fraction=feeder_wait,
         )
         self.epochs.append(result)
         if logs is not None:
@@ -277,7 +362,7 @@ class StarvationMonitor(keras.callbacks.Callback):
         if getattr(model.train_function, _ORIGINAL, None) is self._original:
             model.train_function = self._original
         self._original = None
-        self._batch = None
+        self._resident = None
         if self._writer is not None:
             self._writer.close()
             self._writer = None
@@ -302,25 +387,21 @@ class StarvationMonitor(keras.callbacks.Callback):
         if not elements:
             raise StopIteration  # what Keras's own function raises on an exhausted iterator
         outputs = original(elements)
-        self._batch = on_step_device(elements[0], self.model.distribute_strategy)
+        self._resident = resident_iterator(elements[0], self.model.distribute_strategy)
         return outputs
 
-    def _measure_step_alone(self) -> float:
-        """Seconds per step of the compiled step on the headspace batch; training unchanged."""
+    def _time_step_alone(self) -> list[float]:
+        """Seconds per step of the compiled step on the resident batch, one entry per call;
+        training unchanged."""
         restore = save_state(self.model)
-        batches = [self._batch] * self._spe
-        calls = math.ceil(self.headspace_steps / self._spe)
         try:
-            finish(self._original(batches))  # the first eager call may trace
-            start = time.perf_counter()
-            for _ in range(calls):
-                outputs = self._original(batches)
-            finish(outputs)
-            elapsed = time.perf_counter() - start
+            return time_step_alone(
+                lambda: self._original(self._resident),
+                -(-self.headspace_steps // self._spe),
+                self._spe,
+            )
         finally:
             restore()
-        self._batch = None
-        return elapsed / (calls * self._spe)
 
     def _write_scalars(self, result: EpochStarvation) -> None:
         if self._writer is None:
@@ -331,3 +412,9 @@ class StarvationMonitor(keras.callbacks.Callback):
                     name, tf.constant(value, tf.float32), step=result.epoch, metadata=_SCALAR
                 )
         self._writer.flush()
+
+
+def _wait_fraction_between(begin: FeedStats, end: FeedStats) -> float:
+    """The share of the consumer's time it waited for a staged batch between two snapshots."""
+    wall_s = end.wall_s - begin.wall_s
+    return (end.consumer_wait_s - begin.consumer_wait_s) / wall_s if wall_s > 0 else 0.0

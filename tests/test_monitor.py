@@ -1,11 +1,16 @@
 """StarvationMonitor against ground truth: a step that sleeps a known time S inside the compiled
 step, fed by producers that take a known time P per batch, through every kind of input `fit`
-takes. Sleeps release the GIL, so the figures hold on a loaded machine."""
+takes. Sleeps release the GIL, so the figures hold on a loaded machine. A step that does a
+fixed amount of CPU work instead is slowed by competing load, as a CPU-bound step is: with it
+the tests check that load is not read as input wait."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import os
+import subprocess
+import sys
 import time
 
 import keras
@@ -15,7 +20,9 @@ import tensorflow as tf
 
 import feedpipe as fp
 from feedpipe import monitor as monitor_module
-from feedpipe.stats import HIGH_FRACTION, MODERATE_FRACTION
+from feedpipe._headspace import CANNOT_TELL
+from feedpipe.monitor import EpochStarvation
+from feedpipe.stats import HIGH_FRACTION, MODERATE_FRACTION, verdict
 from tests.fakes import CountingSource, index_arrays, sleeping_model
 
 STEP_S = 0.04
@@ -131,7 +138,8 @@ def test_three_times_slower_producer_is_highly_input_bound(kind):
     (epoch,) = monitor.epochs
     truth = 1 - STEP_S / producer_s  # the input overlaps the step: it waits P - S of every P
     assert epoch.verdict == "highly input-bound"
-    assert epoch.input_wait_fraction == pytest.approx(truth, abs=0.1)
+    low, high = epoch.input_wait_range
+    assert low - 0.1 <= truth <= high + 0.1
     assert epoch.steps == STEPS - 2
     assert epoch.real_step_s == pytest.approx(clock.step_s(), rel=0.15)
     assert epoch.step_alone_s == pytest.approx(STEP_S, rel=0.25)
@@ -140,11 +148,13 @@ def test_three_times_slower_producer_is_highly_input_bound(kind):
 
 
 @pytest.mark.parametrize("kind", INPUT_KINDS)
-def test_three_times_faster_producer_is_not_input_bound(kind):
+def test_three_times_faster_producer_is_not_read_as_highly_input_bound(kind):
     monitor, clock = fit_monitored(kind, STEP_S / 3)
     (epoch,) = monitor.epochs
-    assert epoch.verdict == "not input-bound"
-    assert epoch.input_wait_fraction < MODERATE_FRACTION
+    # The step never waits for a batch, but on a busy machine the input's threads compete
+    # with the step for the CPU, a real cost of a few percent that can cross 5 %.
+    assert epoch.verdict != "highly input-bound"
+    assert epoch.input_wait_fraction < HIGH_FRACTION
     assert epoch.real_step_s == pytest.approx(clock.step_s(), rel=0.15)
     assert epoch.real_step_s == pytest.approx(STEP_S, rel=0.25)
 
@@ -162,11 +172,190 @@ def test_history_and_the_printed_line_carry_each_epochs_figures(capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if line]
     assert len(lines) == 2
     for number, (line, epoch) in enumerate(zip(lines, monitor.epochs, strict=True), start=1):
+        low, high = epoch.input_wait_range
         assert line.startswith(
             f"StarvationMonitor epoch {number}: highly input-bound: the step waited for input "
-            f"{epoch.input_wait_fraction:.1%} of the time ("
+            f"{epoch.input_wait_fraction:.1%} of the time (bound {low:.1%} to {high:.1%}; "
         )
-        assert f"the step alone runs {epoch.step_alone_steps_per_s:,.1f} steps/s" in line
+        assert f"{epoch.steps_per_s:,.1f} steps/s achieved; the step alone runs " in line
+
+
+def test_monitor_and_feeder_stats_agree_on_a_starved_feeder():
+    monitor, _ = fit_monitored("Feeder", 3 * STEP_S)
+    (epoch,) = monitor.epochs
+    assert epoch.verdict == verdict(epoch.feeder_wait_fraction) == "highly input-bound"
+    shown = f"feeder.stats() this epoch: {epoch.feeder_wait_fraction:.1%} (highly input-bound"
+    assert shown in str(epoch)
+    # tf.data's prefetch thread, which the feeder times, also waits while the step computes.
+    assert "it reads higher because it times tf.data's prefetch thread" in str(epoch)
+
+
+def test_wait_the_feeder_cannot_see_is_named_as_the_hand_off_into_tensorflow():
+    epoch = EpochStarvation(
+        epoch=0,
+        steps=10,
+        real_step_s=0.002,
+        step_alone_s=0.0012,
+        step_alone_low_s=0.0011,
+        step_alone_high_s=0.0013,
+        producer_samples_per_s=1.4e6,
+        feeder_wait_fraction=0.001,
+    )
+    assert epoch.verdict == "highly input-bound"
+    assert "feeder.stats() this epoch: 0.1% (not input-bound" in str(epoch)
+    assert "the other 39.9% is input work the feeder cannot time" in str(epoch)
+
+
+def test_a_bound_across_two_bands_is_judged_cannot_tell():
+    epoch = EpochStarvation(
+        epoch=1,
+        steps=10,
+        real_step_s=0.010,
+        step_alone_s=0.009,
+        step_alone_low_s=0.0075,
+        step_alone_high_s=0.0099,
+    )
+    assert epoch.input_wait_range == pytest.approx((0.01, 0.25))
+    assert epoch.verdict == CANNOT_TELL
+    assert str(epoch).startswith(
+        "cannot tell: the step waited for input 1.0% to 25.0% of the time "
+        "(not input-bound to highly input-bound)"
+    )
+
+
+@contextlib.contextmanager
+def competing_cpu_load(deadline_s: float = 300.0):
+    """Two busy processes per core, started here and ended by PID on exit; each also ends
+    itself after `deadline_s`, so none outlives a test that was killed."""
+    code = f"import time\nend = time.monotonic() + {deadline_s}\nwhile time.monotonic() < end: pass"
+    cores = len(os.sched_getaffinity(0))
+    processes = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(2 * cores)]
+    try:
+        yield
+    finally:
+        for process in processes:
+            process.kill()
+        for process in processes:
+            process.wait(timeout=10)
+
+
+class Spin(keras.layers.Layer):
+    """Passes its input through after a fixed amount of Python work, once per step: a
+    CPU-bound step, which competing load slows."""
+
+    def __init__(self, iterations: int, **kwargs):
+        super().__init__(**kwargs)
+        self.iterations = iterations
+
+    def _spin(self, _):
+        total = 0
+        for i in range(self.iterations):
+            total += i
+        return np.float32(total % 2)
+
+    def call(self, x):
+        spun = tf.numpy_function(self._spin, [x], tf.float32, stateful=True)
+        spun.set_shape(())
+        return x + spun
+
+
+class LoadFrom(keras.callbacks.Callback):
+    """Starts a competing CPU load at the end of epoch `epoch` (after the monitor, listed
+    before it, has measured that epoch) and stops it when the fit ends."""
+
+    def __init__(self, stack: contextlib.ExitStack, epoch: int):
+        super().__init__()
+        self.stack, self.epoch = stack, epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            self.stack.enter_context(competing_cpu_load())
+
+    def on_train_end(self, logs=None):
+        self.stack.close()
+
+
+def in_memory_data(batches: int) -> tf.data.Dataset:
+    """Batches from memory, read inside the step's own get_next: no thread to wake, so even
+    under competing load the step never waits for them."""
+    x, y = index_arrays(batches * BATCH)
+    options = tf.data.Options()
+    options.experimental_optimization.inject_prefetch = False
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).cache().repeat()
+    return dataset.with_options(options)
+
+
+def test_monitor_verdict_holds_when_competing_cpu_load_starts_mid_fit():
+    """The input is in memory, so the truth is "not input-bound" in every epoch; from the
+    second epoch on, competing load slows the CPU-bound step. A step alone measured once,
+    before the load, read that slowdown as input wait ("highly input-bound")."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), Spin(600_000), keras.layers.Dense(1)])
+    model.compile("adam", "mse", jit_compile=False)
+    monitor = fp.StarvationMonitor(verbose=0)
+    with contextlib.ExitStack() as stack:
+        model.fit(
+            in_memory_data(STEPS),
+            epochs=3,
+            steps_per_epoch=STEPS,
+            verbose=0,
+            callbacks=[monitor, LoadFrom(stack, epoch=0)],
+        )
+    unloaded, changed, loaded = monitor.epochs
+    assert loaded.real_step_s > 1.2 * unloaded.real_step_s, "the load must slow the step"
+    # Measured before the load and after: the bound spans the change, so no wrong band.
+    assert changed.verdict in ("not input-bound", CANNOT_TELL), str(changed)
+    assert loaded.verdict in ("not input-bound", CANNOT_TELL), str(loaded)
+    assert loaded.input_wait_range[0] < MODERATE_FRACTION, str(loaded)
+
+
+@pytest.mark.parametrize(("batch_s", "expected"), [(3 * STEP_S, "highly input-bound"), (0.0, None)])
+def test_monitor_verdict_holds_under_competing_cpu_load(batch_s, expected):
+    """Under load for the whole fit, a producer three times slower than the step is still
+    highly input-bound, and an input in memory is still not input-bound."""
+    model = sleeping_model(STEP_S)
+    monitor = fp.StarvationMonitor(verbose=0)
+    with competing_cpu_load():
+        model.fit(
+            slow_tf_data(batch_s) if batch_s else in_memory_data(STEPS),
+            epochs=2,
+            steps_per_epoch=STEPS,
+            verbose=0,
+            callbacks=[monitor],
+        )
+    for epoch in monitor.epochs:
+        if expected:
+            assert epoch.verdict == expected, str(epoch)
+        else:
+            assert epoch.verdict in ("not input-bound", CANNOT_TELL), str(epoch)
+            assert epoch.input_wait_range[0] < MODERATE_FRACTION, str(epoch)
+
+
+def test_the_step_alone_runs_through_the_same_compiled_input_path_as_fit():
+    """Timed on a plain list, a step of a millisecond fed from memory ran 25-45 % faster than
+    fit runs it, and the difference read as input wait: the headspace must hand Keras's
+    train function an iterator, as fit does."""
+    model = plain_model()
+    model.make_train_function()
+    keras_function = model.train_function
+    given = []
+
+    def spy(iterator):
+        given.append(type(iterator))
+        return keras_function(iterator)
+
+    model.train_function = spy
+    model.fit(
+        regression_data(6),
+        epochs=2,
+        verbose=0,
+        shuffle=False,
+        callbacks=[fp.StarvationMonitor(headspace_steps=3, verbose=0)],
+    )
+    assert model.train_function is spy
+    # One list: the call that took the headspace batch and trained on it once.
+    assert sum(issubclass(kind, list) for kind in given) == 1
+    assert len(given) >= 2 * 6 + 2 * 4, "both epochs' headspace ran (3 steps and a warm-up)"
 
 
 def plain_model(strategy=None, steps_per_execution: int = 1) -> keras.Model:
@@ -301,8 +490,8 @@ def test_other_backends_are_refused_with_the_fix(monkeypatch):
 
 
 def test_bad_arguments_are_refused_by_name():
-    with pytest.raises(ValueError, match=r"`headspace_steps`=0 must be >= 1"):
-        fp.StarvationMonitor(headspace_steps=0)
+    with pytest.raises(ValueError, match=r"`headspace_steps`=1 must be >= 2"):
+        fp.StarvationMonitor(headspace_steps=1)
     with pytest.raises(TypeError, match=r"`headspace_steps`=2.5 must be an integer"):
         fp.StarvationMonitor(headspace_steps=2.5)
     with pytest.raises(ValueError, match=r"`verbose`=2 must be 0"):
