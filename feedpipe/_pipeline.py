@@ -18,7 +18,7 @@ from typing import Any
 from feedpipe._sync import WAIT_SLICE_S, Failure, Stopped, Wakeup, join_within
 from feedpipe.producers import Position, Producer
 from feedpipe.sampler import EpochEnd
-from feedpipe.slots import SlotPool
+from feedpipe.slots import HostSlot, SlotPool
 from feedpipe.stats import StatsRecorder
 
 
@@ -123,15 +123,20 @@ class _Supply:
         self.give_back = pool.give_back
         self.take_dropped = pool.take_dropped
 
-    def acquire(self):
+    def acquire(self) -> HostSlot:
+        """A slot: a free one, or a one-off while the consumer starves holding all of them."""
         started = time.perf_counter()
         try:
-            return self.pool.acquire(self.stop, self.handoff.starving)
+            while (slot := self.pool.take(self.stop)) is None:
+                if self.handoff.starving():
+                    return self.pool.overflow()
+                self.pool.wait(WAIT_SLICE_S)
+            return slot
         finally:
             self.stats.slot_wait_s += time.perf_counter() - started
 
-    def try_acquire(self):
-        return self.pool.try_acquire(self.stop)
+    def try_acquire(self) -> HostSlot | None:
+        return self.pool.take(self.stop)
 
     def check_stop(self) -> None:
         if self.stop.is_set():

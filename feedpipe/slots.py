@@ -19,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 from feedpipe._shm import SharedBuffer
-from feedpipe._sync import WAIT_SLICE_S, Stopped
+from feedpipe._sync import Stopped
 from feedpipe.source import SampleSpec
 from feedpipe.split import ReplicaSplit
 
@@ -169,8 +169,9 @@ class SlotPool:
     """A fixed set of host slots, allocated once and reused.
 
     Invariant: a slot is handed to a producer only when nothing made from its last lease is
-    alive. If every slot is held and the consumer is starving (it keeps batches it has taken),
-    a one-off overflow slot is made rather than deadlock; it is dropped when freed.
+    alive. When every slot is held and the consumer is starving (it keeps batches it has
+    taken), the producer asks for a one-off `overflow` slot rather than deadlock; it is dropped
+    when freed.
 
     With `reuse=False` every batch gets fresh memory that its consumer keeps: for batches handed
     to TensorFlow's own input pipeline, which holds them for as long as it prefetches. With
@@ -189,41 +190,43 @@ class SlotPool:
         self.allocated = 0
         self.overflow_allocations = 0
         self._free: list[HostSlot] = []
+        self._woken = False
         # Re-entrant: a finalizer can run in a thread that already holds the lock.
         self._cond = threading.Condition(threading.RLock())
 
-    def acquire(self, stop: threading.Event, may_overflow: Callable[[], bool]) -> HostSlot:
-        """A free slot; waits while all are in use, raising `Stopped` if `stop` is set."""
-        return self._acquire(stop, may_overflow, block=True)
-
-    def try_acquire(self, stop: threading.Event) -> HostSlot | None:
-        """A free slot if one is ready now (or can still be allocated), else None."""
-        return self._acquire(stop, lambda: False, block=False)
-
-    def _acquire(self, stop, may_overflow, *, block: bool) -> HostSlot | None:
+    def take(self, stop: threading.Event) -> HostSlot | None:
+        """A free slot if one is ready now (or can still be allocated), else None; raises
+        `Stopped` if `stop` is set."""
+        if stop.is_set():
+            raise Stopped
         if not self.reuse:
-            if stop.is_set():
-                raise Stopped
             return HostSlot(self.layout, overflow=True, shared=self.shared)
         with self._cond:
-            while True:
-                if stop.is_set():
-                    raise Stopped
-                if self._free:
-                    return self._free.pop()
-                if self.allocated < self.capacity:
-                    self.allocated += 1
-                    return HostSlot(self.layout, shared=self.shared)
-                if may_overflow():
-                    self.overflow_allocations += 1
-                    return HostSlot(self.layout, overflow=True, shared=self.shared)
-                if not block:
-                    return None
-                self._cond.wait(WAIT_SLICE_S)
+            if self._free:
+                return self._free.pop()
+            if self.allocated < self.capacity:
+                self.allocated += 1
+                return HostSlot(self.layout, shared=self.shared)
+        return None
+
+    def overflow(self) -> HostSlot:
+        """A one-off slot, beyond the capacity, dropped once freed."""
+        with self._cond:
+            self.overflow_allocations += 1
+        return HostSlot(self.layout, overflow=True, shared=self.shared)
+
+    def wait(self, timeout_s: float) -> None:
+        """Waits up to `timeout_s` for a slot to be given back, or for `wake`."""
+        with self._cond:
+            if not (self._free or self._woken or self.allocated < self.capacity):
+                self._cond.wait(timeout_s)
+            self._woken = False
 
     def wake(self) -> None:
-        """Makes a waiting `acquire` re-check `may_overflow` now (the consumer started starving)."""
+        """Ends a `wait` now, or the next one (the consumer started starving: time to see if
+        a one-off slot is due)."""
         with self._cond:
+            self._woken = True
             self._cond.notify_all()
 
     def give_back(self, slot: HostSlot) -> None:
