@@ -2,21 +2,29 @@
 
 The pipeline, left to right, one module per box:
 
-    source ──► sampler ──► producers ──► split ──► stage ──► feeder (the consumer's end)
-    what the   which       who makes     which     onto      iterator, as_dataset(),
-    samples    indices,    the samples   rows go   each      state, checkpoints
-    are        what order  (a thread,    where     device
-                           or workers)
+    source ──► sampler ──► producers ──► writer ──► split/slots ──► stage ──► feeder
+    what the   which       who makes     per-sample  which rows go   onto      the consumer's
+    samples    indices,    each batch,   work: read, where, in host  each      end: iterator,
+    are        what order  when (a       transform,  memory laid     device    as_dataset(),
+               (remainder  thread, or    check,      out per                   state, checkpoints
+               .py: the    workers)      write       replica                   (batch.py: what
+               last batch)                                                     the step takes)
                                  stats observe every hop
 
-`feedpipe.training` is the consumer's training loop (`fp.train`, `fp.Trainer`, `fp.TowerStep`);
-`feedpipe.monitor` holds `fp.StarvationMonitor`; `feedpipe.diagnosis` answers "is the step
-starved, and what would help" (`fp.diagnose`, the command `feedpipe diagnose`), and
-`feedpipe.report` draws its HTML report. `feedpipe.workers` holds the worker pools (processes
-or threads), `feedpipe._worker` the code that runs inside a worker, `feedpipe._shm` the memory
-shared with worker processes. Those three and `feedpipe.source`, `feedpipe.sampler`,
-`feedpipe.producers` and `feedpipe.split` never import
-TensorFlow; the public names below load lazily, so `import feedpipe` stays light.
+Plumbing: `_pipeline` runs the background thread and its hand-off; `_sync` is the one
+stop/timeout/join pattern every thread and pool follows; `workers` holds the worker pools
+(processes or threads), `_worker` what runs inside a worker, `_shm` the memory shared with
+worker processes; `devices` names the replicas' devices; `_internals` wraps every call into
+TensorFlow's and Keras's private APIs.
+
+Consumers and diagnostics: `training` (`fp.train`, `fp.Trainer`, `fp.TowerStep`), `monitor`
+(`fp.StarvationMonitor`), `diagnosis` ("is the step starved, and what would help":
+`fp.diagnose`), `report` (its HTML page), `cli` (`feedpipe demo`, `feedpipe diagnose`), `dali`
+(DALI pipelines as a source; DALI is imported there alone).
+
+`source`, `sampler`, `remainder`, `producers`, `writer`, `split`, `slots`, `workers`, `_worker`,
+`_shm` and `_sync` never import TensorFlow; the public names below load lazily, so
+`import feedpipe` stays light.
 """
 
 from __future__ import annotations

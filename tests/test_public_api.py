@@ -14,10 +14,18 @@ import feedpipe as fp
 
 LIGHT_MODULES = [
     "feedpipe",
-    "feedpipe.source",
-    "feedpipe.sampler",
-    "feedpipe.split",
+    "feedpipe._internals",
+    "feedpipe._shm",
+    "feedpipe._sync",
+    "feedpipe._worker",
     "feedpipe.producers",
+    "feedpipe.remainder",
+    "feedpipe.sampler",
+    "feedpipe.slots",
+    "feedpipe.source",
+    "feedpipe.split",
+    "feedpipe.workers",
+    "feedpipe.writer",
 ]
 
 
@@ -75,3 +83,43 @@ def test_options_are_frozen_and_validated():
 
 def test_py_typed_ships_with_the_package():
     assert os.path.exists(os.path.join(os.path.dirname(fp.__file__), "py.typed"))
+
+
+def _feedpipe_imports(tree) -> set[str]:
+    """The feedpipe modules a module imports, at module level or inside functions, leaving
+    out imports made for type checkers only."""
+    import ast
+
+    names: set[str] = set()
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+            continue
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("feedpipe."):
+            names.add(node.module.split(".")[1])
+        elif isinstance(node, ast.ImportFrom) and node.module == "feedpipe":
+            names.update(alias.name for alias in node.names)
+        names |= _feedpipe_imports(node)
+    return names
+
+
+def test_no_import_cycle_inside_the_package():
+    """Data flows one way: no module of feedpipe imports one that imports it back, directly or
+    through others, even lazily inside a function."""
+    import ast
+    from pathlib import Path
+
+    package = Path(fp.__file__).parent
+    imports = {
+        path.stem: _feedpipe_imports(ast.parse(path.read_text()))
+        for path in package.glob("*.py")
+        if path.stem != "__init__"  # it only re-exports, lazily
+    }
+
+    def reaches(start: str, goal: str, seen: set) -> bool:
+        for name in imports.get(start, ()):
+            if name == goal or (name not in seen and reaches(name, goal, seen | {name})):
+                return True
+        return False
+
+    cycles = sorted(name for name in imports if reaches(name, name, {name}))
+    assert cycles == [], f"modules in an import cycle: {cycles}"
