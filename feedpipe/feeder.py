@@ -250,6 +250,8 @@ class Feeder(tf.train.experimental.PythonState):
         """The `FitTracker` of the `model.fit` reading `as_dataset()`, if any."""
         self._failure: BaseException | None = None
         """The error that closed the feeder: every later read raises it again."""
+        self._untracked = False
+        """Passes of `as_dataset` were read since the position was settled, with no tracker."""
         if workers > 1 and self._source.shards_order:
             self._source.warn_if_unsharded(workers)
 
@@ -357,6 +359,7 @@ class Feeder(tf.train.experimental.PythonState):
         self._active = this
         if host:
             self._last_host = this
+            self._untracked = self._untracked or self._tracker is None
         pipeline = self._start(host)
         try:
             while True:
@@ -421,6 +424,7 @@ class Feeder(tf.train.experimental.PythonState):
 
     def _settle(self) -> None:
         self._settled = (self._position, self._passes)
+        self._untracked = False
 
     def as_dataset(self) -> tf.data.Dataset:
         """A `tf.data.Dataset` of global batches for `model.fit` and other wrappers.
@@ -533,8 +537,9 @@ class Feeder(tf.train.experimental.PythonState):
     def get_state(self) -> dict:
         """The consumer's position, as a small JSON-serialisable dict.
 
-        While `as_dataset()` is being read, the position is known only with a `fit_callback()`
-        in the fit's callbacks: TensorFlow takes batches ahead of the step.
+        After `as_dataset()` has been read, the position is known only with a
+        `fit_callback()` in the fit's callbacks (TensorFlow takes batches ahead of the step);
+        without one this raises, until `set_state()` or a loop over the feeder itself.
         """
         state = self._position_state(self._consumed())
         source_state = self._producer.state_at(Position(state["epoch"], state["step"]))
@@ -546,13 +551,15 @@ class Feeder(tf.train.experimental.PythonState):
         """The batches the consumer has used, as a position."""
         if self._tracker is not None:
             return self._tracked()
-        if self._active is not None and self._active.host:
+        if self._untracked:
             raise RuntimeError(
-                "get_state() was called while feeder.as_dataset() is being read: TensorFlow and "
-                "Keras take batches ahead of the step, so the feeder cannot tell which of them "
-                "were trained on. Pass the feeder's callback to fit, model.fit(dataset, "
+                "get_state() cannot tell which batches of feeder.as_dataset() were trained on: "
+                "TensorFlow and Keras take batches ahead of the step (and Keras reads some to "
+                "build the model), so the batches the dataset handed out are not the ones used. "
+                "Pass the feeder's callback to fit, model.fit(dataset, "
                 "callbacks=[feeder.fit_callback(), ...]), and the state is exactly the batches "
-                "the step consumed; elsewhere, take the state between passes."
+                "the step consumed; in a loop of your own, iterate the feeder (for batch in "
+                "feeder), whose state is exact."
             )
         return self._position
 
@@ -657,7 +664,12 @@ class Feeder(tf.train.experimental.PythonState):
         self._settle()
 
     def _check_pass_steps(self, steps: int | None, epochs: int | None = None) -> None:
-        """Refuses passes of `steps` batches (`epochs` of them) that are not the feeder's next."""
+        """Refuses passes of `steps` batches (`epochs` of them) that are not the feeder's next.
+
+        Keras runs every epoch of a fit for the same number of steps, the dataset's length,
+        fixed when `as_dataset()` is called: the rest of an epoch after a restore mid-epoch
+        needs a fit of its own.
+        """
         if self._plan is None:
             return
         state = self._position_state(self._position)
@@ -665,15 +677,25 @@ class Feeder(tf.train.experimental.PythonState):
         left = len(self._plan) - step
         if steps == left and (step == 0 or epochs is None or epochs <= 1):
             return
+        if step == 0:
+            fix = (
+                f"this dataset was made mid-epoch and serves only the rest of that epoch; for "
+                f"the next epochs make a new one, model.fit(feeder.as_dataset(), "
+                f"initial_epoch={epoch}, epochs=...)"
+            )
+        else:
+            fix = (
+                f"after a restore mid-epoch, finish that epoch in a fit of its own on a dataset "
+                f"made after the restore, model.fit(feeder.as_dataset(), initial_epoch={epoch}, "
+                f"epochs={epoch + 1}), then go on with model.fit(feeder.as_dataset(), "
+                f"initial_epoch={epoch + 1}, epochs=...)"
+            )
+        runs = "" if epochs is None else f" (model.fit runs {epochs} such epochs)"
         raise ValueError(
-            f"The dataset's passes have {steps} batches (Keras runs every epoch of a fit for "
-            f"that many steps{'' if epochs is None else f', here {epochs} epochs'}), but the "
-            f"feeder is at step {step} of epoch {epoch}, which has {left} batches left, and "
-            f"its later epochs {len(self._plan)}. Leave steps_per_epoch unset; after a restore "
-            "mid-epoch, finish that epoch in a fit of its own on a dataset made after the "
-            f"restore, model.fit(feeder.as_dataset(), initial_epoch={epoch}, "
-            f"epochs={epoch + 1}), then go on with model.fit(feeder.as_dataset(), "
-            f"initial_epoch={epoch + 1}, epochs=...)."
+            f"Each pass over this dataset has {steps} batches{runs}, but the feeder is at step "
+            f"{step} of epoch {epoch}, which has {left} batches left, and later epochs have "
+            f"{len(self._plan)}: Keras runs every epoch of a fit for the same number of steps. "
+            f"Leave steps_per_epoch unset; {fix}."
         )
 
     def _raise_failure(self) -> None:

@@ -104,7 +104,11 @@ def test_model_fit_trains_under_mirrored_strategy(strategy):
     counter = StepCounter()
     with fp.Feeder((x, y), 16, strategy=strategy, shuffle=True) as feeder:
         history = model.fit(
-            feeder.as_dataset(), epochs=3, verbose=0, callbacks=[counter], shuffle=False
+            feeder.as_dataset(),
+            epochs=3,
+            verbose=0,
+            callbacks=[counter, feeder.fit_callback()],
+            shuffle=False,
         )
         assert feeder.get_state()["epoch"] == 3
     losses = history.history["loss"]
