@@ -1,14 +1,35 @@
 """The `feedpipe` command: one subcommand per job, each in its own module, imported on use.
 
-TensorFlow is imported only by the subcommand that runs, so `feedpipe --help` answers at once,
-and only after `TF_CPP_MIN_LOG_LEVEL` is set, so TensorFlow's start-up chatter stays hidden.
+TensorFlow is imported only by the subcommand that runs, so `feedpipe --help` and
+`feedpipe --version` answer at once. Unless the user set `TF_CPP_MIN_LOG_LEVEL`, it is set to 2
+before TensorFlow is imported, and the lines TensorFlow's C++ start-up writes before that
+setting takes effect (no CUDA driver, a failed cuInit, on a machine without a GPU) are caught
+at the descriptor and left out; any other line is written back. The demo says itself which
+devices it runs on.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-from collections.abc import Sequence
+import shlex
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+
+from feedpipe import __version__
+
+START_UP_CHATTER = (
+    "All log messages before absl::InitializeLog() is called",
+    "cudart_stub.cc",
+    "cuda_platform.cc",
+    "cuda_executor.cc",
+    "cpu_feature_guard.cc",
+    "To enable the following instructions",
+)
+"""Pieces of the lines TensorFlow writes on start-up whatever `TF_CPP_MIN_LOG_LEVEL` says:
+its CUDA probe on a machine without a GPU and its CPU-feature notice."""
 
 
 def _positive_int(text: str) -> int:
@@ -43,6 +64,42 @@ def _add_demo(subcommands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--quick", action="store_true", help="a short run of a few seconds")
     parser.set_defaults(run=_run_demo)
+
+
+@contextlib.contextmanager
+def _start_up_lines_left_out() -> Iterator[None]:
+    """Runs the block with stderr caught at the descriptor, then writes back every caught line
+    but TensorFlow's start-up chatter."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            for line in caught.read().decode(errors="replace").splitlines(keepends=True):
+                if not any(piece in line for piece in START_UP_CHATTER):
+                    sys.stderr.write(line)
+            sys.stderr.flush()
+
+
+def _start_tensorflow() -> None:
+    """Imports TensorFlow and lets it probe for GPUs, quietly unless the user chose a log level.
+
+    Listing the physical devices runs the CUDA probe without starting TensorFlow's runtime, so
+    the demo can still make its logical CPU devices afterwards.
+    """
+    if "TF_CPP_MIN_LOG_LEVEL" in os.environ:
+        return
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    with _start_up_lines_left_out():
+        import tensorflow as tf
+
+        tf.config.list_physical_devices("GPU")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -80,7 +137,6 @@ def _add_diagnose(subcommands: argparse._SubParsersAction) -> None:
 
 def _run_diagnose(args: argparse.Namespace) -> int:
     import json
-    import sys
 
     from feedpipe.diagnosis import TargetError, diagnose, load_target
 
@@ -90,20 +146,21 @@ def _run_diagnose(args: argparse.Namespace) -> int:
         print(f"feedpipe diagnose: error: {error}", file=sys.stderr)
         return 2
     try:
-        diagnosis = diagnose(
-            source,
-            step,
-            steps=args.steps,
-            warmup=args.warmup,
-            report_dir=args.report,
-        )
+        diagnosis = diagnose(source, step, steps=args.steps, warmup=args.warmup)
     finally:
         close = getattr(source, "close", None)
         if callable(close):
             close()
-    print(json.dumps(diagnosis.to_dict(), indent=1) if args.json else diagnosis)
-    if args.report and not args.json:
-        print(f"report: {args.report}/index.html")
+    if args.report:
+        from feedpipe.report import write_report
+
+        page = write_report(diagnosis, args.report, command=args.command)
+    if args.json:
+        print(json.dumps({"command": args.command, **diagnosis.to_dict()}, indent=1))
+    else:
+        print(diagnosis)
+        if args.report:
+            print(f"report: {page}")
     return 0
 
 
@@ -113,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="feedpipe",
         description="feedpipe keeps every accelerator fed: per-replica batches staged ahead.",
     )
+    parser.add_argument("--version", action="version", version=f"feedpipe {__version__}")
     subcommands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     _add_demo(subcommands)
     _add_diagnose(subcommands)
@@ -121,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the `feedpipe` command line; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    args.command = shlex.join(["feedpipe", *argv])
+    _start_tensorflow()
     return args.run(args)

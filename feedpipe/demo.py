@@ -344,9 +344,10 @@ def run(steps: int | None = None, devices: int = 4, quick: bool = False) -> list
     per_sample_s = READ_SHARE * step_s / global_batch_size
     dataset.read_latency_s = max(0.0, per_sample_s - measure_read_s(dataset))
     read_s = measure_read_s(dataset) * global_batch_size
+    on = "GPUs" if replica_devices[0].startswith("/gpu") else "logical CPU devices: no GPU found"
     print(
         f"feedpipe demo: {steps} steps of a {HIDDEN_UNITS}-unit MLP on "
-        f"{_replicas(strategy.num_replicas_in_sync)}, global batch {global_batch_size}\n"
+        f"{_replicas(strategy.num_replicas_in_sync)} ({on}), global batch {global_batch_size}\n"
         f"source: {len(dataset):,} synthetic samples of {FEATURES} floats; each read waits "
         f"{dataset.read_latency_s * 1e6:.0f} µs (GIL-free, like storage), so that reading a "
         f"batch takes about half a step here ({read_s * 1e3:.1f} ms; the step alone "

@@ -11,13 +11,17 @@ overlap efficiency (together ÷ the slower side alone), real ÷ synthetic, and r
 the rate each could reach. The step is a callable taking one batch, or a compiled Keras model,
 which then runs its own compiled train function exactly as `model.fit` does; its waits sit
 inside that compiled step, so they are derived from the consumer-alone time (a headspace
-measurement). The model's variables are put back when the diagnosis ends.
+measurement, through the same compiled input path on one batch served from memory). The
+consumer alone is then timed before and after the together measurement: other load on the
+machine changes the step's speed, and the two bound the derived waits, so a verdict the bound
+cannot support reads "cannot tell". The model's variables are put back when the diagnosis
+ends. Writing the HTML report is `feedpipe.report`'s job, which reads a `Diagnosis`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import datetime
 import importlib
 import importlib.util
 import math
@@ -30,9 +34,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import optree
 import tensorflow as tf
 
-from feedpipe._headspace import finish, on_step_device, save_state
+from feedpipe._headspace import (
+    CANNOT_TELL,
+    bounded_verdict,
+    bracket,
+    finish,
+    on_step_device,
+    resident_iterator,
+    save_state,
+)
 from feedpipe.feeder import Feeder
 from feedpipe.stats import verdict
 
@@ -42,6 +55,9 @@ DEFAULT_WARMUP = 5
 """Untimed steps before each measurement: tracing, worker start-up and a full staging ring."""
 OVERLAP_SLACK = 0.95
 """Together within 5 % of the slower side alone counts as fully overlapped."""
+SCHEMA_VERSION = 2
+"""The version of `Diagnosis.to_dict()`'s layout (and so of `feedpipe diagnose --json`): 2
+added the step alone's bound, the measurement's time and this number."""
 
 
 class TargetError(ValueError):
@@ -57,7 +73,8 @@ class StepTiming:
     compute_s: float
     """Time the step itself took."""
     staged: int | None
-    """Batches already staged when the step asked (a `Feeder` input only)."""
+    """Batches already staged on the devices when the step asked (a `Feeder` input only,
+    whatever the step)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -84,12 +101,25 @@ class Diagnosis:
     producer_batch_s: tuple[float, ...]
     """Seconds to take each batch, producer alone."""
     consumer_step_s: tuple[float, ...]
-    """Seconds of each step on a batch already on the devices, consumer alone."""
+    """Seconds of each step on a batch already on the devices, consumer alone (for a Keras
+    model: timed before the together measurement and again after it)."""
     together: tuple[StepTiming, ...]
+    """The together measurement, step by step. Derived waits are each step's time beyond the
+    consumer-alone time, at least zero: for the timeline; the fraction comes from the means."""
     waits_derived: bool
     """True when the waits are derived (step time less the consumer-alone time), because the
     input is read inside a compiled step; False when they were timed directly."""
     remedies: tuple[Remedy, ...] = ()
+    step_alone_range_s: tuple[float, float] | None = None
+    """The least and most seconds the step alone may have taken per step while together ran:
+    the consumer-alone measurements before and after it, each widened by twice its standard
+    error. Derived waits only; None where waits were timed directly."""
+    measured_at: str = ""
+    """When the measurement began, as an ISO 8601 time with its UTC offset."""
+    keras_arrays_step_s: tuple[float, ...] = ()
+    """Seconds of each step of the same model fed by Keras's own array input, as
+    `model.fit(x, y)` feeds it, on the feeder's arrays: timed last, where the input is a
+    Feeder over small numpy arrays onto CPUs and the step a Keras model; empty otherwise."""
 
     @property
     def producer_steps_per_s(self) -> float:
@@ -108,14 +138,30 @@ class Diagnosis:
 
     @property
     def input_bound_fraction(self) -> float:
-        """Share of the together time the step waited for its batch."""
-        total = sum(s.wait_s + s.compute_s for s in self.together)
-        return sum(s.wait_s for s in self.together) / total if total > 0 else 0.0
+        """Share of the together time the step waited for its batch. With derived waits, one
+        less the consumer-alone time over the mean step: from means, because clipping each
+        step's noise at zero would count noise as wait."""
+        took = [s.wait_s + s.compute_s for s in self.together]
+        if self.step_alone_range_s is not None:
+            return _waited(took, statistics.fmean(self.consumer_step_s))
+        total = math.fsum(took)
+        return math.fsum(s.wait_s for s in self.together) / total if total > 0 else 0.0
+
+    @property
+    def input_bound_range(self) -> tuple[float, float]:
+        """The least and most the input-bound fraction may be: with derived waits, as the step
+        alone ranges over `step_alone_range_s`; timed directly, the fraction itself."""
+        if self.step_alone_range_s is None:
+            return (self.input_bound_fraction, self.input_bound_fraction)
+        low_s, high_s = self.step_alone_range_s
+        took = [s.wait_s + s.compute_s for s in self.together]
+        return (_waited(took, high_s), _waited(took, low_s))
 
     @property
     def verdict(self) -> str:
-        """`not`, `moderately` or `highly input-bound`, by the profiler's thresholds."""
-        return verdict(self.input_bound_fraction)
+        """`not`, `moderately` or `highly input-bound` by the profiler's thresholds, or
+        `cannot tell` when `input_bound_range` spans more than one of them."""
+        return bounded_verdict(*self.input_bound_range)
 
     @property
     def overlap_efficiency(self) -> float:
@@ -131,9 +177,14 @@ class Diagnosis:
 
     def to_dict(self) -> dict:
         """Every figure, the per-step timings and the remedies, JSON-serialisable."""
+        low, high = self.input_bound_range
         return {
+            "schema_version": SCHEMA_VERSION,
+            "measured_at": self.measured_at,
             "verdict": self.verdict,
             "input_bound_fraction": self.input_bound_fraction,
+            "input_bound_fraction_low": low,
+            "input_bound_fraction_high": high,
             "producer_steps_per_s": self.producer_steps_per_s,
             "consumer_steps_per_s": self.consumer_steps_per_s,
             "together_steps_per_s": self.together_steps_per_s,
@@ -143,16 +194,35 @@ class Diagnosis:
             "step_kind": self.step_kind,
             "batch_bytes": self.batch_bytes,
             "waits_derived": self.waits_derived,
+            "step_alone_range_s": (
+                None if self.step_alone_range_s is None else list(self.step_alone_range_s)
+            ),
             "remedies": [dataclasses.asdict(r) for r in self.remedies],
             "producer_batch_s": list(self.producer_batch_s),
             "consumer_step_s": list(self.consumer_step_s),
             "together": [dataclasses.asdict(s) for s in self.together],
+            "keras_arrays_step_s": list(self.keras_arrays_step_s),
         }
 
     def __str__(self) -> str:
+        low, high = self.input_bound_range
+        if self.verdict == CANNOT_TELL:
+            judged = (
+                f"{CANNOT_TELL}: the step waited for input {low:.1%} to {high:.1%} of the time "
+                f"({verdict(low)} to {verdict(high)})"
+            )
+        elif high > low:
+            judged = (
+                f"{self.verdict}: the step waited for input {self.input_bound_fraction:.1%} of "
+                f"the time (bound {low:.1%} to {high:.1%})"
+            )
+        else:
+            judged = (
+                f"{self.verdict}: the step waited for input {self.input_bound_fraction:.1%} of "
+                "the time"
+            )
         lines = [
-            f"{self.verdict}: the step waited for input {self.input_bound_fraction:.1%} of the "
-            f"time ({len(self.together)} steps; {self.step_kind} fed by {self.input_kind})",
+            f"{judged} ({len(self.together)} steps; {self.step_kind} fed by {self.input_kind})",
             f"  producer alone   {self.producer_steps_per_s:10.1f} steps/s",
             f"  consumer alone   {self.consumer_steps_per_s:10.1f} steps/s  (batch already on "
             "the devices: the synthetic upper bound)",
@@ -160,10 +230,17 @@ class Diagnosis:
             f"(overlap efficiency {self.overlap_efficiency:.2f}, real/synthetic "
             f"{self.real_over_synthetic:.2f})",
         ]
-        if self.waits_derived:
+        if self.keras_arrays_step_s:
+            lines.append(
+                f"  model.fit(x, y)  {_rate(self.keras_arrays_step_s):10.1f} steps/s  (the same "
+                "model on the feeder's arrays through Keras's own array input)"
+            )
+        if self.step_alone_range_s is not None:
+            low_s, high_s = self.step_alone_range_s
             lines.append(
                 "  (the input is read inside the compiled step: waits are each step's time "
-                "less the consumer-alone time)"
+                f"less the consumer-alone time, {low_s * 1e3:.2f} to {high_s * 1e3:.2f} ms "
+                "measured before and after together)"
             )
         lines.append("remedies, by the rate each could reach:")
         for rank, remedy in enumerate(self.remedies, 1):
@@ -172,6 +249,12 @@ class Diagnosis:
                 f"({remedy.gain:.2f}x)\n     {remedy.why}"
             )
         return "\n".join(lines)
+
+
+def _waited(took: list[float], alone_s: float) -> float:
+    """The share of the mean step in `took` beyond `alone_s`: the wait, were the step alone
+    `alone_s`."""
+    return max(0.0, 1.0 - alone_s / statistics.fmean(took)) if took else 0.0
 
 
 def _rate(durations) -> float:
@@ -240,23 +323,30 @@ def _nbytes(batch: Any) -> int:
     return total
 
 
+def _steps(count: int) -> str:
+    return f"{count} step" if count == 1 else f"{count} steps"
+
+
 class _Progress:
-    """One bar over every timed and untimed step, on stderr so `--json` output stays clean."""
+    """A labelled progress line on stderr (so `--json` output stays clean): the measurement
+    under way and its steps, updated in place on a terminal, one line per measurement else."""
 
-    def __init__(self, total: int, enabled: bool):
-        self._bar = None
-        if enabled:
-            import keras
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.live = enabled and sys.stderr.isatty()
+        self.label, self.total, self.done = "", 0, 0
 
-            verbose = 1 if sys.stderr.isatty() else 2
-            self._bar = keras.utils.Progbar(total, verbose=verbose, unit_name="step")
-        self._done = 0
+    def start(self, label: str, total: int) -> None:
+        self.label, self.total, self.done = label, total, 0
+        if self.enabled and not self.live:
+            print(f"feedpipe diagnose: {label}, {_steps(total)}", file=sys.stderr, flush=True)
 
     def step(self) -> None:
-        self._done += 1
-        if self._bar is not None:
-            with contextlib.redirect_stdout(sys.stderr):
-                self._bar.update(self._done)
+        self.done += 1
+        if self.live:
+            end = "\n" if self.done == self.total else ""
+            line = f"\rfeedpipe diagnose: {self.label} {self.done}/{_steps(self.total)}"
+            print(line, end=end, file=sys.stderr, flush=True)
 
 
 class _CallableRun:
@@ -269,7 +359,11 @@ class _CallableRun:
         self.batches = _endless(source)
         self.kept = None
 
+    def _staged(self) -> int | None:
+        return self.source._staged() if isinstance(self.source, Feeder) else None
+
     def warm_up(self, count: int, progress: _Progress) -> Any:
+        progress.start("warm-up", count)
         for _ in range(count):
             batch = next(self.batches)
             finish(self.step(batch))
@@ -278,6 +372,7 @@ class _CallableRun:
         return batch
 
     def consumer_alone(self, count: int, progress: _Progress) -> list[float]:
+        progress.start("consumer alone (a batch already on the devices)", count)
         times = []
         for _ in range(count):
             started = time.perf_counter()
@@ -287,7 +382,16 @@ class _CallableRun:
         self.kept = None  # a kept Feeder batch would hold a host slot
         return times
 
+    def consumer_again(self, count: int, progress: _Progress) -> list[float]:
+        """The consumer alone after together: needed only where waits are derived."""
+        return []
+
+    def keras_arrays(self, warmup: int, count: int, progress: _Progress) -> list[float]:
+        """The step fed by Keras's own array input: only for a Keras model."""
+        return []
+
     def producer_alone(self, count: int, progress: _Progress) -> list[float]:
+        progress.start("producer alone (batches taken as fast as the input makes them)", count)
         times = []
         for _ in range(count):
             started = time.perf_counter()
@@ -297,9 +401,10 @@ class _CallableRun:
         return times
 
     def together(self, warmup: int, count: int, progress: _Progress) -> list[StepTiming]:
+        progress.start("together (input and step, the first steps untimed)", warmup + count)
         timings = []
         for i in range(warmup + count):
-            staged = self.source._staged() if isinstance(self.source, Feeder) else None
+            staged = self._staged()
             asked = time.perf_counter()
             batch = next(self.batches)
             got = time.perf_counter()
@@ -319,9 +424,11 @@ class _KerasRun(_CallableRun):
     """Measures a compiled Keras model through its own train function, as `model.fit` runs it.
 
     Producer alone takes batches from the distributed iterator `fit` would use; consumer alone
-    runs the compiled step on one of them, already on the devices; together runs the train
-    function on the iterator, which reads the input inside the compiled step, so each step's
-    wait is derived from the consumer-alone time. Every variable is put back at the end.
+    runs the train function on an iterator serving one of them from memory (the same compiled
+    input path, on an input that costs nothing), before together and again after it; together
+    runs the train function on the real iterator, which reads the input inside the compiled
+    step, so each step's wait is derived from the consumer-alone time. Every variable is put
+    back at the end.
     """
 
     waits_derived = True
@@ -339,11 +446,13 @@ class _KerasRun(_CallableRun):
         self.batches = iter(strategy.experimental_distribute_dataset(dataset))
         model.make_train_function()
         self.train = model.train_function
+        self.spe = int(model.steps_per_execution)
+        """Steps each call runs: times are per call, divided by it."""
         self._restore: Callable[[], None] = lambda: None
         self.kept = None
-        self._alone_s = None
 
     def warm_up(self, count: int, progress: _Progress) -> Any:
+        progress.start("warm-up", count)
         batch = next(self.batches)
         # Builds the model, its loss, metrics and optimizer from the batch, as `fit` does, so
         # that every variable exists before it is saved.
@@ -355,33 +464,79 @@ class _KerasRun(_CallableRun):
         for _ in range(count):
             finish(self.train(self.batches))
             progress.step()
-        self.kept = on_step_device(batch, self.model.distribute_strategy)
+        self.kept = resident_iterator(batch, self.model.distribute_strategy)
         return batch
 
     def consumer_alone(self, count: int, progress: _Progress) -> list[float]:
-        finish(self.train([self.kept]))  # the eager path traces its step once
-        times = super().consumer_alone(count, progress)
-        self._alone_s = statistics.median(times)
+        finish(self.train(self.kept))  # the first call on this iterator traces
+        return self._time_alone("consumer alone (one batch served from memory)", count, progress)
+
+    def consumer_again(self, count: int, progress: _Progress) -> list[float]:
+        times = self._time_alone("consumer alone again, after together", count, progress)
+        self.kept = None
         return times
 
-    def step(self, batch: Any) -> Any:
-        return self.train([batch])
+    def keras_arrays(self, warmup: int, count: int, progress: _Progress) -> list[float]:
+        """The train function fed as `model.fit(x, y)` would feed it the feeder's arrays, where
+        the feeder reads small `(x, y)` or `(x, y, sample_weight)` arrays onto CPUs."""
+        data = _small_arrays_on_cpu(self.source)
+        if data is None:
+            return []
+        from keras.src.trainers.data_adapters import get_data_adapter
 
-    def together(self, warmup: int, count: int, progress: _Progress) -> list[StepTiming]:
-        timings = []
+        adapter = get_data_adapter(*data, batch_size=self.source.options.global_batch_size)
+        dataset = adapter.get_tf_dataset().repeat()
+        batches = iter(self.model.distribute_strategy.experimental_distribute_dataset(dataset))
+        progress.start(
+            "model.fit(x, y) on the same arrays (the first steps untimed)", warmup + count
+        )
+        times = []
         for i in range(warmup + count):
             started = time.perf_counter()
-            finish(self.train(self.batches))
-            took = time.perf_counter() - started
+            finish(self.train(batches))
             if i >= warmup:
-                wait = max(0.0, took - self._alone_s)
-                timings.append(StepTiming(wait, took - wait, None))
+                times.append((time.perf_counter() - started) / self.spe)
+            progress.step()
+        return times
+
+    def _time_alone(self, label: str, count: int, progress: _Progress) -> list[float]:
+        progress.start(label, count)
+        times = []
+        for _ in range(count):
+            started = time.perf_counter()
+            finish(self.train(self.kept))
+            times.append((time.perf_counter() - started) / self.spe)
+            progress.step()
+        return times
+
+    def together(self, warmup: int, count: int, progress: _Progress) -> list[StepTiming]:
+        """Each step's whole time as `compute_s`; `diagnose` splits off the wait once the
+        consumer alone has been timed again."""
+        progress.start("together (input and step, the first steps untimed)", warmup + count)
+        timings = []
+        for i in range(warmup + count):
+            staged = self._staged()
+            started = time.perf_counter()
+            finish(self.train(self.batches))
+            if i >= warmup:
+                took = (time.perf_counter() - started) / self.spe
+                timings.append(StepTiming(0.0, took, staged))
             progress.step()
         return timings
 
     def restore(self) -> None:
         """Puts every variable back as it was before the warm-up."""
         self._restore()
+
+
+def _split_waits(together: list[StepTiming], alone_s: float) -> list[StepTiming]:
+    """Each step's time split into its wait (what exceeds `alone_s`) and its compute."""
+    split = []
+    for timing in together:
+        took = timing.wait_s + timing.compute_s
+        wait = max(0.0, took - alone_s)
+        split.append(StepTiming(wait, took - wait, timing.staged))
+    return split
 
 
 # ---- remedies ---------------------------------------------------------------------------------
@@ -431,6 +586,42 @@ def _epoch_bytes(feeder: Feeder | None, batch_bytes: int) -> int | None:
         return None
 
 
+HANDOFF_MARGIN = 2.0
+"""The feeder's own producer at least this many times faster than the batches reaching the
+step: the hand-off from `as_dataset()` into TensorFlow, not the feeder, limits the input."""
+SMALL_ARRAYS_BYTES = 2**30
+"""Arrays up to this size count as small: Keras's own array input keeps a second copy."""
+
+
+def _handoff_bound(diagnosis: Diagnosis, feeder: Feeder | None) -> str | None:
+    """Where a Feeder feeds a Keras model and its own producer is far faster than the batches
+    that reach the step: the measurement that says the hand-off limits the input."""
+    producer = diagnosis.producer_steps_per_s
+    if feeder is None or not diagnosis.waits_derived or producer >= diagnosis.consumer_steps_per_s:
+        return None
+    own = feeder.stats().producer_samples_per_s / feeder.options.global_batch_size
+    if own < HANDOFF_MARGIN * producer:
+        return None
+    return (
+        f"the feeder's own producer makes {own:,.0f} batches/s, yet {producer:,.1f}/s reach "
+        f"the step, which could take {diagnosis.consumer_steps_per_s:,.1f}/s: handing each "
+        "batch from as_dataset() into TensorFlow (Python and a copy per batch) is the "
+        "bottleneck, not the feeder"
+    )
+
+
+def _small_arrays_on_cpu(source: Any) -> tuple | None:
+    """`(x, y)` or `(x, y, sample_weight)`, where `source` is a Feeder reading a tuple of that
+    many numpy arrays, `SMALL_ARRAYS_BYTES` at most, onto CPUs only; else None."""
+    if not isinstance(source, Feeder) or not all("CPU" in d.upper() for d in source.devices):
+        return None
+    arrays = getattr(source._source, "arrays", None)  # an ArraySource: arrays in memory
+    if arrays is None or sum(a.nbytes for a in arrays) > SMALL_ARRAYS_BYTES:
+        return None
+    data = optree.tree_unflatten(source._source.treespec, arrays)
+    return data if isinstance(data, tuple) and len(data) in (2, 3) else None
+
+
 def rank_remedies(
     diagnosis: Diagnosis,
     source: Any,
@@ -458,6 +649,21 @@ def rank_remedies(
             found.append((action, why, expected))
 
     bound = min(producer, consumer)
+    if diagnosis.verdict == CANNOT_TELL:
+        low, high = diagnosis.input_bound_range
+        low_s, high_s = diagnosis.step_alone_range_s or (0.0, 0.0)
+        return (
+            Remedy(
+                "none until the verdict is clear: measure again on a quieter machine, or with "
+                "more --steps",
+                f"the step alone took {low_s * 1e3:.2f} to {high_s * 1e3:.2f} ms before and "
+                "after together (other load on this machine changed its speed), so the step "
+                f"waited between {low:.1%} and {high:.1%} of the time: {verdict(low)} to "
+                f"{verdict(high)}, and a remedy picked now could be the wrong one",
+                achieved,
+                1.0,
+            ),
+        )
     if diagnosis.verdict == "not input-bound":
         return (
             Remedy(
@@ -468,17 +674,41 @@ def rank_remedies(
                 consumer / achieved if achieved > 0 else 1.0,
             ),
         )
+    staged = [s.staged for s in diagnosis.together if s.staged is not None]
     if achieved < OVERLAP_SLACK * bound:
         why = (
             f"together reaches {diagnosis.overlap_efficiency:.2f} of the slower side alone "
             f"({bound:,.1f} steps/s): production and the step do not fully overlap"
         )
-        if feeder is not None:
-            depth = feeder.options.depth
-            add(f"deeper staging: depth={2 * depth} (now {depth})", why, bound)
-        else:
+        if feeder is None:
             add("stage batches ahead on the devices: fp.Feeder(...)", why, bound)
-    if producer < consumer:
+        elif staged and min(staged) == 0:  # the ring ran dry: more of it rides out the jitter
+            depth = feeder.options.depth
+            empty = sum(count == 0 for count in staged) / len(staged)
+            add(
+                f"deeper staging: depth={2 * depth} (now {depth})",
+                why + f"; the step found no batch staged at {empty:.0%} of its steps",
+                bound,
+            )
+    if diagnosis.keras_arrays_step_s and feeder is not None:
+        direct = _rate(diagnosis.keras_arrays_step_s)
+        add(
+            f"model.fit(x, y, batch_size={feeder.options.global_batch_size}) on the arrays "
+            "directly, without fp.Feeder (if they need no per-sample `transform`)",
+            f"measured here: the same model fed by Keras's own array input ran {direct:,.1f} "
+            f"steps/s, {direct / achieved:.2f}x the rate through the feeder; for these arrays "
+            "in memory on a CPU, feedpipe does not help",
+            direct,
+        )
+    handoff = _handoff_bound(diagnosis, feeder)
+    if handoff is not None:
+        add(
+            "fp.train(model, feeder, ...) instead of model.fit(feeder.as_dataset()): the "
+            "feeder's own loop takes batches already on the devices, with no hand-off",
+            handoff,
+            consumer,
+        )
+    if producer < consumer and handoff is None:
         why = (
             f"the input alone makes {producer:,.1f} batches/s, the step could take "
             f"{consumer:,.1f}/s"
@@ -532,6 +762,17 @@ def rank_remedies(
                 why + "; the batches hold uint8 images",
                 min(consumer, producer * cores),
             )
+    if not found and achieved < OVERLAP_SLACK * bound:
+        found.append(
+            (
+                "none predicted to help: the input and the step slow each other down",
+                f"each alone is faster than together ({producer:,.1f} and {consumer:,.1f} "
+                f"against {achieved:,.1f} steps/s), and the feeder always had a batch staged "
+                "when the step asked: run at once, they share the CPU's cores and Python's "
+                "GIL; on a GPU the step would leave those to the input",
+                achieved,
+            )
+        )
     if not found:  # input-bound, yet no remedy is predicted to beat the rate reached
         found.append(
             (
@@ -560,7 +801,6 @@ def diagnose(
     steps: int = DEFAULT_STEPS,
     warmup: int = DEFAULT_WARMUP,
     progress: bool = True,
-    report_dir: str | os.PathLike | None = None,
 ) -> Diagnosis:
     """Measures the producer alone, the consumer alone and both together; ranks remedies.
 
@@ -571,11 +811,11 @@ def diagnose(
             which is trained as `model.fit` trains it; its variables are put back afterwards.
         steps: steps timed in each measurement.
         warmup: untimed steps before the first and the together measurement.
-        progress: show a progress bar on stderr.
-        report_dir: also write an HTML report with plots there (see `feedpipe.report`).
+        progress: show a labelled progress line on stderr.
 
     Returns:
-        The `Diagnosis`; `print(diagnosis)` gives the verdict, the rates and the remedies.
+        The `Diagnosis`; `print(diagnosis)` gives the verdict, the rates and the remedies, and
+        `feedpipe.report.write_report(diagnosis, directory)` draws it as an HTML page.
     """
     for name, value in (("steps", steps), ("warmup", warmup)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -591,8 +831,9 @@ def diagnose(
             f"`step` must be a callable taking one batch or a compiled Keras model; got "
             f"{type(step).__name__}."
         )
+    measured_at = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     needed = 2 * warmup + 2 * steps
-    bar = _Progress(needed + steps, progress)
+    bar = _Progress(progress)
     try:
         first = run.warm_up(warmup, bar)
         batch_bytes = _nbytes(first)
@@ -601,6 +842,8 @@ def diagnose(
         consumer = run.consumer_alone(steps, bar)
         producer = run.producer_alone(steps, bar)
         together = run.together(warmup, steps, bar)
+        again = run.consumer_again(steps, bar)
+        arrays = run.keras_arrays(warmup, steps, bar)
     except (StopIteration, tf.errors.OutOfRangeError) as error:
         raise ValueError(
             f"The input ({_input_kind(source)}) ran out of batches: diagnose takes {needed} "
@@ -609,16 +852,24 @@ def diagnose(
         ) from error
     finally:
         run.restore()
+    alone_range = None
+    if again:
+        alone_s, low_s, high_s = bracket(consumer, again)
+        together = _split_waits(together, alone_s)
+        alone_range = (max(0.0, low_s), high_s)
     measured = Diagnosis(
         _input_kind(source),
         step_kind,
         batch_bytes,
         tuple(producer),
-        tuple(consumer),
+        (*consumer, *again),
         tuple(together),
         run.waits_derived,
+        step_alone_range_s=alone_range,
+        measured_at=measured_at,
+        keras_arrays_step_s=tuple(arrays),
     )
-    diagnosis = dataclasses.replace(
+    return dataclasses.replace(
         measured,
         remedies=rank_remedies(
             measured,
@@ -629,11 +880,6 @@ def diagnose(
             image_like=image_like,
         ),
     )
-    if report_dir is not None:
-        from feedpipe.report import write_report
-
-        write_report(diagnosis, report_dir)
-    return diagnosis
 
 
 # ---- targets ----------------------------------------------------------------------------------

@@ -1,9 +1,12 @@
 """Report: a `Diagnosis` as an HTML page with plots, viewable offline.
 
-The page and its PNGs live in one directory and reference nothing outside it: the per-step
-wait against compute, the staged batches over time (for a `Feeder` input), and the three rates
-side by side. matplotlib draws them with its file-only Agg backend, imported here alone, so
-diagnosing without a report never needs it.
+Data flows one way: `feedpipe.diagnosis` measures and returns a `Diagnosis`; this module only
+reads it (the `feedpipe diagnose --report` command calls it). The page and its PNGs live in
+one directory and reference nothing outside it: the per-step wait against compute, the staged
+batches over time (for a `Feeder` input), the three rates side by side, a glossary line per
+figure, and what produced the page (the command, when it was measured, the schema version).
+matplotlib draws the plots with its file-only Agg backend, imported here alone, so diagnosing
+without a report never needs it.
 """
 
 from __future__ import annotations
@@ -12,9 +15,29 @@ import html
 import os
 from pathlib import Path
 
-from feedpipe.diagnosis import Diagnosis
+from feedpipe import __version__
+from feedpipe.diagnosis import SCHEMA_VERSION, Diagnosis
 
 PLOTS = ("timeline.png", "occupancy.png", "rates.png")
+
+GLOSSARY = {
+    "verdict": "the TensorFlow profiler's bands for the input-bound fraction: under 5 % not "
+    "input-bound, 5-20 % moderately, 20 % or more highly; cannot tell when the fraction's "
+    "bound spans two bands",
+    "input-bound fraction": "the share of the together time the step waited for its batch",
+    "bound": "the least and most the fraction may be, as the step alone ranged over the "
+    "measurements before and after together (derived waits only)",
+    "producer alone": "batches per second the input makes when nothing else runs",
+    "consumer alone (synthetic)": "steps per second of the step on a batch already on its "
+    "devices: the most any input could reach",
+    "together": "steps per second of real training, input and step at once",
+    "overlap efficiency": "together / the slower of producer alone and consumer alone: 1.0 "
+    "when the input is fully hidden behind the step or the step behind the input",
+    "real / synthetic": "together / consumer alone: 1.0 when the input costs the step nothing",
+    "batches staged": "batches already on the devices when the step asked (device-buffer "
+    "occupancy): 0 means the step had to wait",
+}
+"""One line per figure on the page: what it means and how to read it."""
 
 
 def _pyplot():
@@ -82,8 +105,13 @@ def _rates(plt, diagnosis: Diagnosis, path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(diagnosis: Diagnosis, directory: str | os.PathLike) -> Path:
-    """Writes `index.html` and its plots into `directory` (made if missing); returns the page."""
+def write_report(
+    diagnosis: Diagnosis, directory: str | os.PathLike, *, command: str | None = None
+) -> Path:
+    """Writes `index.html` and its plots into `directory` (made if missing); returns the page.
+
+    `command` is the command line that measured it, shown at the top of the page.
+    """
     plt = _pyplot()
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -94,9 +122,14 @@ def write_report(diagnosis: Diagnosis, directory: str | os.PathLike) -> Path:
     _rates(plt, diagnosis, out / "rates.png")
 
     e = html.escape
+    low, high = diagnosis.input_bound_range
     rows = [
         ("verdict", diagnosis.verdict),
         ("input-bound fraction", f"{diagnosis.input_bound_fraction:.1%}"),
+    ]
+    if diagnosis.step_alone_range_s is not None:
+        rows.append(("bound", f"{low:.1%} to {high:.1%}"))
+    rows += [
         ("producer alone", f"{diagnosis.producer_steps_per_s:,.1f} steps/s"),
         ("consumer alone (synthetic)", f"{diagnosis.consumer_steps_per_s:,.1f} steps/s"),
         ("together", f"{diagnosis.together_steps_per_s:,.1f} steps/s"),
@@ -115,14 +148,30 @@ def write_report(diagnosis: Diagnosis, directory: str | os.PathLike) -> Path:
     occupancy = (
         '<img src="occupancy.png" alt="device-buffer occupancy">'
         if has_occupancy
-        else "<p>Occupancy is measured for an fp.Feeder input only.</p>"
+        else f"<p>Not measured: device-buffer occupancy is read from an fp.Feeder, and this "
+        f"input is {e(diagnosis.input_kind)}.</p>"
     )
+    glossary = "\n".join(
+        f"<dt>{e(name)}</dt><dd>{e(meaning)}</dd>" for name, meaning in GLOSSARY.items()
+    )
+    made = [
+        ("command", command or "feedpipe.diagnose(...) from Python"),
+        ("measured", diagnosis.measured_at or "unknown"),
+        ("feedpipe", __version__),
+        ("schema version", str(SCHEMA_VERSION)),
+    ]
+    provenance = "\n".join(f"<tr><th>{e(k)}</th><td><code>{e(v)}</code></td></tr>" for k, v in made)
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>feedpipe diagnose: {e(diagnosis.verdict)}</title>
+<meta name="feedpipe-schema-version" content="{SCHEMA_VERSION}">
 <style>body{{font-family:sans-serif;max-width:60em;margin:2em auto}}
-th{{text-align:left;padding-right:2em}}img{{max-width:100%}}</style></head>
+th{{text-align:left;padding-right:2em}}img{{max-width:100%}}dt{{font-weight:bold}}</style></head>
 <body>
 <h1>{e(diagnosis.verdict)}</h1>
+<table>
+{provenance}
+</table>
+<h2>Figures</h2>
 <table>
 {table}
 </table>
@@ -136,6 +185,10 @@ th{{text-align:left;padding-right:2em}}img{{max-width:100%}}</style></head>
 {occupancy}
 <h2>Rates</h2>
 <img src="rates.png" alt="producer, consumer and together rates">
+<h2>Glossary</h2>
+<dl>
+{glossary}
+</dl>
 </body></html>
 """
     index = out / "index.html"

@@ -8,8 +8,13 @@ waiting (P - S) / P of the time; read in line with the step, P / (P + S).
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import dataclasses
+import datetime
 import json
 import re
+import shlex
 import time
 from pathlib import Path
 
@@ -20,7 +25,10 @@ import tensorflow as tf
 
 import feedpipe as fp
 from feedpipe import cli
+from feedpipe import diagnosis as diagnosis_module
+from feedpipe._headspace import CANNOT_TELL
 from feedpipe.diagnosis import (
+    SCHEMA_VERSION,
     Diagnosis,
     Remedy,
     StepTiming,
@@ -28,8 +36,9 @@ from feedpipe.diagnosis import (
     load_target,
     rank_remedies,
 )
-from feedpipe.report import write_report
+from feedpipe.report import GLOSSARY, write_report
 from tests.fakes import SlowSource, sleeping_model
+from tests.test_monitor import Spin, competing_cpu_load, in_memory_data
 
 STEP_S = 0.010
 BATCH = 8
@@ -77,9 +86,8 @@ def test_producer_three_times_faster_than_the_step_is_not_input_bound():
 def test_a_balanced_producer_and_step_are_shown_as_balanced():
     with slow_feeder(STEP_S) as feeder:
         diagnosis = run(feeder)
-    # Balanced, the step waits only for the producer's jitter: at most moderately
-    # input-bound, and the rates alone show why (neither side is much faster).
-    assert diagnosis.verdict in ("not input-bound", "moderately input-bound")
+    # Balanced, the step waits for the producer's jitter, which a busy machine makes any
+    # size: the rates show why (neither side is much faster).
     assert diagnosis.producer_steps_per_s / diagnosis.consumer_steps_per_s == pytest.approx(
         1.0, rel=0.35
     )
@@ -191,7 +199,8 @@ def test_a_keras_model_is_diagnosed_through_its_compiled_step(batch_s, expected)
     model = sleeping_model(STEP_S)
     diagnosis = run(slow_dataset(batch_s), model, steps=15)
     assert diagnosis.waits_derived
-    assert diagnosis.input_bound_fraction == pytest.approx(expected, abs=0.1)
+    low, high = diagnosis.input_bound_range
+    assert low - 0.1 <= expected <= high + 0.1, str(diagnosis)
 
 
 def test_diagnosing_a_keras_model_leaves_its_variables_as_they_were():
@@ -256,12 +265,144 @@ def test_a_step_that_is_not_callable_is_refused():
         fp.diagnose(slow_batches(0.0), 42, progress=False)
 
 
+def test_a_feeder_feeding_a_keras_model_records_its_occupancy():
+    with slow_feeder(STEP_S / 3) as feeder:
+        diagnosis = run(feeder, sleeping_model(STEP_S), steps=5)
+    assert diagnosis.waits_derived
+    assert all(s.staged is not None for s in diagnosis.together)
+
+
+def test_step_noise_around_the_step_alone_is_not_counted_as_wait():
+    # Steps of 8 and 12 ms around a step alone of 10 ms: no wait. Clipping each step's
+    # difference at zero would read half the noise, 10 %, as wait.
+    together = tuple(StepTiming(0.0, t, None) for t in (0.008, 0.012) * 10)
+    diagnosis = Diagnosis(
+        "test input",
+        "test step",
+        1024,
+        (0.005,) * 10,
+        (0.010,) * 10,
+        diagnosis_module._split_waits(list(together), 0.010),
+        True,
+        step_alone_range_s=(0.0099, 0.0101),
+    )
+    assert diagnosis.input_bound_fraction == pytest.approx(0.0, abs=1e-9)
+    assert diagnosis.verdict == "not input-bound"
+
+
+def test_a_bound_across_two_bands_is_judged_cannot_tell_with_no_remedy_but_measuring_again():
+    diagnosis = Diagnosis(
+        "test input",
+        "test step",
+        1024,
+        (0.005,) * 10,
+        (0.0095,) * 10,
+        (StepTiming(0.0, 0.010, None),) * 10,
+        True,
+        step_alone_range_s=(0.0075, 0.0099),
+    )
+    assert diagnosis.input_bound_range == pytest.approx((0.01, 0.25))
+    assert diagnosis.verdict == CANNOT_TELL
+    (remedy,) = rank_remedies(diagnosis, object(), cores=2, memcpy_s=1e-4, memory_bytes=2**34)
+    assert remedy.action.startswith("none until the verdict is clear: measure again")
+    assert str(diagnosis).startswith(
+        "cannot tell: the step waited for input 1.0% to 25.0% of the time "
+        "(not input-bound to highly input-bound)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("step", "batch_s", "expected"),
+    [
+        ("callable", 3 * STEP_S, "highly input-bound"),
+        ("keras", 3 * STEP_S, "highly input-bound"),
+        ("keras", 0.0, "not input-bound"),
+    ],
+)
+def test_diagnose_verdict_holds_under_competing_cpu_load(step, batch_s, expected):
+    with competing_cpu_load():
+        if step == "callable":
+            with slow_feeder(batch_s) as feeder:
+                diagnosis = run(feeder)
+        elif batch_s:
+            diagnosis = run(slow_dataset(batch_s), sleeping_model(STEP_S), steps=15)
+        else:
+            diagnosis = run(in_memory_data(20), sleeping_model(STEP_S), steps=15)
+    if expected == "not input-bound":
+        assert diagnosis.verdict in (expected, CANNOT_TELL), str(diagnosis)
+        assert diagnosis.input_bound_range[0] < 0.05, str(diagnosis)
+    else:
+        assert diagnosis.verdict == expected, str(diagnosis)
+
+
+def test_load_that_starts_after_the_consumer_alone_is_not_read_as_input_wait(monkeypatch):
+    """The input is in memory, so the step never waits for it; competing load starts once the
+    consumer alone has been timed (with the producer alone, before together) and slows the
+    CPU-bound step. A consumer alone timed only before the load read that slowdown as input
+    wait."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), Spin(600_000), keras.layers.Dense(1)])
+    model.compile("adam", "mse", jit_compile=False)
+    producer_alone = diagnosis_module._KerasRun.producer_alone
+    with contextlib.ExitStack() as stack:
+
+        def loaded_producer_alone(run, *args, **kwargs):
+            stack.enter_context(competing_cpu_load(per_core=1))
+            return producer_alone(run, *args, **kwargs)
+
+        monkeypatch.setattr(diagnosis_module._KerasRun, "producer_alone", loaded_producer_alone)
+        diagnosis = run(in_memory_data(20), model, steps=20)
+    before, after = diagnosis.consumer_step_s[:20], diagnosis.consumer_step_s[20:]
+    assert sum(after) > 1.2 * sum(before), "the load must slow the step"
+    assert diagnosis.verdict in ("not input-bound", CANNOT_TELL), str(diagnosis)
+    assert diagnosis.input_bound_range[0] < 0.05, str(diagnosis)
+
+
+def test_keras_own_array_input_is_measured_for_small_arrays_on_a_cpu_only():
+    x = np.zeros((BATCH * 20, 3), np.float32)
+    y = np.ones((BATCH * 20, 1), np.float32)
+    with fp.Feeder((x, y), BATCH, devices=["/cpu:0"]) as feeder:
+        arrays = run(feeder, sleeping_model(0.0), steps=3)
+    with slow_feeder(0.0) as feeder:  # map-style, not arrays
+        mapped = run(feeder, sleeping_model(0.0), steps=3)
+    assert len(arrays.keras_arrays_step_s) == 3
+    assert "model.fit(x, y)" in str(arrays)
+    assert mapped.keras_arrays_step_s == ()
+
+
+@pytest.mark.parametrize(("direct_s", "suggested"), [(0.05, True), (0.2, False)])
+def test_fit_on_the_arrays_directly_is_suggested_only_where_it_was_measured_faster(
+    direct_s, suggested
+):
+    measured = dataclasses.replace(
+        diagnosis_of(0.01, 0.05, 0.1, 0.05), keras_arrays_step_s=(direct_s,) * 10
+    )
+    with slow_feeder(0.0) as feeder:
+        remedies = rank_remedies(measured, feeder, cores=2, memcpy_s=1e-4, memory_bytes=2**34)
+    direct = [r for r in remedies if r.action.startswith("model.fit(x, y")]
+    assert bool(direct) == suggested
+    if suggested:
+        assert direct[0].expected_steps_per_s == pytest.approx(1 / direct_s)
+        assert "feedpipe does not help" in direct[0].why
+
+
+def test_diagnosis_hands_its_result_to_the_report_and_never_imports_it():
+    tree = ast.parse(Path(diagnosis_module.__file__).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+    assert "feedpipe.report" not in imported, "data flows one way: diagnosis -> report"
+
+
 # ---- the report -------------------------------------------------------------------------------
 
 
 def test_the_report_references_only_files_it_wrote_and_its_plots_are_images(tmp_path):
     with slow_feeder(STEP_S) as feeder:
-        run(feeder, steps=8, report_dir=tmp_path / "report")
+        write_report(run(feeder, steps=8), tmp_path / "report")
     page = (tmp_path / "report" / "index.html").read_text()
     referenced = re.findall(r'(?:src|href)="([^"]+)"', page)
     assert referenced, page
@@ -275,11 +416,25 @@ def test_the_report_references_only_files_it_wrote_and_its_plots_are_images(tmp_
         assert min(image.size) > 100
 
 
+def test_the_report_names_its_command_time_and_schema_and_explains_each_figure(tmp_path):
+    diagnosis = dataclasses.replace(
+        diagnosis_of(0.1, 0.01, 0.111, 0.101), measured_at="2026-01-02T03:04:05+00:00"
+    )
+    command = "feedpipe diagnose examples/diagnose_target.py:arrays --report out"
+    page = write_report(diagnosis, tmp_path, command=command).read_text()
+    assert command in page and "2026-01-02T03:04:05+00:00" in page
+    assert f'<meta name="feedpipe-schema-version" content="{SCHEMA_VERSION}">' in page
+    assert f"feedpipe</th><td><code>{fp.__version__}" in page
+    for name in GLOSSARY:
+        assert f"<dt>{name}</dt>" in page
+
+
 def test_a_report_without_occupancy_says_so(tmp_path):
     diagnosis = diagnosis_of(0.1, 0.01, 0.111, 0.101)
     diagnosis = Diagnosis(**{**diagnosis.__dict__, "remedies": (Remedy("a", "b", 2.0, 1.5),)})
     page = write_report(diagnosis, tmp_path).read_text()
-    assert "occupancy.png" not in page and "fp.Feeder input only" in page
+    assert "occupancy.png" not in page
+    assert "Not measured: device-buffer occupancy is read from an fp.Feeder" in page
     assert not (tmp_path / "occupancy.png").exists()
 
 
@@ -332,11 +487,20 @@ def returns_a_bad_step():
 
 
 def test_the_command_prints_json_that_parses(capsys):
-    status = cli.main(["diagnose", f"{EXAMPLE}:arrays", "--json", "--steps", "4", "--warmup", "2"])
+    argv = ["diagnose", f"{EXAMPLE}:arrays", "--json", "--steps", "4", "--warmup", "2"]
+    status = cli.main(argv)
     assert status == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["verdict"] in ("not input-bound", "moderately input-bound", "highly input-bound")
+    assert result["verdict"] in (
+        "not input-bound",
+        "moderately input-bound",
+        "highly input-bound",
+        CANNOT_TELL,
+    )
     assert len(result["together"]) == 4 and result["remedies"]
+    assert result["schema_version"] == SCHEMA_VERSION
+    assert result["command"] == shlex.join(["feedpipe", *argv])
+    assert datetime.datetime.fromisoformat(result["measured_at"]).tzinfo is not None
 
 
 def test_the_command_prints_a_verdict_and_writes_the_report(capsys, tmp_path):

@@ -224,12 +224,12 @@ def test_a_bound_across_two_bands_is_judged_cannot_tell():
 
 
 @contextlib.contextmanager
-def competing_cpu_load(deadline_s: float = 300.0):
-    """Two busy processes per core, started here and ended by PID on exit; each also ends
-    itself after `deadline_s`, so none outlives a test that was killed."""
+def competing_cpu_load(per_core: int = 2, deadline_s: float = 300.0):
+    """`per_core` busy processes per core, started here and ended by PID on exit; each also
+    ends itself after `deadline_s`, so none outlives a test that was killed."""
     code = f"import time\nend = time.monotonic() + {deadline_s}\nwhile time.monotonic() < end: pass"
     cores = len(os.sched_getaffinity(0))
-    processes = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(2 * cores)]
+    processes = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(per_core * cores)]
     try:
         yield
     finally:

@@ -1,0 +1,60 @@
+"""The `feedpipe` command itself: its version, and TensorFlow's start-up lines it leaves out."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import feedpipe
+from feedpipe import cli
+
+
+def test_version_prints_the_package_version(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"feedpipe {feedpipe.__version__}\n"
+
+
+def test_start_up_chatter_is_left_out_and_every_other_line_kept(capfd):
+    with cli._start_up_lines_left_out():
+        os.write(2, b"W0000 cudart_stub.cc:31] Could not find cuda drivers on your machine\n")
+        os.write(2, b"E0000 cuda_platform.cc:52] failed call to cuInit: UNKNOWN ERROR (303)\n")
+        os.write(2, b"a real error\n")
+    err = capfd.readouterr().err
+    assert err == "a real error\n"
+
+
+def test_a_log_level_the_user_chose_is_kept_and_nothing_is_left_out(monkeypatch):
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "0")
+    left_out = []
+    monkeypatch.setattr(cli, "_start_up_lines_left_out", lambda: left_out.append(True))
+    cli._start_tensorflow()
+    assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "0" and not left_out
+
+
+def tiny_target():
+    """A module:function target: batches from memory and a step that does nothing."""
+    import numpy as np
+
+    return (np.zeros((4, 3), np.float32) for _ in range(1000)), lambda batch: None
+
+
+def test_the_command_prints_no_tensorflow_start_up_lines():
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    command = [sys.executable, "-m", "feedpipe", "diagnose", "tests.test_cli:tiny_target"]
+    result = subprocess.run(
+        [*command, "--json", "--steps", "2", "--warmup", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout)["command"].startswith("feedpipe diagnose tests.test_cli")
+    for piece in cli.START_UP_CHATTER:
+        assert piece not in result.stderr
