@@ -705,21 +705,16 @@ def test_a_hang_before_the_first_batch_is_a_timeout_at_construction(first_sample
 
 @pytest.fixture(scope="module")
 def stopped() -> dict[str, dict]:
-    """A worker frozen between samples (SIGSTOP) with timeout_s=1."""
+    """A worker frozen (SIGSTOP) while idle, before the first batch's tasks reach it, with
+    timeout_s=1: it never starts a sample, so only its silence can name it."""
     reports, _ = run_isolated(
         """
-        feeder = fp.Feeder(wf.SleepySource(400, 0.005), 4, devices=DEVICES, workers=2,
-                           timeout_s=1)
+        feeder = fp.Feeder(wf.IndexSource(400), 4, devices=DEVICES, workers=2, timeout_s=1)
         pids = worker_pids()
-        frozen = {}
-
-        def freeze(taken):
-            if taken == 3:
-                frozen["at"] = time.monotonic()
-                os.kill(pids["feedpipe-worker-1"], signal.SIGSTOP)
-
-        ids, asked, raised, error = take_until_error(feeder, freeze)
-        report("stopped", error_s=raised - frozen["at"], **described(error),
+        frozen_at = time.monotonic()
+        os.kill(pids["feedpipe-worker-1"], signal.SIGSTOP)
+        ids, asked, raised, error = take_until_error(feeder)
+        report("stopped", ids=ids, error_s=raised - frozen_at, **described(error),
                **closed_and_cleaned(feeder, list(pids.values())))
         """
     )
@@ -730,6 +725,8 @@ def test_a_worker_stopped_between_samples_is_a_timeout(stopped):
     got = stopped["stopped"]
     assert got["type"] == "TimeoutError", got
     assert "feedpipe-worker-1" in got["message"]
+    assert "no progress" in got["message"]
+    assert got["ids"] == []
     assert got["error_s"] < 3.0, f"{got['error_s']:.2f} s to the TimeoutError"
     assert got["processes_left"] == {}
     assert wait_gone(got["pids"])[0] == []
