@@ -476,6 +476,9 @@ class Feeder(tf.train.experimental.PythonState):
         # workers (each with the same feeder) each keep their replicas' rows of it.
         policy = tf.data.experimental.AutoShardPolicy.DATA
         options.experimental_distribute.auto_shard_policy = policy
+        # The feeder stages `depth` batches ahead in its own thread: a prefetch that TensorFlow
+        # would add only takes more batches before the step asks.
+        options.experimental_optimization.inject_prefetch = False
         dataset = dataset.with_options(options)
         dataset._feedpipe_feeder = self  # the feeder lives as long as its dataset
         # Keras's fit(shuffle=True), its default, cannot shuffle a dataset and says so on every

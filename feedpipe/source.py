@@ -402,7 +402,8 @@ class TFDatasetSource(Source):
         for dataset in _pipeline_of(self.dataset):
             if type(dataset).__name__ != "_ShuffleDataset":
                 continue
-            if dataset._reshuffle_each_iteration or dataset._seed is None:
+            unseeded = int(dataset._seed) == 0 and int(dataset._seed2) == 0  # TF's "random"
+            if dataset._reshuffle_each_iteration or unseeded:
                 raise ValueError(
                     "Cannot restore mid-epoch: the tf.data.Dataset source shuffles "
                     + (

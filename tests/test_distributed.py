@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -141,3 +143,73 @@ def test_fit_on_x_y_w_source_scales_given_weights(strategy):
     with fp.Feeder((x, y, weights), 8, strategy=strategy) as feeder:
         loss = model.evaluate(feeder.as_dataset(), verbose=0)
     assert loss == pytest.approx(expected, rel=1e-5)
+
+
+class TransformBroke(ArithmeticError):
+    """The error a transform raises here; a type of its own, so tests can see it survive."""
+
+
+def test_a_transform_error_under_fit_reaches_the_user_and_every_later_read(strategy):
+    """TensorFlow carries an error raised while reading a dataset as an OpError holding its
+    text; the feeder keeps the error itself and raises it on every later read."""
+
+    def fragile(sample):
+        if int(sample[1]) == 20:
+            raise TransformBroke("cannot transform sample 20")
+        return sample
+
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    with fp.Feeder(index_arrays(32), 8, strategy=strategy, transform=fragile) as feeder:
+        with pytest.raises(Exception) as raised:
+            model.fit(feeder.as_dataset(), verbose=0, callbacks=[feeder.fit_callback()])
+        if not isinstance(raised.value, TransformBroke):  # the text, through TensorFlow
+            assert isinstance(raised.value, tf.errors.OpError), raised.value
+            text = str(raised.value)
+            assert "TransformBroke: cannot transform sample 20" in text
+            assert "feedpipe: raised in feedpipe-producer-0" in text and "index 20" in text
+        for _ in range(2):
+            with pytest.raises(TransformBroke, match=r"^cannot transform sample 20") as again:
+                next(iter(feeder))
+            assert any("index 20 of epoch 0" in note for note in again.value.__notes__)
+
+
+@pytest.mark.parametrize("label_shape", [(8, 8, 1), (8, 8)], ids=["channel", "no-channel"])
+def test_the_added_sample_weight_broadcasts_against_per_pixel_losses(strategy, label_shape):
+    """A segmentation loss is one value per pixel: the weight of each row must reach them all
+    (and padding rows none), so the loss is the mean over the real images' pixels."""
+    rng = np.random.default_rng(0)
+    images = rng.normal(size=(13, 8, 8, 1)).astype(np.float32)
+    masks = rng.integers(0, 3, size=(13, *label_shape))
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((8, 8, 1)), keras.layers.Conv2D(3, 1, activation="softmax")]
+        )
+        model.compile("sgd", "sparse_categorical_crossentropy")
+    with fp.Feeder((images, masks), 8, strategy=strategy) as feeder:
+        loss = model.evaluate(feeder.as_dataset(), verbose=0)
+    pixels = keras.losses.sparse_categorical_crossentropy(masks, model(images)).numpy()
+    assert pixels.shape == (13, 8, 8)
+    expected = (pixels[:8].mean() + pixels[8:].mean()) / 2  # Keras averages batch losses
+    padded = (pixels[:8].mean() + np.concatenate([pixels[8:], pixels[8:11]]).mean()) / 2
+    assert abs(expected - padded) > 1e-4, "the data must tell padding from none"
+    assert loss == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_compiled_metrics_that_count_padding_rows_are_warned_about(strategy):
+    x, y = regression_data(13)
+    for metrics, warned in (({"metrics": ["mae"]}, True), ({"weighted_metrics": ["mae"]}, False)):
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((NUM_FEATURES,)), keras.layers.Dense(1)])
+            model.compile("sgd", "mse", **metrics)
+        with (
+            fp.Feeder((x, y), 8, strategy=strategy) as feeder,
+            warnings.catch_warnings(record=True) as caught,
+        ):
+            warnings.simplefilter("always")
+            model.fit(feeder.as_dataset(), verbose=0, callbacks=[feeder.fit_callback()])
+        said = [str(w.message) for w in caught if "weighted_metrics=" in str(w.message)]
+        assert len(said) == int(warned), said
+        if warned:
+            assert "3 padding rows" in said[0]

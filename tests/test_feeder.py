@@ -4,6 +4,7 @@ resume, bounded memory) and the errors a user gets for bad input."""
 from __future__ import annotations
 
 import collections
+import gc
 import json
 import threading
 import time
@@ -16,7 +17,12 @@ import tensorflow as tf
 
 import feedpipe as fp
 from feedpipe.sampler import Sampler
-from tests.conftest import HAS_GPU, feedpipe_threads, wait_for_no_feedpipe_threads
+from tests.conftest import (
+    HAS_GPU,
+    feedpipe_processes,
+    feedpipe_threads,
+    wait_for_no_feedpipe_threads,
+)
 from tests.fakes import (
     CountingSource,
     FailingSource,
@@ -636,6 +642,102 @@ def test_set_state_during_a_loop_is_refused(devices):
             break
 
 
+def test_resume_of_a_generator_that_shuffles_by_epoch_gives_the_same_stream(devices):
+    """A generator told the epoch (`fn(shard, num_shards, epoch)`) can seed its shuffle from it,
+    so a restore into a new feeder repeats the epoch's order and skips exactly what was taken."""
+
+    def shuffled(shard, num_shards, epoch):
+        for index in np.random.default_rng(epoch).permutation(10)[shard::num_shards]:
+            yield index_sample(int(index))
+
+    def build():
+        return fp.Feeder(fp.from_generator(shuffled), 4, devices=devices[:2])
+
+    with build() as feeder:
+        stream = take(feeder, 9)  # 3 batches per epoch, the last padded
+    assert sorted(i for s in stream[3:5] for i in s[2]) != list(range(8))
+    for stop in range(9):
+        with build() as interrupted:
+            take(interrupted, stop)
+            state = interrupted.get_state()
+        with build() as resumed:
+            resumed.set_state(state)
+            assert take(resumed, 9 - stop) == stream[stop:], f"resumed after {stop} steps"
+
+
+@pytest.mark.parametrize("reshuffle", [True, False])
+def test_a_tf_data_source_resumes_exactly_or_refuses_saying_why(devices, reshuffle):
+    """Resuming skips the batches already taken of a new iteration: exact when the dataset
+    repeats its order, and refused (never 16 of 64 samples twice and 16 never) when it does
+    not."""
+
+    def build():
+        dataset = tf.data.Dataset.from_tensor_slices(index_arrays(64))
+        dataset = dataset.shuffle(64, seed=7, reshuffle_each_iteration=reshuffle)
+        return fp.Feeder(dataset, 16, devices=devices[:2])
+
+    with build() as feeder:
+        take(feeder, 1)
+        state = feeder.get_state()
+        rest = take(feeder, 3)
+    with build() as resumed:
+        if reshuffle:
+            with pytest.raises(ValueError, match=r"reshuffle_each_iteration=True.*the 16 samples"):
+                resumed.set_state(state)
+            assert take(resumed, 1)[0][:2] == (0, 0), "a refused state must not move the feeder"
+        else:
+            resumed.set_state(state)
+            assert take(resumed, 3) == rest
+            assert sorted(i for s in rest for i in s[2]) == sorted(
+                set(range(64)) - set(take(build(), 1)[0][2])
+            )
+
+
+def test_a_generator_state_restored_into_another_worker_count_names_num_shards(devices):
+    """A generator's order is the rotation of its shards, one per worker."""
+
+    def build(workers):
+        return fp.Feeder(
+            fp.from_generator(index_generator(24)),
+            4,
+            devices=devices[:2],
+            workers=workers,
+            worker_mode="thread",
+        )
+
+    with build(2) as feeder:
+        take(feeder, 2)
+        state = feeder.get_state()
+    assert state["num_shards"] == 2
+    for workers in (0, 3):
+        with build(workers) as other, pytest.raises(ValueError, match=r"num_shards=2 .*workers=2"):
+            other.set_state(state)
+    with build(2) as same:
+        same.set_state(state)
+
+
+def test_a_generator_that_ignores_its_shard_is_warned_about(devices):
+    def unsharded(shard, num_shards):
+        yield from index_generator(8)(0, 1)
+
+    with (
+        pytest.warns(UserWarning, match=r"ignore \(shard, num_shards\).*each of the 2 workers"),
+        fp.Feeder(
+            fp.from_generator(unsharded), 4, devices=devices[:2], workers=2, worker_mode="thread"
+        ),
+    ):
+        pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp.Feeder(
+            fp.from_generator(index_generator(8)),
+            4,
+            devices=devices[:2],
+            workers=2,
+            worker_mode="thread",
+        ).close()
+
+
 def test_checkpoint_round_trips_the_position(devices, tmp_path):
     def build():
         return fp.Feeder(CountingSource(20), 4, devices=devices[:2], shuffle=True, seed=1)
@@ -813,6 +915,35 @@ def test_as_dataset_of_a_feeder_restored_mid_epoch_serves_the_rest_of_it(devices
         with pytest.raises(tf.errors.InvalidArgumentError, match=r"make a new one"):
             list(dataset)
         assert len(list(restored.as_dataset())) == 4
+
+
+def test_two_interleaved_dataset_iterators_are_refused_with_feedpipes_message(devices):
+    with fp.Feeder(index_arrays(16), 4, devices=devices[:2]) as feeder:
+        dataset = feeder.as_dataset()
+        first, second = iter(dataset), iter(dataset)
+        next(first)
+        assert host_batch_ids(next(second)).tolist() == [0, 1, 2, 3]  # the first, superseded
+        with pytest.raises(tf.errors.OpError, match=r"was superseded.*one consumer"):
+            next(first)
+        assert host_batch_ids(next(second)).tolist() == [4, 5, 6, 7]
+
+
+def test_no_worker_thread_or_memory_left_after_dropping_a_feeder_and_its_dataset(devices):
+    """The dataset holds its feeder, never the other way round: dropping both frees them,
+    however long TensorFlow keeps the dataset's generator function."""
+    feeder = fp.Feeder(
+        index_arrays(40), 4, devices=devices[:2], workers=2, transform=lambda sample: sample
+    )
+    dataset = feeder.as_dataset()
+    next(iter(dataset))
+    assert len(feeder_processes := feedpipe_processes()) == 2, feeder_processes
+    del feeder, dataset
+    assert wait_for_no_feedpipe_threads() == []
+    deadline = time.monotonic() + 5.0
+    while feedpipe_processes() and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert feedpipe_processes() == []
 
 
 # ---- bad input ----------------------------------------------------------------------------

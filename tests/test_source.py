@@ -102,6 +102,16 @@ def test_arrays_of_unequal_length_name_each_field_and_length():
         ArraySource({"a": np.zeros(4), "b": np.zeros(5)})
 
 
+@pytest.mark.parametrize("count", [8, 1000])
+def test_a_list_of_arrays_as_a_field_is_refused_in_a_few_words_with_the_fix(count):
+    images = [np.zeros((8, 8, 3), np.float32) for _ in range(count)]
+    with pytest.raises(TypeError, match=r"Field \[0\] of `source` is a list of .* items") as info:
+        ArraySource((images, np.zeros(count, np.int64)))
+    message = str(info.value)
+    assert "np.stack(images)" in message and "list(zip(images, labels))" in message
+    assert len(message) < 300
+
+
 def test_a_scalar_array_is_refused():
     with pytest.raises(ValueError, match=r"Field \[1\] of `source` is a scalar"):
         ArraySource((np.zeros(3), np.float32(1.0)))
@@ -160,6 +170,19 @@ def test_generator_source_calls_fn_once_per_epoch_with_one_shard():
     assert calls == [(0, 1), (0, 1)]
 
 
+def test_a_generator_that_takes_three_arguments_is_told_the_epoch():
+    calls = []
+
+    def generate(shard, num_shards, epoch):
+        calls.append((shard, num_shards, epoch))
+        yield from index_generator(3)(shard, num_shards)
+
+    source = fp.from_generator(generate)
+    for epoch in (0, 5):
+        assert [int(s[1]) for s in source.samples(epoch)] == [0, 1, 2]
+    assert calls == [(0, 1, 0), (0, 1, 5)]
+
+
 def test_from_generator_refuses_what_is_not_callable():
     with pytest.raises(TypeError, match=r"needs a callable fn\(shard, num_shards\).*got list"):
         fp.from_generator([1, 2, 3])
@@ -168,6 +191,27 @@ def test_from_generator_refuses_what_is_not_callable():
 def test_empty_generator_is_refused():
     with pytest.raises(ValueError, match="generator yielded no sample"):
         fp.from_generator(index_generator(0)).first_sample()
+
+
+@pytest.mark.parametrize(
+    ("shuffle", "why"),
+    [
+        ({}, r"anew on each iteration \(reshuffle_each_iteration=True\)"),
+        ({"seed": 3}, r"anew on each iteration"),
+        ({"reshuffle_each_iteration": False}, "without a seed"),
+    ],
+)
+def test_a_tf_dataset_whose_order_changes_between_iterations_cannot_resume_mid_epoch(shuffle, why):
+    dataset = tf.data.Dataset.from_tensor_slices(index_arrays(64)).shuffle(64, **shuffle)
+    source = TFDatasetSource(dataset.map(lambda x, y: (x, y)).batch(1).unbatch())
+    with pytest.raises(ValueError, match=rf"Cannot restore mid-epoch.*{why}.*skipping the 16"):
+        source.check_resumable(16)
+
+
+def test_a_tf_dataset_shuffled_the_same_way_every_iteration_can_resume_mid_epoch():
+    dataset = tf.data.Dataset.from_tensor_slices(index_arrays(64))
+    TFDatasetSource(dataset.shuffle(64, seed=3, reshuffle_each_iteration=False)).check_resumable(16)
+    TFDatasetSource(dataset).check_resumable(16)
 
 
 def test_tf_dataset_blocks_are_batched_by_tensorflow():
