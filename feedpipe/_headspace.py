@@ -34,14 +34,17 @@ def bounded_verdict(low: float, high: float) -> str:
     return judged if verdict(high) == judged else CANNOT_TELL
 
 
-def bracket(*measurements: list[float]) -> tuple[float, float, float]:
-    """The step alone over a stretch it was timed on both sides of: the mean of the
-    measurements' means, and the least and most it may have taken, each mean less or plus twice
-    its standard error. The machine's load, changing between the measurements, widens them."""
+def bracket(*measurements: list[float], compared_over: int) -> tuple[float, float, float]:
+    """The step alone over a stretch of `compared_over` steps it was timed on both sides of:
+    the mean of the measurements' means, and the least and most the step alone may have
+    averaged over the stretch, each mean less or plus twice its noise. The noise counts both
+    samples, the measurement and the stretch (`sd * sqrt(1/n + 1/compared_over)`); the
+    machine's load, changing between the measurements, widens the bound further."""
     means, noise = [], []
     for times in measurements:
         means.append(statistics.fmean(times))
-        noise.append(2 * statistics.stdev(times) / len(times) ** 0.5 if len(times) > 1 else 0.0)
+        spread = statistics.stdev(times) if len(times) > 1 else 0.0
+        noise.append(2 * spread * (1 / len(times) + 1 / max(compared_over, 1)) ** 0.5)
     return (
         statistics.fmean(means),
         min(m - n for m, n in zip(means, noise, strict=True)),

@@ -112,8 +112,9 @@ class Diagnosis:
     remedies: tuple[Remedy, ...] = ()
     step_alone_range_s: tuple[float, float] | None = None
     """The least and most seconds the step alone may have taken per step while together ran:
-    the consumer-alone measurements before and after it, each widened by twice its standard
-    error. Derived waits only; None where waits were timed directly."""
+    the consumer-alone measurements before and after it, each widened by twice its noise (see
+    `feedpipe._headspace.bracket`). Derived waits only; None where waits were timed
+    directly."""
     measured_at: str = ""
     """When the measurement began, as an ISO 8601 time with its UTC offset."""
     keras_arrays_step_s: tuple[float, ...] = ()
@@ -854,7 +855,7 @@ def diagnose(
         run.restore()
     alone_range = None
     if again:
-        alone_s, low_s, high_s = bracket(consumer, again)
+        alone_s, low_s, high_s = bracket(consumer, again, compared_over=len(together))
         together = _split_waits(together, alone_s)
         alone_range = (max(0.0, low_s), high_s)
     measured = Diagnosis(

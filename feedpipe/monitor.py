@@ -74,21 +74,23 @@ class EpochStarvation:
     of the measurements at the end of the epoch before (none for the fit's first) and at the
     end of this one."""
     step_alone_low_s: float
-    """The shortest the step alone may have taken during the epoch: the faster measurement,
-    less twice its standard error."""
+    """The least the step alone may have averaged over the epoch: the faster measurement, less
+    twice its noise (that of its own steps and of the epoch's, see `bracket`)."""
     step_alone_high_s: float
-    """The longest the step alone may have taken during the epoch: the slower measurement, plus
-    twice its standard error. Far from `step_alone_low_s`: the machine's load changed the
+    """The most the step alone may have averaged over the epoch: the slower measurement, plus
+    twice its noise. Far from `step_alone_low_s`: the machine's load changed the
     step's speed around the epoch."""
     producer_samples_per_s: float | None = None
     """What the monitored `Feeder`'s producer alone sustains (see `FeedStats`); None
     without a feeder."""
     feeder_wait_fraction: float | None = None
     """The share of this epoch the monitored `Feeder`'s consumer waited for a staged batch,
-    as `feeder.stats()` counts it; None without a feeder. Under `fit` that consumer is
-    tf.data's prefetch thread reading `as_dataset()`, not the step: it waits while the step
-    computes too, so a feeder slower than the step reads near 100 % here, and the hand-off
-    into TensorFlow is not in it. The two agree on the verdict, not the figure."""
+    as `feeder.stats()` counts it; None without a feeder. Under `fit` that consumer is the
+    step's own `get_next` reading `as_dataset()`, so it sees the same wait as the monitor,
+    less what only the monitor sees: TensorFlow taking the batch from the feeder, and the
+    input's threads competing with the step for the CPU. A `prefetch` added after
+    `as_dataset()` moves the consumer to tf.data's thread, which waits while the step
+    computes too: then it reads higher than the step's wait."""
 
     @property
     def input_wait_fraction(self) -> float:
@@ -173,8 +175,8 @@ class EpochStarvation:
             )
         if seen - high >= MODERATE_FRACTION:
             return note + (
-                "; it reads higher because it times tf.data's prefetch thread, which takes "
-                "the next batch while the step runs and so also waits while the step computes"
+                "; it reads higher: a prefetch after as_dataset() makes tf.data's thread the "
+                "feeder's consumer, and that thread waits while the step computes too"
             )
         return note
 
@@ -276,6 +278,7 @@ class StarvationMonitor(keras.callbacks.Callback):
         self._call_steps = 1
         self._epoch_busy_s = 0.0
         self._epoch_steps = 0
+        self._epoch_calls_timed = 0
         self._feeder_at_begin: Any = None
 
     def on_train_begin(self, logs=None):
@@ -314,6 +317,7 @@ class StarvationMonitor(keras.callbacks.Callback):
         self._started = None
         self._epoch_busy_s = 0.0
         self._epoch_steps = 0
+        self._epoch_calls_timed = 0
         self._feeder_at_begin = None if self.feeder is None else self.feeder.stats()
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -325,13 +329,16 @@ class StarvationMonitor(keras.callbacks.Callback):
         if self._started is not None:
             self._epoch_busy_s += time.perf_counter() - self._started
             self._epoch_steps += self._call_steps
+            self._epoch_calls_timed += 1
             self._started = None
 
     def on_epoch_end(self, epoch, logs=None):
         if self._epoch_steps == 0:
             return
         before, self._alone = self._alone, self._time_step_alone()
-        step_alone_s, low_s, high_s = bracket(*filter(None, [before, self._alone]))
+        step_alone_s, low_s, high_s = bracket(
+            *filter(None, [before, self._alone]), compared_over=self._epoch_calls_timed
+        )
         producer = feeder_wait = None
         if self.feeder is not None:
             stats = self.feeder.stats()
