@@ -6,7 +6,11 @@
 A target is a function that returns `(input, step)`: the input (an fp.Feeder, tf.data.Dataset,
 keras PyDataset or any iterable of batches) and the step (a compiled Keras model, trained as
 `model.fit` trains it, or a callable taking one batch). `slow_reads` reads each sample after a
-1 ms wait, as a slow disk or a remote store would; `arrays` feeds the same model from memory.
+1 ms wait, as a slow disk or a remote store would: highly input-bound, with remedies. `arrays`
+feeds the same model from memory: not input-bound on a quiet machine; where other load
+changes the step's speed during the run, "cannot tell" with its bound. For `arrays`, diagnose
+also times Keras's own array input (what `model.fit(x, y)` runs) in turn with the feeder, and
+suggests it where it is clearly faster.
 """
 
 import time

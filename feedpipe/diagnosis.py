@@ -119,8 +119,13 @@ class Diagnosis:
     """When the measurement began, as an ISO 8601 time with its UTC offset."""
     keras_arrays_step_s: tuple[float, ...] = ()
     """Seconds of each step of the same model fed by Keras's own array input, as
-    `model.fit(x, y)` feeds it, on the feeder's arrays: timed last, where the input is a
-    Feeder over small numpy arrays onto CPUs and the step a Keras model; empty otherwise."""
+    `model.fit(x, y)` feeds it, on the feeder's arrays: timed last, step by step in turn with
+    `feeder_beside_step_s`, where the input is a Feeder over small numpy arrays onto CPUs and
+    the step a Keras model; empty otherwise."""
+    feeder_beside_step_s: tuple[float, ...] = ()
+    """Seconds of each step fed by the feeder, taken in turn with `keras_arrays_step_s` so that
+    both see the same load (the feeder gains time to stage while the other runs: an upper
+    bound on its rate, so the comparison favours it)."""
 
     @property
     def producer_steps_per_s(self) -> float:
@@ -203,6 +208,7 @@ class Diagnosis:
             "consumer_step_s": list(self.consumer_step_s),
             "together": [dataclasses.asdict(s) for s in self.together],
             "keras_arrays_step_s": list(self.keras_arrays_step_s),
+            "feeder_beside_step_s": list(self.feeder_beside_step_s),
         }
 
     def __str__(self) -> str:
@@ -233,8 +239,9 @@ class Diagnosis:
         ]
         if self.keras_arrays_step_s:
             lines.append(
-                f"  model.fit(x, y)  {_rate(self.keras_arrays_step_s):10.1f} steps/s  (the same "
-                "model on the feeder's arrays through Keras's own array input)"
+                f"  model.fit(x, y)  {_rate(self.keras_arrays_step_s):10.1f} steps/s  (Keras's "
+                f"own array input, step by step in turn with the feeder's "
+                f"{_rate(self.feeder_beside_step_s):,.1f})"
             )
         if self.step_alone_range_s is not None:
             low_s, high_s = self.step_alone_range_s
@@ -387,9 +394,12 @@ class _CallableRun:
         """The consumer alone after together: needed only where waits are derived."""
         return []
 
-    def keras_arrays(self, warmup: int, count: int, progress: _Progress) -> list[float]:
-        """The step fed by Keras's own array input: only for a Keras model."""
-        return []
+    def keras_arrays(
+        self, warmup: int, count: int, progress: _Progress
+    ) -> tuple[list[float], list[float]]:
+        """The step fed by Keras's own array input, and by the feeder in turn with it: only for
+        a Keras model."""
+        return [], []
 
     def producer_alone(self, count: int, progress: _Progress) -> list[float]:
         progress.start("producer alone (batches taken as fast as the input makes them)", count)
@@ -477,28 +487,33 @@ class _KerasRun(_CallableRun):
         self.kept = None
         return times
 
-    def keras_arrays(self, warmup: int, count: int, progress: _Progress) -> list[float]:
-        """The train function fed as `model.fit(x, y)` would feed it the feeder's arrays, where
-        the feeder reads small `(x, y)` or `(x, y, sample_weight)` arrays onto CPUs."""
+    def keras_arrays(
+        self, warmup: int, count: int, progress: _Progress
+    ) -> tuple[list[float], list[float]]:
+        """The train function fed as `model.fit(x, y)` would feed it the feeder's arrays, step
+        by step in turn with the feeder, where the feeder reads small `(x, y)` or
+        `(x, y, sample_weight)` arrays onto CPUs."""
         data = _small_arrays_on_cpu(self.source)
         if data is None:
-            return []
+            return [], []
         from keras.src.trainers.data_adapters import get_data_adapter
 
         adapter = get_data_adapter(*data, batch_size=self.source.options.global_batch_size)
         dataset = adapter.get_tf_dataset().repeat()
         batches = iter(self.model.distribute_strategy.experimental_distribute_dataset(dataset))
         progress.start(
-            "model.fit(x, y) on the same arrays (the first steps untimed)", warmup + count
+            "model.fit(x, y) on the same arrays, in turn with the feeder (the first untimed)",
+            warmup + count,
         )
-        times = []
+        direct, beside = [], []
         for i in range(warmup + count):
-            started = time.perf_counter()
-            finish(self.train(batches))
-            if i >= warmup:
-                times.append((time.perf_counter() - started) / self.spe)
+            for iterator, times in ((batches, direct), (self.batches, beside)):
+                started = time.perf_counter()
+                finish(self.train(iterator))
+                if i >= warmup:
+                    times.append((time.perf_counter() - started) / self.spe)
             progress.step()
-        return times
+        return direct, beside
 
     def _time_alone(self, label: str, count: int, progress: _Progress) -> list[float]:
         progress.start(label, count)
@@ -590,6 +605,9 @@ def _epoch_bytes(feeder: Feeder | None, batch_bytes: int) -> int | None:
 HANDOFF_MARGIN = 2.0
 """The feeder's own producer at least this many times faster than the batches reaching the
 step: the hand-off from `as_dataset()` into TensorFlow, not the feeder, limits the input."""
+DIRECT_MARGIN = 1.1
+"""Keras's own array input must beat the feeder by this much, side by side, to be suggested:
+a smaller edge is within what a busy machine moves between two steps."""
 SMALL_ARRAYS_BYTES = 2**30
 """Arrays up to this size count as small: Keras's own array input keeps a second copy."""
 
@@ -693,14 +711,16 @@ def rank_remedies(
             )
     if diagnosis.keras_arrays_step_s and feeder is not None:
         direct = _rate(diagnosis.keras_arrays_step_s)
-        add(
-            f"model.fit(x, y, batch_size={feeder.options.global_batch_size}) on the arrays "
-            "directly, without fp.Feeder (if they need no per-sample `transform`)",
-            f"measured here: the same model fed by Keras's own array input ran {direct:,.1f} "
-            f"steps/s, {direct / achieved:.2f}x the rate through the feeder; for these arrays "
-            "in memory on a CPU, feedpipe does not help",
-            direct,
-        )
+        beside = _rate(diagnosis.feeder_beside_step_s)
+        if direct > DIRECT_MARGIN * beside:
+            add(
+                f"model.fit(x, y, batch_size={feeder.options.global_batch_size}) on the arrays "
+                "directly, without fp.Feeder (if they need no per-sample `transform`)",
+                f"measured here, step by step in turn: Keras's own array input ran "
+                f"{direct:,.1f} steps/s, the feeder {beside:,.1f}; for these arrays in memory "
+                "on a CPU, feedpipe does not help",
+                achieved * direct / beside,
+            )
     handoff = _handoff_bound(diagnosis, feeder)
     if handoff is not None:
         add(
@@ -844,7 +864,7 @@ def diagnose(
         producer = run.producer_alone(steps, bar)
         together = run.together(warmup, steps, bar)
         again = run.consumer_again(steps, bar)
-        arrays = run.keras_arrays(warmup, steps, bar)
+        arrays, beside = run.keras_arrays(warmup, steps, bar)
     except (StopIteration, tf.errors.OutOfRangeError) as error:
         raise ValueError(
             f"The input ({_input_kind(source)}) ran out of batches: diagnose takes {needed} "
@@ -869,6 +889,7 @@ def diagnose(
         step_alone_range_s=alone_range,
         measured_at=measured_at,
         keras_arrays_step_s=tuple(arrays),
+        feeder_beside_step_s=tuple(beside),
     )
     return dataclasses.replace(
         measured,

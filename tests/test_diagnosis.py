@@ -370,9 +370,9 @@ def test_keras_own_array_input_is_measured_for_small_arrays_on_a_cpu_only():
         arrays = run(feeder, sleeping_model(0.0), steps=3)
     with slow_feeder(0.0) as feeder:  # map-style, not arrays
         mapped = run(feeder, sleeping_model(0.0), steps=3)
-    assert len(arrays.keras_arrays_step_s) == 3
+    assert len(arrays.keras_arrays_step_s) == len(arrays.feeder_beside_step_s) == 3
     assert "model.fit(x, y)" in str(arrays)
-    assert mapped.keras_arrays_step_s == ()
+    assert mapped.keras_arrays_step_s == mapped.feeder_beside_step_s == ()
 
 
 @pytest.mark.parametrize(("direct_s", "suggested"), [(0.05, True), (0.2, False)])
@@ -380,14 +380,16 @@ def test_fit_on_the_arrays_directly_is_suggested_only_where_it_was_measured_fast
     direct_s, suggested
 ):
     measured = dataclasses.replace(
-        diagnosis_of(0.01, 0.05, 0.1, 0.05), keras_arrays_step_s=(direct_s,) * 10
+        diagnosis_of(0.01, 0.05, 0.1, 0.05),
+        keras_arrays_step_s=(direct_s,) * 10,
+        feeder_beside_step_s=(0.1,) * 10,
     )
     with slow_feeder(0.0) as feeder:
         remedies = rank_remedies(measured, feeder, cores=2, memcpy_s=1e-4, memory_bytes=2**34)
     direct = [r for r in remedies if r.action.startswith("model.fit(x, y")]
     assert bool(direct) == suggested
     if suggested:
-        assert direct[0].expected_steps_per_s == pytest.approx(1 / direct_s)
+        assert direct[0].expected_steps_per_s == pytest.approx(10.0 * 0.1 / direct_s)
         assert "feedpipe does not help" in direct[0].why
 
 
