@@ -36,10 +36,11 @@ def bounded_verdict(low: float, high: float) -> str:
 
 def bracket(*measurements: list[float], compared_over: int) -> tuple[float, float, float]:
     """The step alone over a stretch of `compared_over` steps it was timed on both sides of:
-    the mean of the measurements' means, and the least and most the step alone may have
-    averaged over the stretch, each mean less or plus twice its noise. The noise counts both
-    samples, the measurement and the stretch (`sd * sqrt(1/n + 1/compared_over)`); the
-    machine's load, changing between the measurements, widens the bound further."""
+    the mean of the measurements' means, and the least (never below zero) and most the step
+    alone may have averaged over the stretch, each mean less or plus twice its noise. The
+    noise counts both samples, the measurement and the stretch
+    (`sd * sqrt(1/n + 1/compared_over)`); the machine's load, changing between the
+    measurements, widens the bound further."""
     means, noise = [], []
     for times in measurements:
         means.append(statistics.fmean(times))
@@ -47,7 +48,7 @@ def bracket(*measurements: list[float], compared_over: int) -> tuple[float, floa
         noise.append(2 * spread * (1 / len(times) + 1 / max(compared_over, 1)) ** 0.5)
     return (
         statistics.fmean(means),
-        min(m - n for m, n in zip(means, noise, strict=True)),
+        max(0.0, min(m - n for m, n in zip(means, noise, strict=True))),
         max(m + n for m, n in zip(means, noise, strict=True)),
     )
 

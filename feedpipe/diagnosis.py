@@ -877,7 +877,7 @@ def diagnose(
     if again:
         alone_s, low_s, high_s = bracket(consumer, again, compared_over=len(together))
         together = _split_waits(together, alone_s)
-        alone_range = (max(0.0, low_s), high_s)
+        alone_range = (low_s, high_s)
     measured = Diagnosis(
         _input_kind(source),
         step_kind,

@@ -140,14 +140,14 @@ class EpochStarvation:
     def __str__(self) -> str:
         low, high = self.input_wait_range
         rates = (
-            f"{self.steps_per_s:,.1f} steps/s achieved; the step alone runs "
-            f"{1 / self.step_alone_high_s:,.1f} to {1 / self.step_alone_low_s:,.1f} steps/s"
+            f"{self.steps_per_s:,.1f} steps/s achieved; the step alone took "
+            f"{self.step_alone_low_s * 1e3:,.2f} to {self.step_alone_high_s * 1e3:,.2f} ms"
         )
         if self.verdict == CANNOT_TELL:
             line = (
                 f"{CANNOT_TELL}: the step waited for input {low:.1%} to {high:.1%} of the time "
-                f"({verdict(low)} to {verdict(high)}): the step alone changed speed around this "
-                f"epoch, as other load on the machine does ({rates})"
+                f"({verdict(low)} to {verdict(high)}): the step alone's speed varied in the "
+                f"measurements around this epoch, as other load on the machine makes it ({rates})"
             )
         else:
             line = (

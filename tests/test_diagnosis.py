@@ -325,6 +325,8 @@ slows, stays a small part of it."""
     ],
 )
 def test_diagnose_verdict_holds_under_competing_cpu_load(step, batch_s, expected):
+    """Under load, the verdict is the truth or, where the load makes the step alone too
+    uncertain, "cannot tell" with a bound that reaches the truth: never a wrong band."""
     with competing_cpu_load(per_core=1):
         if step == "callable":
             with slow_feeder(batch_s) as feeder:
@@ -333,11 +335,11 @@ def test_diagnose_verdict_holds_under_competing_cpu_load(step, batch_s, expected
             diagnosis = run(slow_dataset(batch_s), sleeping_model(LOADED_STEP_S), steps=15)
         else:
             diagnosis = run(in_memory_data(20), sleeping_model(LOADED_STEP_S), steps=15)
+    assert diagnosis.verdict in (expected, CANNOT_TELL), str(diagnosis)
     if expected == "not input-bound":
-        assert diagnosis.verdict in (expected, CANNOT_TELL), str(diagnosis)
         assert diagnosis.input_bound_range[0] < 0.05, str(diagnosis)
     else:
-        assert diagnosis.verdict == expected, str(diagnosis)
+        assert diagnosis.input_bound_range[1] >= 0.2, str(diagnosis)
 
 
 def test_load_that_starts_after_the_consumer_alone_is_not_read_as_input_wait(monkeypatch):

@@ -177,7 +177,7 @@ def test_history_and_the_printed_line_carry_each_epochs_figures(capsys):
             f"StarvationMonitor epoch {number}: highly input-bound: the step waited for input "
             f"{epoch.input_wait_fraction:.1%} of the time (bound {low:.1%} to {high:.1%}; "
         )
-        assert f"{epoch.steps_per_s:,.1f} steps/s achieved; the step alone runs " in line
+        assert f"{epoch.steps_per_s:,.1f} steps/s achieved; the step alone took " in line
 
 
 def test_monitor_and_feeder_stats_agree_on_a_starved_feeder():
@@ -324,10 +324,14 @@ def test_monitor_verdict_holds_when_competing_cpu_load_starts_mid_fit():
     assert loaded.input_wait_range[0] < MODERATE_FRACTION, str(loaded)
 
 
-@pytest.mark.parametrize(("batch_s", "expected"), [(3 * STEP_S, "highly input-bound"), (0.0, None)])
+@pytest.mark.parametrize(
+    ("batch_s", "expected"), [(3 * STEP_S, "highly input-bound"), (0.0, "not input-bound")]
+)
 def test_monitor_verdict_holds_under_competing_cpu_load(batch_s, expected):
-    """Under load for the whole fit, a producer three times slower than the step is still
-    highly input-bound, and an input in memory is still not input-bound."""
+    """Under load for the whole fit, a producer three times slower than the step is judged
+    highly input-bound and an input in memory not input-bound, or, where the load makes the
+    step alone too uncertain, "cannot tell" with a bound that reaches the truth: never a
+    wrong band."""
     model = sleeping_model(STEP_S)
     monitor = fp.StarvationMonitor(verbose=0)
     with competing_cpu_load(per_core=1):
@@ -339,11 +343,11 @@ def test_monitor_verdict_holds_under_competing_cpu_load(batch_s, expected):
             callbacks=[monitor],
         )
     for epoch in monitor.epochs:
-        if expected:
-            assert epoch.verdict == expected, str(epoch)
-        else:
-            assert epoch.verdict in ("not input-bound", CANNOT_TELL), str(epoch)
+        assert epoch.verdict in (expected, CANNOT_TELL), str(epoch)
+        if expected == "not input-bound":
             assert epoch.input_wait_range[0] < MODERATE_FRACTION, str(epoch)
+        else:
+            assert epoch.input_wait_range[1] >= HIGH_FRACTION, str(epoch)
 
 
 def test_the_step_alone_runs_through_the_same_compiled_input_path_as_fit():
