@@ -701,7 +701,8 @@ def rank_remedies(
         )
         if feeder is None:
             add("stage batches ahead on the devices: fp.Feeder(...)", why, bound)
-        elif staged and min(staged) == 0:  # the ring ran dry: more of it rides out the jitter
+        elif producer >= consumer and staged and min(staged) == 0:
+            # Fast enough on average, yet the ring ran dry: more of it rides out the jitter.
             depth = feeder.options.depth
             empty = sum(count == 0 for count in staged) / len(staged)
             add(
@@ -784,13 +785,17 @@ def rank_remedies(
                 min(consumer, producer * cores),
             )
     if not found and achieved < OVERLAP_SLACK * bound:
+        ready = (
+            ", and the feeder always had a batch staged when the step asked"
+            if staged and min(staged) > 0
+            else ""
+        )
         found.append(
             (
                 "none predicted to help: the input and the step slow each other down",
                 f"each alone is faster than together ({producer:,.1f} and {consumer:,.1f} "
-                f"against {achieved:,.1f} steps/s), and the feeder always had a batch staged "
-                "when the step asked: run at once, they share the CPU's cores and Python's "
-                "GIL; on a GPU the step would leave those to the input",
+                f"against {achieved:,.1f} steps/s){ready}: run at once, they share the CPU's "
+                "cores and Python's GIL; on a GPU the step would leave those to the input",
                 achieved,
             )
         )

@@ -158,6 +158,31 @@ def test_an_input_bound_verdict_with_nothing_predicted_to_help_says_so():
     assert remedies[0].gain == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize(
+    ("producer_s", "staged", "suggested"),
+    [(0.008, (2, 0, 1, 0), True), (0.008, (2, 1, 2, 1), False), (0.1, (0, 0, 0, 0), False)],
+)
+def test_deeper_staging_is_suggested_only_where_a_fast_enough_feeder_ran_dry(
+    producer_s, staged, suggested
+):
+    # Together 20 steps/s against a step alone of 100: the sides do not overlap. Deeper
+    # staging rides out jitter only where the producer keeps up on average and the step
+    # found the ring empty; a slower producer empties any ring.
+    measured = Diagnosis(
+        "test input",
+        "test step",
+        1024,
+        (producer_s,) * 10,
+        (0.01,) * 10,
+        tuple(StepTiming(0.04, 0.01, count) for count in staged),
+        False,
+    )
+    with slow_feeder(0.0) as feeder:
+        remedies = rank_remedies(measured, feeder, cores=2, memcpy_s=1e-4, memory_bytes=2**34)
+    actions = [r.action for r in remedies]
+    assert any(a.startswith("deeper staging: depth=4") for a in actions) == suggested, actions
+
+
 def test_caching_is_suggested_only_when_an_epoch_fits_in_memory():
     measured = diagnosis_of(0.1, 0.01, 0.111, 0.101)
     with slow_feeder(0.0) as feeder:  # 1250 batches of 1024 bytes: 1.25 MB an epoch
