@@ -32,7 +32,7 @@ import numpy as np
 
 from feedpipe._shm import map_shared
 from feedpipe.slots import HostSlot, SlotLayout
-from feedpipe.writer import RowStream, SampleWriter, read_spec
+from feedpipe.writer import RowStream, SampleWriter, first_look
 
 PARENT_CHECK_S = 0.25
 """How often a worker process checks that its parent is still alive (besides the kernel)."""
@@ -42,7 +42,8 @@ _PR_SET_PDEATHSIG = 1
 class TaskRunner:
     """Runs one worker's tasks with its own copy of the source (a generator's: its shard).
 
-    Until `configure` gives it the spec, it can only read the spec (`("spec", id)`). Then:
+    Until `configure` gives it the spec, it can only look at its first sample (`("spec", id)`:
+    the spec and a digest, see `first_look`). Then:
     `("rows", id, slot, epoch, first_row, indices)` fills those rows of a slot;
     `("stream", id, slot, epoch, generation)` fills a slot with the next rows of this worker's
     shard, restarting the shard for a new (generation, epoch); `("epoch_end", id, epoch)` tells
@@ -73,7 +74,7 @@ class TaskRunner:
     def run(self, task: tuple):
         kind = task[0]
         if kind == "spec":
-            return read_spec(self.source, self.transform, self.seed, self.status)
+            return first_look(self.source, self.transform, self.seed, self.status)
         if kind == "rows":
             _, _, ident, epoch, first_row, indices = task
             self.writer.fill_rows(self.slots[ident], epoch, first_row, indices)

@@ -32,7 +32,7 @@ from feedpipe.source import SampleSpec, TFDatasetSource, as_source, field_name
 from feedpipe.split import ReplicaSplit
 from feedpipe.stage import HostStager, Stager, check_stageable
 from feedpipe.stats import FeedStats, StatsRecorder
-from feedpipe.writer import SampleWriter, read_spec
+from feedpipe.writer import SampleWriter, first_look
 
 STATE_VERSION = 1
 WORKER_MODES = ("process", "thread")
@@ -214,7 +214,7 @@ class Feeder(tf.train.experimental.PythonState):
             if workers:
                 sample_spec = self._workers.first_spec()
             else:
-                sample_spec = read_spec(self._source, transform, seed)
+                sample_spec, _ = first_look(self._source, transform, seed)
             axes = _axes(transpose, sample_spec)
             self.spec = sample_spec.transposed(axes)
             """What each batch holds: the samples after `transform` and `transpose`."""
@@ -252,8 +252,6 @@ class Feeder(tf.train.experimental.PythonState):
         """The error that closed the feeder: every later read raises it again."""
         self._untracked = False
         """Passes of `as_dataset` were read since the position was settled, with no tracker."""
-        if workers > 1 and self._source.shards_order:
-            self._source.warn_if_unsharded(workers)
 
     def _start_workers(self, transform):
         from feedpipe import workers as pool

@@ -21,7 +21,6 @@ import inspect
 import math
 import sys
 import threading
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -328,23 +327,6 @@ class GeneratorSource(Source):
         if self.takes_epoch:
             return iter(self.fn(self.shard, self.num_shards, epoch))
         return iter(self.fn(self.shard, self.num_shards))
-
-    def warn_if_unsharded(self, num_shards: int) -> None:
-        """Warns when shards 0 and 1 of `num_shards` begin with the same sample: `fn` then
-        seems to ignore its shard, and every worker would deliver every sample."""
-        first, second = (
-            optree.tree_leaves(self.sharded(shard, num_shards).first_sample()) for shard in (0, 1)
-        )
-        if len(first) == len(second) and all(
-            np.array_equal(a, b) for a, b in zip(first, second, strict=True)
-        ):
-            warnings.warn(
-                f"fn(0, {num_shards}) and fn(1, {num_shards}) of fp.from_generator begin with "
-                "the same sample: fn seems to ignore (shard, num_shards), so each of the "
-                f"{num_shards} workers would deliver every sample. Yield only shard `shard` "
-                "(e.g. itertools.islice(samples, shard, None, num_shards)).",
-                stacklevel=3,
-            )
 
     def first_sample(self) -> Any:
         for sample in self.samples(0):

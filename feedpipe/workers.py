@@ -115,9 +115,10 @@ class _Pool:
     stopped answering with `_abandon`.
     """
 
-    def __init__(self, count: int, status: np.ndarray, timeout_s: float | None):
+    def __init__(self, count: int, status: np.ndarray, timeout_s: float | None, num_shards: int):
         self.count = count
         self.timeout_s = timeout_s
+        self.num_shards = num_shards
         self.names = [f"feedpipe-worker-{i}" for i in range(count)]
         self.status = _idle_status(status)
         self.watchdog = Watchdog(self.status, self.names, timeout_s)
@@ -155,13 +156,30 @@ class _Pool:
         return replies
 
     def first_spec(self) -> Any:
-        """The spec of sample 0, read (and transformed) by worker 0."""
-        self.submit(0, ("spec", SPEC_TASK))
-        while True:
-            for reply in self.replies(WAIT_SLICE_S):
-                if reply.kind == "error":
-                    raise reply.value
-                return reply.value
+        """The spec of sample 0, read (and transformed) by worker 0.
+
+        With generator shards, worker 1 looks at its first sample too: a `fn` that yields the
+        same first sample for shards 0 and 1 ignores its shard, and every worker would deliver
+        every sample, which is said in a warning.
+        """
+        lookers = range(2 if self.num_shards > 1 else 1)
+        for worker in lookers:
+            self.submit(worker, ("spec", SPEC_TASK))
+        looks: dict[int, Reply] = {}
+        while len(looks) < len(lookers):
+            looks.update((reply.worker, reply) for reply in self.replies(WAIT_SLICE_S))
+        if looks[0].kind == "error":
+            raise looks[0].value
+        spec, digest = looks[0].value
+        if len(looks) > 1 and looks[1].kind == "done" and looks[1].value[1] == digest:
+            warnings.warn(
+                f"fn(0, {self.num_shards}) and fn(1, {self.num_shards}) of fp.from_generator "
+                "begin with the same sample: fn seems to ignore (shard, num_shards), so each "
+                f"of the {self.num_shards} workers would deliver every sample. Yield only shard "
+                "`shard` (e.g. itertools.islice(samples, shard, None, num_shards)).",
+                stacklevel=3,
+            )
+        return spec
 
     def configure(self, spec: Any, axes: list, layouts: dict) -> None:
         """Tells every worker what samples look like and how slots are laid out."""
@@ -205,9 +223,8 @@ class ProcessWorkers(_Pool):
         remove_orphans()
         payload, data, spans = _pack(setup)
         self._status_buffer = SharedBuffer(count * 3 * 8, "status")
-        super().__init__(
-            count, self._status_buffer.array.view(np.float64).reshape(count, 3), timeout_s
-        )
+        status = self._status_buffer.array.view(np.float64).reshape(count, 3)
+        super().__init__(count, status, timeout_s, setup["num_shards"])
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         self._known: list[set[int]] = [set() for _ in range(count)]
@@ -373,7 +390,7 @@ class ThreadWorkers(_Pool):
     kind = "thread"
 
     def __init__(self, count: int, setup: dict, timeout_s: float | None):
-        super().__init__(count, np.zeros((count, 3)), timeout_s)
+        super().__init__(count, np.zeros((count, 3)), timeout_s, setup["num_shards"])
         self._slots: dict[int, HostSlot] = {}
         self._tasks = [queue.SimpleQueue() for _ in range(count)]
         self._replies: queue.SimpleQueue = queue.SimpleQueue()

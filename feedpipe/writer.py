@@ -9,6 +9,7 @@ naming the thread and the sample. Nothing here imports TensorFlow: worker proces
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import threading
 import time
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 import numpy as np
+import optree
 
 from feedpipe.sampler import Step
 from feedpipe.slots import HostSlot
@@ -84,16 +86,21 @@ def apply_transform(
         raise_noted(error, "producing sample", index, epoch)
 
 
-def read_spec(
+def first_look(
     source: Source, transform: Transform | None, seed: int, status: np.ndarray | None = None
-) -> SampleSpec:
-    """The spec of what producers will make: sample 0 (the first of a stream), transformed."""
+) -> tuple[SampleSpec, str]:
+    """The spec of what producers will make, from sample 0 (the first of a stream) after
+    `transform`, and a digest of that sample as the source gave it (two shards of a generator
+    that begin with the same digest ignore their shard)."""
     mark(status, 0, 0)
     try:
         sample = source.sample(0) if source.indexed else source.first_sample()
+        digest = hashlib.sha1()
+        for leaf in optree.tree_leaves(sample):
+            digest.update(np.ascontiguousarray(leaf).tobytes())
         if transform is not None:
             sample = apply_transform(transform, accepts_rng(transform), sample, seed, 0, 0)
-        return SampleSpec.of(sample)
+        return SampleSpec.of(sample), digest.hexdigest()
     except Exception as error:
         error.add_note(
             "feedpipe: raised while reading sample 0 to learn the structure, shapes and "
