@@ -17,12 +17,13 @@ def copy_to_device(tensor: Any, device: str) -> Any:
     return tensor._copy_to_device(device)
 
 
-def keras_dataset(source: Any) -> Any:
-    """The `tf.data.Dataset` Keras's `fit` would make of `source` (a generator, a PyDataset):
-    Keras's own adapter, so the input is read exactly as `fit` reads it."""
+def keras_dataset(*data: Any, **options: Any) -> Any:
+    """The `tf.data.Dataset` Keras's `fit` would make of `data` (a generator, a PyDataset, or
+    `x, y` arrays with `batch_size=`): Keras's own adapter, so the input is read exactly as
+    `fit` reads it."""
     from keras.src.trainers.data_adapters import get_data_adapter
 
-    adapter = get_data_adapter(source)
+    adapter = get_data_adapter(*data, **options)
     adapter.on_epoch_begin()
     return adapter.get_tf_dataset()
 

@@ -46,6 +46,7 @@ from feedpipe._headspace import (
     resident_iterator,
     save_state,
 )
+from feedpipe._internals import build_for_batch, keras_dataset
 from feedpipe.feeder import Feeder
 from feedpipe.stats import verdict
 
@@ -310,11 +311,7 @@ def _keras_dataset(source: Any) -> tf.data.Dataset:
         return source.as_dataset().repeat()
     if isinstance(source, tf.data.Dataset):
         return source.repeat()
-    from keras.src.trainers.data_adapters import get_data_adapter
-
-    adapter = get_data_adapter(source)
-    adapter.on_epoch_begin()
-    return adapter.get_tf_dataset()
+    return keras_dataset(source)
 
 
 def _nbytes(batch: Any) -> int:
@@ -465,12 +462,8 @@ class _KerasRun(_CallableRun):
     def warm_up(self, count: int, progress: _Progress) -> Any:
         progress.start("warm-up", count)
         batch = next(self.batches)
-        # Builds the model, its loss, metrics and optimizer from the batch, as `fit` does, so
-        # that every variable exists before it is saved.
-        if any(isinstance(v, tf.distribute.DistributedValues) for v in tf.nest.flatten(batch)):
-            self.model._maybe_symbolic_build(iterator=[(0, 0, iter([batch]))])
-        else:
-            self.model._symbolic_build(data_batch=batch)
+        # Every variable must exist before it is saved.
+        build_for_batch(self.model, batch)
         self._restore = save_state(self.model)
         for _ in range(count):
             finish(self.train(self.batches))
@@ -496,10 +489,8 @@ class _KerasRun(_CallableRun):
         data = _small_arrays_on_cpu(self.source)
         if data is None:
             return [], []
-        from keras.src.trainers.data_adapters import get_data_adapter
-
-        adapter = get_data_adapter(*data, batch_size=self.source.options.global_batch_size)
-        dataset = adapter.get_tf_dataset().repeat()
+        size = self.source.options.global_batch_size
+        dataset = keras_dataset(*data, batch_size=size).repeat()
         batches = iter(self.model.distribute_strategy.experimental_distribute_dataset(dataset))
         progress.start(
             "model.fit(x, y) on the same arrays, in turn with the feeder (the first untimed)",

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 
 import keras
 import tensorflow as tf
-from tensorflow.core.framework import summary_pb2
 
 from feedpipe._headspace import (
     CANNOT_TELL,
@@ -40,14 +39,11 @@ from feedpipe._headspace import (
     save_state,
     time_step_alone,
 )
+from feedpipe._internals import scalar_summary_metadata
 from feedpipe.stats import MODERATE_FRACTION, verdict
 
-_SCALAR = summary_pb2.SummaryMetadata(
-    plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"),
-    data_class=summary_pb2.DATA_CLASS_SCALAR,
-)
-"""What TensorBoard's scalar dashboard reads; written here by TensorFlow alone, since
-`tf.summary.scalar` needs the `tensorboard` package installed (viewing still does)."""
+_SCALAR = scalar_summary_metadata()
+"""Marks the monitor's summaries as scalars for TensorBoard (see `feedpipe._internals`)."""
 
 if TYPE_CHECKING:
     from feedpipe.feeder import Feeder
