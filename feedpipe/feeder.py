@@ -493,8 +493,8 @@ class Feeder(tf.train.experimental.PythonState):
         """A Keras callback for `model.fit(feeder.as_dataset(), callbacks=[...])`: with it,
         `get_state()` and checkpoints taken in any callback hold exactly the batches the step
         trained on, and an error in the source or `transform` leaves `fit` as itself where the
-        step has not reached it yet (see `feedpipe.training.FitTracker`)."""
-        from feedpipe.training import FitTracker  # training imports this module
+        step has not reached it yet (see `feedpipe.fit.FitTracker`)."""
+        from feedpipe.fit import FitTracker  # Keras is loaded only for a fit
 
         return FitTracker(self)
 

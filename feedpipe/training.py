@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -299,64 +298,6 @@ class Trainer:
     def _step_args(self, batch: Batch) -> tuple[Any, Any, tf.Tensor]:
         sample, mask = batch.distributed(self.strategy)
         return sample, mask, _count(batch.num_valid)
-
-
-class FitTracker(keras.callbacks.Callback):
-    """Tells a feeder which batches of `feeder.as_dataset()` the `model.fit` step trained on.
-
-    TensorFlow and Keras take batches ahead of the step, so during `fit` the feeder alone
-    cannot tell which of those it handed out were trained on. With this callback in the fit's
-    callbacks (make it with `feeder.fit_callback()`), `feeder.get_state()`, and a
-    `tf.train.Checkpoint` holding the feeder, record exactly those in any callback at any place
-    in the list: Keras gives the step count to every callback's `on_train_batch_begin` before
-    the step runs, and the checkpoints Keras users write come after it. It also refuses a fit
-    whose epochs cannot be the feeder's (after a restore mid-epoch), warns when compiled
-    `metrics` will count padding rows, and raises an error of the source or `transform` itself
-    from `fit` where it arrives before the step needs the batch.
-    """
-
-    def __init__(self, feeder: Feeder):
-        super().__init__()
-        self.feeder = feeder
-        self.first_pass = 0
-        """Passes of the dataset begun before this Keras epoch: the epoch reads the next."""
-        self.steps = 0
-        """Steps of this Keras epoch trained, counting the one running."""
-
-    def on_train_begin(self, logs=None):
-        self.feeder._track(self)
-        _warn_unweighted_metrics(self.model, self.feeder)
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.first_pass, self.steps = self.feeder._passes, 0
-        params = self.params or {}
-        self.feeder._check_pass_steps(params.get("steps"), params.get("epochs", epoch + 1) - epoch)
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self.feeder._raise_failure()
-        self.steps = batch + self.model.steps_per_execution
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.feeder._raise_failure()
-
-    def on_train_end(self, logs=None):
-        self.feeder._untrack(self)
-
-
-def _warn_unweighted_metrics(model: keras.Model, feeder: Feeder) -> None:
-    """Warns when the compiled `metrics` (which ignore sample_weight) will count padding."""
-    length, size = feeder._source.length, feeder.options.global_batch_size
-    if feeder.options.remainder != "pad" or (length is not None and length % size == 0):
-        return
-    unweighted = getattr(getattr(model, "_compile_metrics", None), "_user_metrics", None)
-    if unweighted:
-        padding = "padding rows" if length is None else f"{-length % size} padding rows"
-        warnings.warn(
-            f"model.compile(metrics={unweighted!r}) ignores sample_weight, so these metrics "
-            f"count the {padding} feedpipe adds to each epoch; pass them as "
-            "weighted_metrics= to count real samples only.",
-            stacklevel=2,
-        )
 
 
 @functools.lru_cache(maxsize=64)
