@@ -54,6 +54,12 @@ def keras_metric(metric: Any, y_true: Any, y_pred: Any) -> Any:
     return compile_utils.get_metric(metric, y_true, y_pred)
 
 
+def unweighted_metrics(model: Any) -> list | None:
+    """The metrics given to `model.compile(metrics=...)`, which ignore sample weights (no
+    public attribute lists them apart from `weighted_metrics`)."""
+    return getattr(getattr(model, "_compile_metrics", None), "_user_metrics", None)
+
+
 def scalar_summary_metadata() -> Any:
     """What TensorBoard's scalar dashboard reads, written by TensorFlow alone:
     `tf.summary.scalar` needs the `tensorboard` package installed (viewing still does)."""
@@ -78,12 +84,13 @@ def dataset_pipeline(dataset: Any) -> Iterator[Any]:
 
 def unseeded_or_reshuffling(dataset: Any) -> str | None:
     """How a shuffle in `dataset` changes its order between iterations, if one does: "anew on
-    each iteration" (reshuffle_each_iteration=True) or "without a seed"; None if none does."""
+    each iteration" (reshuffle_each_iteration=True) or "without a seed" (no op seed and no
+    global seed: TensorFlow's seeds 0 and 0 mean random); None if none does."""
     for node in dataset_pipeline(dataset):
         if type(node).__name__ != "_ShuffleDataset":
             continue
         if node._reshuffle_each_iteration:
             return "anew on each iteration (reshuffle_each_iteration=True)"
-        if node._seed is None:
+        if int(node._seed) == 0 and int(node._seed2) == 0:
             return "without a seed"
     return None

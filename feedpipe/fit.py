@@ -13,6 +13,8 @@ from typing import Any
 
 import keras
 
+from feedpipe._internals import unweighted_metrics
+
 
 class FitTracker(keras.callbacks.Callback):
     """Tells a feeder which batches of `feeder.as_dataset()` the `model.fit` step trained on.
@@ -61,7 +63,7 @@ def _warn_unweighted_metrics(model: keras.Model, feeder: Any) -> None:
     length, size = feeder._source.length, feeder.options.global_batch_size
     if feeder.options.remainder != "pad" or (length is not None and length % size == 0):
         return
-    unweighted = getattr(getattr(model, "_compile_metrics", None), "_user_metrics", None)
+    unweighted = unweighted_metrics(model)
     if unweighted:
         padding = "padding rows" if length is None else f"{-length % size} padding rows"
         warnings.warn(

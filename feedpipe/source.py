@@ -381,24 +381,18 @@ class TFDatasetSource(Source):
 
     def check_resumable(self, skipped: int) -> None:
         """Refuses to resume mid-epoch where a new iteration would reorder the samples."""
-        for dataset in _pipeline_of(self.dataset):
-            if type(dataset).__name__ != "_ShuffleDataset":
-                continue
-            unseeded = int(dataset._seed) == 0 and int(dataset._seed2) == 0  # TF's "random"
-            if dataset._reshuffle_each_iteration or unseeded:
-                raise ValueError(
-                    "Cannot restore mid-epoch: the tf.data.Dataset source shuffles "
-                    + (
-                        "anew on each iteration (reshuffle_each_iteration=True)"
-                        if dataset._reshuffle_each_iteration
-                        else "without a seed"
-                    )
-                    + f", so a new iteration does not repeat the order being resumed, and "
-                    f"skipping the {skipped} samples already taken would deliver some twice and "
-                    "others never. Shuffle with a seed and reshuffle_each_iteration=False, or "
-                    "give the feeder an indexed source (arrays, a map-style object) with "
-                    "shuffle=True, or restore a state taken at an epoch's end."
-                )
+        from feedpipe._internals import unseeded_or_reshuffling
+
+        why = unseeded_or_reshuffling(self.dataset)
+        if why is not None:
+            raise ValueError(
+                f"Cannot restore mid-epoch: the tf.data.Dataset source shuffles {why}, so a new "
+                "iteration does not repeat the order being resumed, and skipping the "
+                f"{skipped} samples already taken would deliver some twice and others never. "
+                "Shuffle with a seed and reshuffle_each_iteration=False, or give the feeder an "
+                "indexed source (arrays, a map-style object) with shuffle=True, or restore a "
+                "state taken at an epoch's end."
+            )
 
     def blocks(self, rows: int) -> Iterator[list[np.ndarray]]:
         """Blocks of up to `rows` samples, batched by tf.data itself."""
@@ -412,17 +406,6 @@ class TFDatasetSource(Source):
 
     def __repr__(self) -> str:
         return f"TFDatasetSource(length={self.length})"
-
-
-def _pipeline_of(dataset: Any) -> Iterator[Any]:
-    """`dataset` and every dataset it reads, depth first."""
-    yield dataset
-    try:
-        inputs = dataset._inputs()
-    except NotImplementedError:
-        return
-    for child in inputs:
-        yield from _pipeline_of(child)
 
 
 def _is_list(node: Any) -> bool:

@@ -22,8 +22,8 @@ from typing import Any
 
 import keras
 import tensorflow as tf
-from keras.src.trainers import compile_utils
 
+from feedpipe._internals import keras_loss, keras_metric
 from feedpipe.batch import Batch
 from feedpipe.feeder import Feeder
 
@@ -37,7 +37,7 @@ def per_sample_loss(
     and predictions, so pass them for it.
     """
     if isinstance(loss, str):
-        loss = compile_utils.get_loss(loss, y_true, y_pred)
+        loss = keras_loss(loss, y_true, y_pred)
     if isinstance(loss, keras.losses.Loss):
         config = loss.get_config()
         if config.get("reduction") is not None:
@@ -112,7 +112,7 @@ def _built_metrics(metrics: Sequence[Any], y_true: Any, y_pred: Any) -> list:
         if isinstance(metric, keras.metrics.Metric):
             built.append(type(metric).from_config(metric.get_config()))
         else:
-            built.append(compile_utils.get_metric(metric, y_true, y_pred))
+            built.append(keras_metric(metric, y_true, y_pred))
     return built
 
 
