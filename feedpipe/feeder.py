@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -361,19 +360,15 @@ class Feeder(tf.train.experimental.PythonState):
         pipeline = self._start(host)
         try:
             while True:
-                staged = pipeline.handoff.staged
-                asked = time.perf_counter()
                 item = self._next(pipeline)
-                got = time.perf_counter()
                 if isinstance(item, EpochEnd):
-                    self._end_epoch(this, item, asked)
+                    self._end_epoch(this, item)
                     return
-                self._stats.taken(asked=asked, got=got, occupancy=staged, samples=item.num_valid)
                 self._position = Position(item.epoch, item.step + 1)
                 this.handed += 1
                 if host and self._plan is not None and item.step + 1 == len(self._plan):
                     # The epoch's end is taken with its last batch: Keras never asks past it.
-                    self._end_epoch(this, self._next(pipeline), got)
+                    self._end_epoch(this, self._next(pipeline))
                     yield item
                     return
                 yield item
@@ -400,8 +395,7 @@ class Feeder(tf.train.experimental.PythonState):
             raise item.error
         return item
 
-    def _end_epoch(self, this: _Pass, end: EpochEnd, asked: float) -> None:
-        self._stats.loop_ended(asked)
+    def _end_epoch(self, this: _Pass, end: EpochEnd) -> None:
         self._position = this.end = Position(end.epoch + 1, 0)
         if end.dropped and self._plan is None:
             warn_dropped(end.epoch, end.dropped, stacklevel=4)

@@ -778,37 +778,6 @@ def test_at_most_depth_batches_wait_on_the_devices(devices, depth):
     assert max(seen) == depth
 
 
-@pytest.mark.parametrize("depth", [1, 2, 4, 8])
-def test_a_full_ring_wakes_its_producer_once_half_of_it_is_taken(depth, monkeypatch):
-    from feedpipe import _pipeline
-
-    monkeypatch.setattr(_pipeline, "WAIT_SLICE_S", 30.0)  # only a wake-up call ends its wait
-    handoff = _pipeline.Handoff(depth, on_starve=lambda: None)
-    stop, woken = threading.Event(), threading.Event()
-    for _ in range(depth):
-        handoff.put(object(), is_batch=True)
-
-    def producer():
-        handoff.wait_for_room(stop)
-        woken.set()
-
-    thread = threading.Thread(target=producer, name="test-producer", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 5.0
-    while not handoff._producer_waiting and time.monotonic() < deadline:
-        time.sleep(0.001)  # until the producer waits for room
-    consumer = threading.current_thread()
-    for taken in range(1, depth + 1):
-        handoff.get(consumer, stop)
-        if depth - taken > depth // 2:  # more than half still staged: the producer sleeps on
-            assert not woken.wait(0.05)
-        else:
-            assert woken.wait(5.0)
-            break
-    thread.join(5.0)
-    assert taken == depth - depth // 2
-
-
 def list_with_timeout(feeder, timeout_s=20.0):
     """`list(feeder)` in a helper thread, failing instead of hanging if it deadlocks."""
     result = {}
