@@ -8,6 +8,8 @@ among the replicas; each pass over it is the feeder's next epoch. 1,000 samples 
 an `(x, y)` source the dataset yields `(x, y, sample_weight)`: the weight is 0 on padded rows
 and `64 / num_valid` on real ones, so each batch's loss is the mean over its real samples.
 Metrics must be `weighted_metrics` to skip the padding too (plain `metrics` would count it).
+`feeder.fit_callback()` tells the feeder which batches the step trained on (TensorFlow and
+Keras read ahead), so a checkpoint holding the feeder, written by any callback, resumes exactly.
 """
 
 import os
@@ -42,5 +44,6 @@ with strategy.scope():
 with fp.Feeder((features, labels), 64, strategy=strategy, shuffle=True, seed=0) as feeder:
     dataset = feeder.as_dataset()
     print(dataset.element_spec)  # (x, y, sample_weight), global batches of 64
-    model.fit(dataset, epochs=3, verbose=2)
+    model.fit(dataset, epochs=3, verbose=2, callbacks=[feeder.fit_callback()])
+    print(feeder.get_state())  # the batches the step trained on: epoch 3, step 0
     print(feeder.stats())
