@@ -123,3 +123,14 @@ def test_no_import_cycle_inside_the_package():
 
     cycles = sorted(name for name in imports if reaches(name, name, {name}))
     assert cycles == [], f"modules in an import cycle: {cycles}"
+
+
+def test_the_readme_layout_names_every_module():
+    from pathlib import Path
+
+    package = Path(fp.__file__).parent
+    readme = (package.parent / "README.md").read_text()
+    layout = readme[readme.index("## Layout") :]
+    modules = sorted(p.name for p in package.glob("*.py") if p.stem not in ("__init__", "__main__"))
+    missing = [name for name in modules if f"`{name}`" not in layout]
+    assert missing == [], f"README's layout does not name {missing}"
