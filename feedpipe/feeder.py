@@ -269,7 +269,7 @@ class Feeder(tf.train.experimental.PythonState):
             "source": self._source,
             "transform": transform,
             "seed": o.seed,
-            "num_shards": o.workers if self._sampler is None else 1,
+            "num_shards": self._num_shards(),
         }
         kind = pool.ProcessWorkers if self._shared else pool.ThreadWorkers
         return kind(o.workers, setup, o.timeout_s)

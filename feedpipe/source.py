@@ -137,6 +137,8 @@ class Source:
     """True: any sample can be read on demand with `sample(i)`, so the feeder picks the order."""
     block_size = 1
     """Shuffle in blocks of this many consecutive samples (a PyDataset: its batch size)."""
+    shards_order = False
+    """True: with N workers, the stream is N shards and its order is their rotation."""
 
     def on_epoch_end(self) -> None:
         """Called once an epoch's last sample has been read."""
@@ -144,9 +146,6 @@ class Source:
     def producer(self, split, devices, rule):
         """The producer of a source that makes whole batches itself; None for the others."""
         return None
-
-    shards_order = False
-    """True: the stream's order is the rotation of its shards (one per worker)."""
 
     def check_resumable(self, skipped: int) -> None:
         """Raises if skipping the first `skipped` samples of a fresh epoch cannot resume it."""

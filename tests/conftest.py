@@ -17,22 +17,13 @@ import pytest
 import tensorflow as tf
 
 from feedpipe._shm import NAME_PATTERN, SHM_DIR
+from tests.fakes import configure_logical_cpus
 
 NUM_CPU_DEVICES = 4
 LEAK_WAIT_S = 2.0
 
 
-def _configure_logical_cpus() -> None:
-    """Splits the CPU into four logical devices; must run before TensorFlow initialises."""
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    if len(tf.config.get_logical_device_configuration(cpu) or []) == NUM_CPU_DEVICES:
-        return
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * NUM_CPU_DEVICES
-    )
-
-
-_configure_logical_cpus()
+configure_logical_cpus(NUM_CPU_DEVICES)
 HAS_GPU = bool(tf.config.list_physical_devices("GPU"))
 
 

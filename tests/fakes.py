@@ -202,3 +202,21 @@ def load_example(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def configure_logical_cpus(count: int) -> None:
+    """Splits the CPU into `count` logical devices; must run before TensorFlow initialises."""
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    if len(tf.config.get_logical_device_configuration(cpu) or []) == count:
+        return
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * count
+    )
+
+
+def regression_data(length: int) -> tuple[np.ndarray, np.ndarray]:
+    """`length` samples of a noisy linear map from 6 features to 1: what the training tests fit."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(length, 6)).astype(np.float32)
+    y = (x @ rng.normal(size=(6, 1)) + 0.1 * rng.normal(size=(length, 1))).astype(np.float32)
+    return x, y

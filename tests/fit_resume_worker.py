@@ -33,6 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 import feedpipe as fp
+from tests.fakes import configure_logical_cpus, regression_data
 
 NUM_DEVICES = 4
 LENGTH = 37
@@ -40,20 +41,6 @@ LENGTH = 37
 GLOBAL_BATCH = 8
 EPOCHS = 3
 MODES = ("full", "resume", "backup")
-
-
-def configure_logical_cpus() -> None:
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * NUM_DEVICES
-    )
-
-
-def data() -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(LENGTH, 6)).astype(np.float32)
-    y = (x @ rng.normal(size=(6, 1)) + 0.1 * rng.normal(size=(LENGTH, 1))).astype(np.float32)
-    return x, y
 
 
 class SaveEveryStep(keras.callbacks.Callback):
@@ -87,7 +74,7 @@ class RestoreOnTrainBegin(keras.callbacks.Callback):
 
 
 def main(mode: str, strategy_name: str, steps_per_execution: int, out: Path, path: str) -> None:
-    configure_logical_cpus()
+    configure_logical_cpus(NUM_DEVICES)
     strategy = (
         tf.distribute.MirroredStrategy(
             [f"/cpu:{i}" for i in range(NUM_DEVICES)],
@@ -104,7 +91,7 @@ def main(mode: str, strategy_name: str, steps_per_execution: int, out: Path, pat
         model.compile(keras.optimizers.Adam(0.05), "mse", steps_per_execution=steps_per_execution)
         model.optimizer.build(model.trainable_variables)
     feeder = fp.Feeder(
-        data(),
+        regression_data(LENGTH),
         GLOBAL_BATCH,
         strategy=None if strategy_name == "none" else strategy,
         shuffle=True,

@@ -31,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 import feedpipe as fp
+from tests.fakes import configure_logical_cpus, regression_data
 
 NUM_DEVICES = 4
 LENGTH = 37
@@ -41,21 +42,6 @@ CRASH_AFTER = (1, 2)
 """(epoch, step): the crash follows step 2 of epoch 1, so the feeder has taken 3 of its 5."""
 CRASH_EXIT_CODE = 17
 MODES = ("full", "crash", "resume", "resume-without-feeder")
-
-
-def configure_logical_cpus() -> None:
-    """Splits the CPU into four logical devices; must run before TensorFlow initialises."""
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * NUM_DEVICES
-    )
-
-
-def data() -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(LENGTH, 6)).astype(np.float32)
-    y = (x @ rng.normal(size=(6, 1)) + 0.1 * rng.normal(size=(LENGTH, 1))).astype(np.float32)
-    return x, y
 
 
 class CrashAfter(keras.callbacks.Callback):
@@ -75,7 +61,7 @@ class CrashAfter(keras.callbacks.Callback):
 
 
 def main(mode: str, out: Path) -> None:
-    configure_logical_cpus()
+    configure_logical_cpus(NUM_DEVICES)
     strategy = tf.distribute.MirroredStrategy(
         [f"/cpu:{i}" for i in range(NUM_DEVICES)],
         cross_device_ops=tf.distribute.ReductionToOneDevice(),
@@ -89,7 +75,9 @@ def main(mode: str, out: Path) -> None:
         # With Adam's moments built before the restore, `assert_consumed` can check that every
         # saved value found its variable (otherwise the restore waits for their creation).
         optimizer.build(model.trainable_variables)
-    with fp.Feeder(data(), GLOBAL_BATCH, strategy=strategy, shuffle=True, seed=1) as feeder:
+    with fp.Feeder(
+        regression_data(LENGTH), GLOBAL_BATCH, strategy=strategy, shuffle=True, seed=1
+    ) as feeder:
         callbacks = []
         if mode == "crash":
             checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, feeder=feeder)

@@ -8,9 +8,6 @@ the callback is an error that names it.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import keras
@@ -20,8 +17,9 @@ import tensorflow as tf
 
 import feedpipe as fp
 from tests import fit_resume_worker as worker
+from tests.fakes import regression_data
+from tests.processes import log_tail, run_at_once
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 240.0
 """Hard deadline of one worker process: ~5 s of TensorFlow import and a few of training, on a
 machine shared with other test runs."""
@@ -88,7 +86,7 @@ def test_a_state_read_in_any_callback_is_the_batches_the_step_trained_on(
 ):
     strategy = mirrored(devices) if replicas > 1 else tf.distribute.get_strategy()
     model = compiled_model(strategy, steps_per_execution)
-    x, y = worker.data()
+    x, y = regression_data(worker.LENGTH)
     with fp.Feeder(
         (x, y), worker.GLOBAL_BATCH, strategy=strategy if replicas > 1 else None, shuffle=True
     ) as feeder:
@@ -102,7 +100,7 @@ def test_a_state_read_in_any_callback_is_the_batches_the_step_trained_on(
 
 def test_reading_the_state_in_a_fit_without_the_fit_callback_is_an_error_naming_it(devices):
     model = compiled_model(tf.distribute.get_strategy())
-    with fp.Feeder(worker.data(), worker.GLOBAL_BATCH) as feeder:
+    with fp.Feeder(regression_data(worker.LENGTH), worker.GLOBAL_BATCH) as feeder:
         with pytest.raises(RuntimeError, match=r"callbacks=\[feeder\.fit_callback\(\)"):
             model.fit(
                 feeder.as_dataset(), epochs=1, verbose=0, callbacks=[StateAtEveryStep(feeder)]
@@ -114,7 +112,7 @@ def test_reading_the_state_in_a_fit_without_the_fit_callback_is_an_error_naming_
 
 
 def test_a_restore_mid_epoch_inside_fit_is_refused_with_the_two_fits_that_resume_it(devices):
-    x, y = worker.data()
+    x, y = regression_data(worker.LENGTH)
     with fp.Feeder((x, y), worker.GLOBAL_BATCH) as feeder:
         for _ in range(2):
             next(iter(feeder))
@@ -140,40 +138,10 @@ def test_a_restore_mid_epoch_inside_fit_is_refused_with_the_two_fits_that_resume
         )
 
 
-def run_at_once(runs: dict[str, list[str]], out: Path) -> dict[str, int]:
-    """Runs each worker command at once, each in a fresh interpreter; exit codes by name."""
-    env = {
-        **os.environ,
-        "TF_CPP_MIN_LOG_LEVEL": "2",
-        "CUDA_VISIBLE_DEVICES": "",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    processes = {}
-    for name, args in runs.items():
-        with open(out / f"{name}.log", "w") as log:
-            processes[name] = subprocess.Popen(
-                [sys.executable, worker.__file__, *args],
-                cwd=REPO_ROOT,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-    codes = {}
-    try:
-        for name, process in processes.items():
-            try:
-                codes[name] = process.wait(timeout=DEADLINE_S)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"The {name} run did not finish within {DEADLINE_S:.0f} s (a hang).")
-    finally:
-        for process in processes.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    for name, code in codes.items():
-        assert code == 0, (out / f"{name}.log").read_text()[-4000:]
-    return codes
+def run_ok(runs: dict[str, list[str]], out: Path) -> None:
+    """Runs the worker with each of `runs`' arguments at once; each must exit cleanly."""
+    for name, code in run_at_once(worker.__file__, runs, out, DEADLINE_S).items():
+        assert code == 0, log_tail(out, name)
 
 
 def saved(path: Path) -> tuple[list[np.ndarray], int]:
@@ -193,11 +161,11 @@ def test_a_fit_resumed_in_a_new_process_from_a_checkpoint_ends_on_the_uninterrup
     runs = {"full": tmp_path / "full", "resume": tmp_path / "resume", "backup": tmp_path / "backup"}
     for folder in runs.values():
         folder.mkdir()
-    run_at_once({"full": ["full", *config, str(runs["full"])]}, tmp_path)
+    run_ok({"full": ["full", *config, str(runs["full"])]}, tmp_path)
     mid_epoch = runs["full"] / "ckpt-1-2"  # written after step 1 of epoch 1 (2 of its 5 taken)
     epoch_end = runs["full"] / "ckpt-1-0"  # written when epoch 0 ended
     assert mid_epoch.with_suffix(".index").exists() and epoch_end.with_suffix(".index").exists()
-    run_at_once(
+    run_ok(
         {
             "resume": ["resume", *config, str(runs["resume"]), str(mid_epoch)],
             "backup": ["backup", *config, str(runs["backup"]), str(epoch_end)],

@@ -14,19 +14,13 @@ import pytest
 import tensorflow as tf
 
 import feedpipe as fp
+from tests.fakes import regression_data
 
 LENGTH = 37
 """Not a multiple of the global batch: every epoch ends on a padded batch of 5 real rows."""
 GLOBAL_BATCH = 8
 EPOCHS = 2
 RTOL = 1e-5
-
-
-def data() -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(LENGTH, 6)).astype(np.float32)
-    y = (x @ rng.normal(size=(6, 1)) + 0.1 * rng.normal(size=(LENGTH, 1))).astype(np.float32)
-    return x, y
 
 
 def make_model() -> keras.Model:
@@ -43,7 +37,7 @@ def make_optimizer(kind: str) -> keras.optimizers.Optimizer:
 
 def reference_weights(kind: str) -> list[np.ndarray]:
     """One device, plain tape, the mean loss of each global batch's real rows."""
-    x, y = data()
+    x, y = regression_data(LENGTH)
     model, optimizer = make_model(), make_optimizer(kind)
     for _ in range(EPOCHS):
         for first in range(0, LENGTH, GLOBAL_BATCH):
@@ -82,7 +76,7 @@ def trained_on_replicas(
     strategy = mirrored(devices[:replicas])
     with strategy.scope():
         model, optimizer = make_model(), make_optimizer(kind)
-    with fp.Feeder(data(), GLOBAL_BATCH, strategy=strategy, depth=depth) as feeder:
+    with fp.Feeder(regression_data(LENGTH), GLOBAL_BATCH, strategy=strategy, depth=depth) as feeder:
         fp.Trainer(model, "mse", optimizer, strategy=strategy, **options).fit(
             feeder, EPOCHS, verbose=0
         )
@@ -105,7 +99,7 @@ def test_steps_per_execution_beyond_the_staging_depth_is_refused(strategy):
     with strategy.scope():
         model = make_model()
     with (
-        fp.Feeder(data(), GLOBAL_BATCH, strategy=strategy, depth=2) as feeder,
+        fp.Feeder(regression_data(LENGTH), GLOBAL_BATCH, strategy=strategy, depth=2) as feeder,
         pytest.raises(ValueError, match=r"`steps_per_execution`=3 .* build the feeder with depth"),
     ):
         fp.Trainer(model, "mse", "sgd", strategy=strategy, steps_per_execution=3).fit(feeder)
@@ -116,14 +110,14 @@ def test_model_fit_on_as_dataset_reaches_the_same_weights(devices):
     with strategy.scope():
         model = make_model()
         model.compile(make_optimizer("sgd"), "mse")
-    with fp.Feeder(data(), GLOBAL_BATCH, strategy=strategy) as feeder:
+    with fp.Feeder(regression_data(LENGTH), GLOBAL_BATCH, strategy=strategy) as feeder:
         model.fit(feeder.as_dataset(), epochs=EPOCHS, verbose=0, shuffle=False)
     assert_same_weights([w.numpy() for w in model.weights], reference_weights("sgd"))
 
 
 def test_the_tower_step_reaches_the_same_weights(devices):
     model, optimizer = make_model(), make_optimizer("adam")
-    with fp.Feeder(data(), GLOBAL_BATCH, devices=devices) as feeder:
+    with fp.Feeder(regression_data(LENGTH), GLOBAL_BATCH, devices=devices) as feeder:
         step = fp.TowerStep(model, "mse", optimizer, feeder.devices)
         for _ in range(EPOCHS):
             for batch in feeder:
@@ -135,7 +129,7 @@ def test_epoch_logs_hold_the_mean_loss_metrics_and_the_feeders_view(devices, str
     with strategy.scope():
         model = make_model()
         frozen = keras.optimizers.SGD(0.0)  # the logs can be checked exactly
-    with fp.Feeder(data(), GLOBAL_BATCH, strategy=strategy) as feeder:
+    with fp.Feeder(regression_data(LENGTH), GLOBAL_BATCH, strategy=strategy) as feeder:
         history = fp.train(
             model,
             feeder,
@@ -144,7 +138,7 @@ def test_epoch_logs_hold_the_mean_loss_metrics_and_the_feeders_view(devices, str
             metrics=["mae"],
             verbose=0,
         )
-    x, y = data()
+    x, y = regression_data(LENGTH)
     predictions = model(x).numpy()
     logs = history.history
     np.testing.assert_allclose(logs["loss"][0], np.mean((predictions - y) ** 2), rtol=1e-5)
@@ -155,7 +149,7 @@ def test_epoch_logs_hold_the_mean_loss_metrics_and_the_feeders_view(devices, str
 
 @pytest.mark.parametrize("name", ["accuracy", "acc"])
 def test_accuracy_is_resolved_from_the_labels_as_compile_does(name):
-    x, y = data()
+    x, y = regression_data(LENGTH)
     labels = (y > 0).astype(np.float32)  # binary labels, a sigmoid output: binary accuracy
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1, "sigmoid")])
@@ -177,7 +171,7 @@ def test_a_trainer_fits_again_with_its_compiled_step_and_metrics(strategy):
         model = make_model()
         frozen = keras.optimizers.SGD(0.0)
     trainer = fp.Trainer(model, "mse", frozen, strategy=strategy, metrics=["mae"])
-    with fp.Feeder(data(), GLOBAL_BATCH, strategy=strategy) as feeder:
+    with fp.Feeder(regression_data(LENGTH), GLOBAL_BATCH, strategy=strategy) as feeder:
         first = trainer.fit(feeder, verbose=0).history
         second = trainer.fit(feeder, epochs=2, initial_epoch=1, verbose=0).history
     assert second["mae"][0] == pytest.approx(first["mae"][0], rel=1e-6)
@@ -192,7 +186,7 @@ def test_training_stopped_early_leaves_the_feeder_where_it_stopped(strategy):
 
     with strategy.scope():
         model = make_model()
-    with fp.Feeder(data(), GLOBAL_BATCH, strategy=strategy) as feeder:
+    with fp.Feeder(regression_data(LENGTH), GLOBAL_BATCH, strategy=strategy) as feeder:
         fp.train(model, feeder, loss="mse", optimizer="sgd", callbacks=[StopAfterTwo()], verbose=0)
         assert feeder.get_state()["step"] == 2
 
@@ -210,7 +204,7 @@ def test_a_model_whose_output_rows_differ_from_the_labels_is_refused(strategy):
             ]
         )
     with (
-        fp.Feeder(data(), GLOBAL_BATCH, strategy=strategy) as feeder,
+        fp.Feeder(regression_data(LENGTH), GLOBAL_BATCH, strategy=strategy) as feeder,
         pytest.raises(ValueError, match=r"returned 1 rows of predictions for 2 rows of labels"),
     ):
         fp.train(model, feeder, loss="mse", optimizer="sgd", verbose=0)
@@ -223,7 +217,7 @@ def test_a_loss_that_is_already_reduced_is_refused(strategy):
     with strategy.scope():
         model = make_model()
     with (
-        fp.Feeder(data(), GLOBAL_BATCH, strategy=strategy) as feeder,
+        fp.Feeder(regression_data(LENGTH), GLOBAL_BATCH, strategy=strategy) as feeder,
         pytest.raises(ValueError, match=r"loss returned a scalar .* one loss per sample"),
     ):
         fp.train(model, feeder, loss=mean_loss, optimizer="sgd", verbose=0)
@@ -239,7 +233,7 @@ def test_a_strategy_with_another_replica_count_is_refused(devices):
     with two.scope():
         model = make_model()
     with (
-        fp.Feeder(data(), GLOBAL_BATCH, devices=devices) as feeder,
+        fp.Feeder(regression_data(LENGTH), GLOBAL_BATCH, devices=devices) as feeder,
         pytest.raises(ValueError, match=r"strategy has 2 replicas but the feeder stages .* for 4"),
     ):
         fp.Trainer(model, "mse", "sgd", strategy=two).fit(feeder, verbose=0)
@@ -257,14 +251,14 @@ def test_samples_that_are_not_x_y_pairs_are_refused(strategy):
     with strategy.scope():
         model = make_model()
     with (
-        fp.Feeder(data()[0], GLOBAL_BATCH, strategy=strategy) as feeder,
+        fp.Feeder(regression_data(LENGTH)[0], GLOBAL_BATCH, strategy=strategy) as feeder,
         pytest.raises(ValueError, match=r"needs samples of the form \(x, y\)"),
     ):
         fp.train(model, feeder, loss="mse", optimizer="sgd", verbose=0)
 
 
 def test_towers_and_batch_must_agree_on_the_devices(devices):
-    with fp.Feeder(data(), GLOBAL_BATCH, devices=devices) as feeder:
+    with fp.Feeder(regression_data(LENGTH), GLOBAL_BATCH, devices=devices) as feeder:
         step = fp.TowerStep(make_model(), "mse", "sgd", devices[:2])
         with pytest.raises(ValueError, match=r"staged for 4 devices but the towers are 2"):
             step(next(iter(feeder)))

@@ -13,70 +13,32 @@ Each interpreter has a hard deadline, so a hang fails the test instead of freezi
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests import resume_worker as worker
+from tests.processes import log_tail, run_at_once
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 120.0
 """Hard deadline of one worker process: ~3 s of TensorFlow import and a few of training."""
 RTOL = 1e-6
 
 
-def run_at_once(modes: list[str], out: Path) -> dict[str, int]:
-    """Runs the worker in each of `modes` at once, each in a fresh interpreter; exit codes.
-
-    Output goes to files, not pipes, so a child that hangs cannot hold a pipe open.
-    """
-    env = {
-        **os.environ,
-        "TF_CPP_MIN_LOG_LEVEL": "2",
-        "CUDA_VISIBLE_DEVICES": "",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    processes = {}
-    for mode in modes:
-        with open(out / f"{mode}.log", "w") as log:
-            processes[mode] = subprocess.Popen(
-                [sys.executable, worker.__file__, mode, str(out)],
-                cwd=REPO_ROOT,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-    codes = {}
-    try:
-        for mode, process in processes.items():
-            try:
-                codes[mode] = process.wait(timeout=DEADLINE_S)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"The {mode} run did not finish within {DEADLINE_S:.0f} s (a hang).")
-    finally:
-        for process in processes.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    return codes
-
-
-def log_tail(out: Path, mode: str) -> str:
-    return (out / f"{mode}.log").read_text()[-4000:]
+def run_modes(modes: list[str], out: Path) -> dict[str, int]:
+    """Runs the worker in each of `modes` at once, each in a fresh interpreter; exit codes."""
+    runs = {mode: [mode, str(out)] for mode in modes}
+    return run_at_once(worker.__file__, runs, out, DEADLINE_S)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
     """Each mode's exit code and, where it finished, its saved weights, iterations and start."""
     out = tmp_path_factory.mktemp("resume")
-    codes = run_at_once(["full", "crash"], out)
+    codes = run_modes(["full", "crash"], out)
     if codes["crash"] == worker.CRASH_EXIT_CODE:
-        codes |= run_at_once(["resume", "resume-without-feeder"], out)
+        codes |= run_modes(["resume", "resume-without-feeder"], out)
     results = {}
     for mode, code in codes.items():
         results[mode] = {"exit_code": code, "log": log_tail(out, mode)}

@@ -1,0 +1,54 @@
+"""Runs test scripts in fresh interpreters at once, each under a hard deadline."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_at_once(script: str, runs: dict[str, list[str]], out: Path, deadline_s: float) -> dict:
+    """Runs `script` with each of `runs`' arguments at once; their exit codes, by name.
+
+    Output goes to `out/<name>.log`, not pipes, so a child that hangs cannot hold a pipe open;
+    a run past `deadline_s` fails the test, and every child still running is killed.
+    """
+    env = {
+        **os.environ,
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    processes = {}
+    for name, args in runs.items():
+        with open(out / f"{name}.log", "w") as log:
+            processes[name] = subprocess.Popen(
+                [sys.executable, script, *args],
+                cwd=REPO_ROOT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+    codes = {}
+    try:
+        for name, process in processes.items():
+            try:
+                codes[name] = process.wait(timeout=deadline_s)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"The {name} run did not finish within {deadline_s:.0f} s (a hang).")
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return codes
+
+
+def log_tail(out: Path, name: str) -> str:
+    return (out / f"{name}.log").read_text()[-4000:]
