@@ -100,7 +100,7 @@ class DaliSource(Source):
         self.pipeline = pipeline
         self.names = None if names is None else tuple(names)
         self.reader_name = reader_name
-        self.num_threads = num_threads
+        self.num_threads = self.own_threads = num_threads
         self.prefetch_queue_depth = prefetch_queue_depth
         self.seed = seed
         self.checkpointing = True

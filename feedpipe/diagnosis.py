@@ -726,14 +726,14 @@ def rank_remedies(
             f"the input alone makes {producer:,.1f} batches/s, the step could take "
             f"{consumer:,.1f}/s"
         )
-        dali = getattr(feeder, "_source", None) if feeder is not None else None
-        if dali is not None and hasattr(dali, "num_threads"):  # a DaliSource: DALI's threads
-            if dali.num_threads < cores:
+        own_threads = feeder._source.own_threads if feeder is not None else None
+        if own_threads is not None:  # a DaliSource: DALI's threads do the work
+            if own_threads < cores:
                 add(
                     f"more DALI threads: DaliSource(..., num_threads={cores}) (now "
-                    f"{dali.num_threads})",
+                    f"{own_threads})",
                     why + f"; {cores} cores can run the pipeline's operators in parallel",
-                    min(consumer, producer * cores / dali.num_threads),
+                    min(consumer, producer * cores / own_threads),
                 )
         elif feeder is not None:
             used = max(feeder.options.workers, 1)
@@ -768,7 +768,7 @@ def rank_remedies(
                 "pipeline usually copies it about three times",
                 min(consumer, 1 / (1 / producer - extra_copies_s)),
             )
-        if image_like and dali is None:
+        if image_like and own_threads is None:
             add(
                 "decode and augment the images with DALI (feedpipe.dali; pip install "
                 "feedpipe[dali]), on the GPU where there is one",

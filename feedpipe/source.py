@@ -139,6 +139,9 @@ class Source:
     """Shuffle in blocks of this many consecutive samples (a PyDataset: its batch size)."""
     shards_order = False
     """True: with N workers, the stream is N shards and its order is their rotation."""
+    own_threads: int | None = None
+    """Threads the source runs its work in itself (DALI's `num_threads`); None: the feeder's
+    producer thread or workers do the work."""
 
     def on_epoch_end(self) -> None:
         """Called once an epoch's last sample has been read."""
