@@ -26,6 +26,7 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
+from pathlib import Path
 
 import cloudpickle
 import numpy as np
@@ -144,8 +145,19 @@ class TensorFlowWatch(importlib.abc.MetaPathFinder):
         )
 
 
-_MACHINERY = ("importlib", "feedpipe", "cloudpickle", "pickle.py", "runpy")
-"""Frames that only pass an import along: the import system, unpickling, this package."""
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _passes_imports_along(filename: str) -> bool:
+    """Frames of the import system, of unpickling and of this package only pass an import
+    along (matched by their place, not by a name a checkout's path may hold)."""
+    if filename.startswith(("<", _PACKAGE)):
+        return True
+    path = Path(filename)
+    return bool({"importlib", "cloudpickle"} & set(path.parts)) or path.name in (
+        "pickle.py",
+        "runpy.py",
+    )
 
 
 def _importer() -> str:
@@ -156,7 +168,7 @@ def _importer() -> str:
     frame = sys._getframe(2)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not filename.startswith("<") and not any(part in filename for part in _MACHINERY):
+        if not _passes_imports_along(filename):
             outermost = frame.f_globals.get("__name__", "?").split(".")[0]
             if not filename.startswith(libraries):
                 user = f"{filename}:{frame.f_lineno}"

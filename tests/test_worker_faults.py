@@ -905,3 +905,11 @@ def test_a_worker_that_imports_tensorflow_is_named_in_one_warning(devices, tmp_p
     assert mine[0].startswith("feedpipe-worker-")
     assert 'worker_mode="thread"' in mine[0]
     assert "worker_fakes.py" in mine[0]  # the user's code that pulled it in
+
+
+def test_the_tensorflow_warning_names_user_code_in_a_checkout_named_feedpipe_dash():
+    from feedpipe import _worker
+
+    assert _worker._passes_imports_along(_worker.__file__)
+    assert not _worker._passes_imports_along("/home/me/feedpipe-0.1.0/tests/worker_fakes.py")
+    assert not _worker._passes_imports_along("/home/me/feedpipe-0.1.0/.venv/lib/keras/x.py")
