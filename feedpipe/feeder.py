@@ -349,6 +349,8 @@ class Feeder(tf.train.experimental.PythonState):
                     "(one consumer per feeder)."
                 )
             self._supersede()
+        if not host:
+            self._end_interrupted_fit()
         if steps is not None:
             self._check_pass_steps(steps)
         self._passes += 1
@@ -434,6 +436,7 @@ class Feeder(tf.train.experimental.PythonState):
         The dataset holds the feeder; the feeder does not hold the dataset, so dropping both
         frees the workers and memory.
         """
+        self._end_interrupted_fit()
         size = self.options.global_batch_size
         signature = self.spec.unflatten(
             [
@@ -657,6 +660,12 @@ class Feeder(tf.train.experimental.PythonState):
             self._stop_pipeline()
             self._position = position
         self._settle()
+
+    def _end_interrupted_fit(self) -> None:
+        """A `fit` that raised (an error, Ctrl-C) never tells its tracker it ended: what it
+        trained on becomes the position before anything else reads the feeder."""
+        if self._tracker is not None:
+            self._untrack(self._tracker)
 
     def _check_pass_steps(self, steps: int | None, epochs: int | None = None) -> None:
         """Refuses passes of `steps` batches (`epochs` of them) that are not the feeder's next.

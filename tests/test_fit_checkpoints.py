@@ -179,3 +179,55 @@ def test_a_fit_resumed_in_a_new_process_from_a_checkpoint_ends_on_the_uninterrup
         assert iterations == full_iterations, mode  # every step trained exactly once
         for actual, expected in zip(weights, full_weights, strict=True):
             np.testing.assert_allclose(actual, expected, rtol=1e-6, err_msg=mode)
+
+
+class InterruptAfter(keras.callbacks.Callback):
+    """Raises KeyboardInterrupt after step `after` of the first epoch, as Ctrl-C does."""
+
+    def __init__(self, after: int):
+        super().__init__()
+        self.after = after
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.after:
+            raise KeyboardInterrupt
+
+
+def interrupted_fit(feeder) -> keras.Model:
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(
+            feeder.as_dataset(),
+            epochs=2,
+            verbose=0,
+            callbacks=[feeder.fit_callback(), InterruptAfter(2)],
+        )
+    return model
+
+
+def test_a_fit_interrupted_by_ctrl_c_leaves_the_batches_it_trained_on_and_a_rerun_goes_on():
+    x, y = regression_data(64)
+    with fp.Feeder((x, y), 8) as feeder:
+        model = interrupted_fit(feeder)
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (0, 3)
+        # Re-running the cell: the rest of the interrupted epoch, in a fit of its own.
+        model.fit(feeder.as_dataset(), epochs=1, verbose=0, callbacks=[feeder.fit_callback()])
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (1, 0)
+
+
+def test_a_loop_after_a_fit_interrupted_by_ctrl_c_takes_the_rest_of_its_epoch():
+    ids = np.arange(64, dtype=np.float32)[:, None]  # each sample's feature is its index
+    with fp.Feeder((ids, regression_data(64)[1]), 8) as feeder:
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+        with pytest.raises(KeyboardInterrupt):
+            model.fit(
+                feeder.as_dataset(),
+                epochs=2,
+                verbose=0,
+                callbacks=[feeder.fit_callback(), InterruptAfter(2)],
+            )
+        rest = [int(i) for batch in feeder for i in batch.replicas[0][0].numpy()[:, 0]]
+        assert rest == list(range(24, 64))
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (1, 0)
