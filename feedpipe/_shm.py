@@ -123,10 +123,6 @@ class SharedBuffer:
         os.ftruncate(self.fd, max(nbytes, 1))
         self.array = _map(self.fd, nbytes, writable=True)
 
-    @property
-    def closed(self) -> bool:
-        return not self._close_fd.alive
-
     def close(self) -> None:
         """Closes the descriptor and drops `array`: the mapping goes with the last other view."""
         self._close_fd()
