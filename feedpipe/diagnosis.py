@@ -48,6 +48,8 @@ from feedpipe._headspace import (
 )
 from feedpipe._internals import build_for_batch, keras_dataset
 from feedpipe.feeder import Feeder
+from feedpipe.service import ServiceProducer
+from feedpipe.source import ArraySource, TFDatasetSource
 from feedpipe.stats import verdict
 
 DEFAULT_STEPS = 50
@@ -632,6 +634,60 @@ def _small_arrays_on_cpu(source: Any) -> tuple | None:
     return data if isinstance(data, tuple) and len(data) in (2, 3) else None
 
 
+def _service_remedy(diagnosis: Diagnosis, feeder: Feeder, cores: int) -> tuple[str, str] | None:
+    """`(action, why)` naming tf.data service, where the step outruns the input and this
+    host's cores, all of them, would not make the step's rate; None elsewhere.
+
+    The per-sample cost is measured: the cores that made the producer's rate (its workers, one
+    for a thread, at most every core) spent `cores busy / (producer rate x samples per step)`
+    seconds of one core on each sample. Assuming the work scales with cores, as the workers
+    remedy does, the step's rate needs that cost times its samples per second in service
+    worker cores; a feeder already on the service needs its worker cores scaled by the step's
+    rate over the producer's. Either way each sample crosses the network once, at the step's
+    rate.
+    """
+    producer, consumer = diagnosis.producer_steps_per_s, diagnosis.consumer_steps_per_s
+    samples = feeder.split.global_batch_size
+    network = diagnosis.batch_bytes * consumer
+    crossing = (
+        f"each sample then crosses the network once: {network / 2**20:,.1f} MiB/s "
+        f"({network * 8e-9:,.2f} Gbit/s)"
+    )
+    if isinstance(feeder._producer, ServiceProducer):
+        scale = math.ceil(consumer / producer * 10) / 10
+        return (
+            f"more tf.data service workers: {scale:.1f}x the worker cores now (feedpipe "
+            f"service worker --dispatcher {feeder._producer.service.removeprefix('grpc://')})",
+            f"the service's workers make {producer * samples:,.1f} samples/s; if they, not the "
+            f"network, are the limit and the work scales with cores, {scale:.1f}x their cores "
+            f"reach the step; {crossing}",
+        )
+    if isinstance(feeder._source, TFDatasetSource):  # its own threads: the cores busy unknown
+        return None
+    busy = min(max(feeder.options.workers, 1), cores)
+    if producer * cores / busy >= consumer:
+        return None
+    core_s = busy / (producer * samples)
+    needed = math.ceil(round(consumer * samples * core_s, 9))
+    if isinstance(feeder._source, ArraySource):
+        what, costs = "offload the per-sample work", ""
+    else:
+        what = (
+            "write the per-sample work as a TensorFlow-ops `transform` over arrays (such as "
+            "file paths) and offload it"
+        )
+        costs = " and costs no more in TensorFlow ops"
+    return (
+        f"{what} to tf.data service: fp.Feeder(arrays, ..., transform=<TensorFlow ops>, "
+        f'service="grpc://host:port") with {needed} worker cores in all (feedpipe service '
+        "worker --dispatcher host:port)",
+        f"all {cores} cores here would make {producer * cores / busy:,.1f} batches/s at most "
+        f"({producer * samples:,.1f} samples/s from {busy} of them: {core_s * 1e3:,.2f} ms of "
+        f"one core a sample); if the work scales with cores{costs}, {consumer:,.1f} steps/s of "
+        f"{samples} samples need {needed} worker cores; {crossing}",
+    )
+
+
 def rank_remedies(
     diagnosis: Diagnosis,
     source: Any,
@@ -645,6 +701,8 @@ def rank_remedies(
 
     Estimates, from the three rates: staging deeper or ahead can reach the slower side alone;
     parallel production scales the producer with the free cores up to the step's rate;
+    tf.data service, where even every core here falls short, reaches the step's rate with as
+    many worker cores as the measured per-sample cost needs;
     caching removes the producer's per-sample work (one gather per batch remains); fewer host
     copies save the copies a Python pipeline makes beyond the one into a slot.
     """
@@ -736,12 +794,16 @@ def rank_remedies(
                 )
         elif feeder is not None:
             used = max(feeder.options.workers, 1)
-            if used < cores:
+            if used < cores and not isinstance(feeder._producer, ServiceProducer):
                 add(
                     f"more workers: workers={cores} (now {feeder.options.workers})",
                     why + f"; {cores} cores can run the per-sample work in parallel",
                     min(consumer, producer * cores / used),
                 )
+            offload = _service_remedy(diagnosis, feeder, cores)
+            if offload is not None:
+                action, beyond = offload
+                add(action, f"{why}; {beyond}", consumer)
         else:
             add(
                 f"move the per-sample work into a map-style source or `transform` and run it "

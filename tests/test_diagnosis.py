@@ -15,6 +15,7 @@ import datetime
 import json
 import re
 import shlex
+import socket
 import time
 from pathlib import Path
 
@@ -200,6 +201,72 @@ def test_dali_is_suggested_only_for_image_batches():
     )
     assert not any("DALI" in r.action for r in plain)
     assert any("DALI" in r.action for r in images)
+
+
+def cpu_bound() -> Diagnosis:
+    """Producer 10 batches/s, step 33.3/s, 1 MiB batches: the input is the bottleneck."""
+    return dataclasses.replace(diagnosis_of(0.1, 0.03, 0.111, 0.101), batch_bytes=2**20)
+
+
+def service_remedies(remedies) -> list[Remedy]:
+    return [r for r in remedies if "tf.data service" in r.action]
+
+
+def test_the_service_is_named_with_the_cores_the_measured_cost_needs_when_every_core_is_busy():
+    # 2 workers on 2 cores make 10 batches of 8/s: 2 / 80 = 25 ms of one core a sample, so the
+    # step's 33.3 batches/s need ceil(33.3 x 8 x 0.025) = 7 worker cores, and 33.3 MiB/s.
+    data = np.zeros((BATCH * 10, 3), np.float32)
+    with fp.Feeder(data, BATCH, devices=["/cpu:0"], workers=2, worker_mode="thread") as feeder:
+        remedies = rank_remedies(cpu_bound(), feeder, cores=2, memcpy_s=1e-4, memory_bytes=0)
+    assert not any(r.action.startswith("more workers") for r in remedies)
+    (service,) = service_remedies(remedies)
+    assert service.action.startswith("offload the per-sample work to tf.data service: ")
+    assert "with 7 worker cores in all" in service.action
+    assert "25.00 ms of one core" in service.why and "33.3 MiB/s" in service.why
+    assert service.expected_steps_per_s == pytest.approx(100 / 3)
+
+
+@pytest.mark.parametrize(("cores", "named"), [(3, True), (4, False)])
+def test_the_service_is_named_only_where_every_core_here_would_fall_short(cores, named):
+    # One thread makes 10 batches/s: 3 cores would make 30 (short of the step's 33.3), 4 make 40.
+    with fp.Feeder(np.zeros((BATCH * 10, 3), np.float32), BATCH, devices=["/cpu:0"]) as feeder:
+        remedies = rank_remedies(cpu_bound(), feeder, cores=cores, memcpy_s=1e-4, memory_bytes=0)
+    assert bool(service_remedies(remedies)) == named
+    assert any(r.action.startswith(f"more workers: workers={cores}") for r in remedies)
+
+
+def test_the_service_is_not_named_where_the_step_is_the_bottleneck():
+    measured = diagnosis_of(0.005, 0.01, 0.01, 0.0)
+    with slow_feeder(0.0) as feeder:
+        remedies = rank_remedies(measured, feeder, cores=1, memcpy_s=1e-4, memory_bytes=2**34)
+    assert not service_remedies(remedies)
+    assert remedies[0].action.startswith("none for the input")
+
+
+def test_a_python_source_is_told_to_become_a_tensorflow_transform_over_arrays():
+    # One thread, 10 batches of 8/s: 12.5 ms a sample; 33.3 batches/s need ceil(3.33) = 4 cores.
+    with slow_feeder(0.0) as feeder:  # map-style: the service reads arrays only
+        remedies = rank_remedies(cpu_bound(), feeder, cores=2, memcpy_s=1e-4, memory_bytes=0)
+    (service,) = service_remedies(remedies)
+    assert service.action.startswith(
+        "write the per-sample work as a TensorFlow-ops `transform` over arrays"
+    )
+    assert "with 4 worker cores in all" in service.action and "12.50 ms" in service.why
+
+
+def test_a_feeder_on_the_service_is_told_to_add_service_workers_not_local_ones():
+    # Construction only checks that the dispatcher's port answers; nothing is asked of it here.
+    with socket.create_server(("localhost", 0)) as dispatcher:
+        port = dispatcher.getsockname()[1]
+        data = np.zeros((BATCH * 10, 3), np.float32)
+        with fp.Feeder(data, BATCH, devices=["/cpu:0"], service=f"localhost:{port}") as feeder:
+            remedies = rank_remedies(cpu_bound(), feeder, cores=4, memcpy_s=1e-4, memory_bytes=0)
+    assert not any(r.action.startswith("more workers") for r in remedies)
+    (service,) = service_remedies(remedies)
+    # The step takes 33.3 batches/s, the service makes 10: 3.4x its worker cores, rounded up.
+    assert service.action.startswith("more tf.data service workers: 3.4x the worker cores now")
+    assert f"--dispatcher localhost:{port}" in service.action
+    assert service.expected_steps_per_s == pytest.approx(100 / 3)
 
 
 # ---- a Keras model as the step ----------------------------------------------------------------
