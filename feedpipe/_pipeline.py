@@ -33,6 +33,7 @@ class _Supply:
         self.stats = stats
         self.give_back = pool.give_back
         self.take_dropped = pool.take_dropped
+        self.service_waited = stats.service_waited
 
     def acquire(self) -> HostSlot:
         """A slot: a free one, or a one-off while the consumer starves holding all of them."""

@@ -46,6 +46,9 @@ class SlotSupply(Protocol):
     def check_stop(self) -> None:
         """Raises `Stopped` if the pipeline is stopping."""
 
+    def service_waited(self, seconds: float) -> None:
+        """Records time spent waiting for rows made elsewhere (tf.data service)."""
+
     def take_dropped(self) -> list[int]:
         """Idents of one-off shared slots dropped since the last call."""
 

@@ -7,7 +7,8 @@ and the row of the host's share), writes each arriving row into its place, hands
 all its rows are in, and asks again, in a new job, for the rows a job ended without: every
 sample once per epoch at the consumer, in the plan's order, whoever computed it. The workers run
 TensorFlow graphs only, so `transform` must be TensorFlow ops; its `seed`, for stateless random
-ops, is a function of (seed, epoch, sample index), so a value does not depend on the worker.
+ops, is a function of (seed, epoch, sample index) (`writer.sample_seeds`, as in a local run), so
+a value does not depend on the worker.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from feedpipe.producers import Position, Producer, SlotSupply
 from feedpipe.sampler import EpochEnd, Sampler, Step
 from feedpipe.slots import HostSlot
 from feedpipe.source import ArraySource, Source
-from feedpipe.writer import accepts_rng
+from feedpipe.writer import RNG, SEED, randomness, sample_seeds
 
 SERVICE_LIMIT = (
     "tf.data service workers run TensorFlow graphs only, never Python (py_function, "
@@ -87,7 +88,15 @@ class ServiceWork:
         self.source = source
         self.transform = transform
         self.seed = seed
-        self.with_seed = transform is not None and accepts_rng(transform)
+        self.with_seed = transform is not None and randomness(transform) == SEED
+        if transform is not None and randomness(transform) == RNG:
+            raise TypeError(
+                f"`transform` takes a second argument other than `seed`, but {SERVICE_LIMIT}, "
+                "so it cannot get a numpy Generator: name its second parameter `seed` and use "
+                "it in stateless TensorFlow ops (tf.random.stateless_uniform(shape, seed), "
+                "tf.image.stateless_random_flip_left_right(image, seed)); a local run "
+                "(service=None) then gets the same seed."
+            )
         self.treespec = source.treespec
         """The structure of a transformed sample (known once the map is traced)."""
         self._arrays = [tf.constant(array) for array in source.arrays]
@@ -102,11 +111,10 @@ class ServiceWork:
             ) from error
         self._check()
 
-    def _sample(self, index: tf.Tensor, epoch: tf.Tensor) -> list[tf.Tensor]:
+    def _sample(self, index: tf.Tensor, seed: tf.Tensor) -> list[tf.Tensor]:
         fields = [tf.gather(array, index) for array in self._arrays]
         sample = optree.tree_unflatten(self.source.treespec, fields)
         if self.with_seed:
-            seed = tf.stack([tf.constant(self.seed, tf.int64), epoch * (1 << 40) + index])
             sample = self.transform(sample, seed)
         elif self.transform is not None:
             sample = self.transform(sample)
@@ -120,10 +128,10 @@ class ServiceWork:
 
     def _rows(self, indices: np.ndarray, epoch: int) -> tf.data.Dataset:
         """Samples `indices` of `epoch`, each after its place in the order (its tag)."""
-        tags = tf.data.Dataset.from_tensor_slices((np.arange(len(indices)), indices))
-        epoch_t = tf.constant(epoch, tf.int64)
+        seeds = sample_seeds(self.seed, epoch, indices)
+        tags = tf.data.Dataset.from_tensor_slices((np.arange(len(indices)), indices, seeds))
         return tags.map(
-            lambda tag, index: (tag, *self._sample(index, epoch_t)),
+            lambda tag, index, seed: (tag, *self._sample(index, seed)),
             num_parallel_calls=tf.data.AUTOTUNE,
             deterministic=False,
         )
@@ -193,7 +201,9 @@ class ServiceProducer(Producer):
                     job = _Job(self.work.job(self.service, indices[missing], epoch), missing)
                     self.jobs += 1
                 supply.check_stop()
+                asked = time.perf_counter()
                 item = job.get()
+                supply.service_waited(time.perf_counter() - asked)
                 if item is None:  # nothing yet
                     if job.stalled():  # a worker died holding rows: ask a new job for them
                         job.abandon()

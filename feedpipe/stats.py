@@ -53,6 +53,9 @@ class FeedStats:
     batch of each stream, which pays one-off set-up costs, is left out)."""
     produced_samples: int
     """Real samples in the batches timed by `producer_busy_s`."""
+    service_wait_s: float
+    """The part of `producer_busy_s` spent waiting for rows from tf.data service (0 without
+    `service`). Near `producer_busy_s`: the service's workers are the limit; add workers."""
     startup_wait_s: float
     """Time spent waiting for the first batch of each freshly started stream."""
     mean_occupancy: float
@@ -95,10 +98,14 @@ class FeedStats:
         return self.samples / busy if busy > 0 else 0.0
 
     def __str__(self) -> str:
+        service = ""
+        if self.service_wait_s > 0 and self.producer_busy_s > 0:
+            share = self.service_wait_s / self.producer_busy_s
+            service = f" ({share:.0%} of it waiting for tf.data service)"
         return (
             f"{self.verdict}: input-bound fraction {self.input_bound_fraction:.1%} over "
             f"{self.steps} steps; {self.samples_per_s:,.0f} samples/s delivered, producer alone "
-            f"{self.producer_samples_per_s:,.0f}/s, step alone "
+            f"{self.producer_samples_per_s:,.0f}/s{service}, step alone "
             f"{self.consumer_samples_per_s:,.0f}/s; mean occupancy "
             f"{self.mean_occupancy:.2f} of {self.depth}"
         )
@@ -132,6 +139,8 @@ class StatsRecorder:
         self.slot_wait_s = 0.0
         self.producer_busy_s = 0.0
         self.produced_samples = 0
+        self.service_wait_s = 0.0
+        self._service_waited = 0.0
         self._producer_warm = False
         self._first_of_stream = False
         self._last_taken: float | None = None
@@ -156,11 +165,18 @@ class StatsRecorder:
         if self._producer_warm:
             self.producer_busy_s += busy_s
             self.produced_samples += samples
+            self.service_wait_s += self._service_waited
+        self._service_waited = 0.0
         self._producer_warm = True
+
+    def service_waited(self, seconds: float) -> None:
+        """Records a wait for rows from tf.data service, counted with the batch it makes."""
+        self._service_waited += seconds
 
     def stream_started(self) -> None:
         """A fresh stream begins: its first batch pays set-up costs and fills the pipeline."""
         self._producer_warm = False
+        self._service_waited = 0.0
         self._first_of_stream = True
 
     def consumer_counters(self) -> dict:
@@ -188,6 +204,7 @@ class StatsRecorder:
             slot_wait_s=self.slot_wait_s,
             producer_busy_s=self.producer_busy_s,
             produced_samples=self.produced_samples,
+            service_wait_s=self.service_wait_s,
             startup_wait_s=self.startup_wait_s,
             mean_occupancy=(
                 self.occupancy_sum / self.occupancy_count if self.occupancy_count else 0.0

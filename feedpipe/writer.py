@@ -1,10 +1,10 @@
 """Writer: everything that runs per sample, in whichever thread or process makes it.
 
-`SampleWriter` reads a sample, applies `transform` (with an rng drawn from (seed, epoch,
-index) where it asks for one), checks it against the spec and writes its fields into the rows
-of a host slot, transposed where asked. `RowStream` does the same for the rows of a stream
-source (a generator or a tf.data.Dataset), in its own order. An error in user code gets a note
-naming the thread and the sample. Nothing here imports TensorFlow: worker processes run it.
+`SampleWriter` reads a sample, applies `transform` (with an rng or a stateless seed drawn from
+(seed, epoch, index) where it asks for one), checks it against the spec and writes its fields
+into the rows of a host slot, transposed where asked. `RowStream` does the same for the rows of
+a stream source (a generator or a tf.data.Dataset), in its own order. An error in user code gets
+a note naming the thread and the sample. Nothing here imports TensorFlow: worker processes run it.
 """
 
 from __future__ import annotations
@@ -26,20 +26,43 @@ from feedpipe.source import ArraySource, SampleSpec, Source, TFDatasetSource
 Transform = Callable[..., Any]
 
 
-def accepts_rng(transform: Transform) -> bool:
-    """Whether `transform` takes `(sample, rng)` rather than `(sample)`."""
+RNG = "rng"
+"""A `transform(sample, rng)` gets a numpy Generator."""
+SEED = "seed"
+"""A `transform(sample, seed)` (the second parameter named `seed`) gets a stateless-RNG seed, two
+int64s for `tf.random.stateless_*` ops: the same here, in workers and on tf.data service."""
+
+
+def randomness(transform: Transform) -> str | None:
+    """What `transform` takes after the sample: None, `RNG` or `SEED` (by its second
+    parameter's name)."""
     try:
-        inspect.signature(transform).bind(None, None)
+        bound = inspect.signature(transform).bind(None, None)
     except TypeError:
-        return False
+        return None
     except ValueError:  # no signature (some builtins): call it with the sample alone
-        return False
-    return True
+        return None
+    names = list(bound.arguments)
+    return SEED if len(names) == 2 and names[1] == SEED else RNG
 
 
 def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
     """The generator a `transform` gets for one sample: a function of (seed, epoch, index)."""
     return np.random.default_rng([seed, epoch, index])
+
+
+def sample_seeds(seed: int, epoch: int, indices: np.ndarray) -> np.ndarray:
+    """The stateless seed of each of `indices`, shape (n, 2): `[seed, epoch * 2**40 + index]`,
+    a function of (seed, epoch, index) alone, so a value does not depend on who made it."""
+    indices = np.asarray(indices, np.int64)
+    return np.stack([np.full_like(indices, seed), (epoch << 40) + indices], axis=1)
+
+
+def randomness_for(kind: str | None, seed: int, epoch: int, index: int) -> Any:
+    """The rng or seed a `transform` of `kind` gets for sample `index` of `epoch`."""
+    if kind == SEED:
+        return sample_seeds(seed, epoch, np.array([index]))[0]
+    return sample_rng(seed, epoch, index)
 
 
 def raise_noted(error: BaseException, doing: str, index: int, epoch: int) -> NoReturn:
@@ -75,12 +98,13 @@ def mark(status: np.ndarray | None, index: int, epoch: int) -> None:
 
 
 def apply_transform(
-    transform: Transform, with_rng: bool, sample: Any, seed: int, epoch: int, index: int
+    transform: Transform, kind: str | None, sample: Any, seed: int, epoch: int, index: int
 ) -> Any:
-    """`transform(sample)` or `transform(sample, rng)`; an error gets a note naming the sample."""
+    """`transform(sample)`, or with the rng or seed `kind` names; an error gets a note naming
+    the sample."""
     try:
-        if with_rng:
-            return transform(sample, sample_rng(seed, epoch, index))
+        if kind is not None:
+            return transform(sample, randomness_for(kind, seed, epoch, index))
         return transform(sample)
     except BaseException as error:
         raise_noted(error, "producing sample", index, epoch)
@@ -99,7 +123,7 @@ def first_look(
         for leaf in optree.tree_leaves(sample):
             digest.update(np.ascontiguousarray(leaf).tobytes())
         if transform is not None:
-            sample = apply_transform(transform, accepts_rng(transform), sample, seed, 0, 0)
+            sample = apply_transform(transform, randomness(transform), sample, seed, 0, 0)
         return SampleSpec.of(sample), digest.hexdigest()
     except Exception as error:
         error.add_note(
@@ -135,7 +159,7 @@ class SampleWriter:
         self.seed = seed
         self.axes = list(axes) if axes is not None else [None] * len(spec.leaves)
         self.out_spec = spec.transposed(self.axes)
-        self.with_rng = transform is not None and accepts_rng(transform)
+        self.randomness = None if transform is None else randomness(transform)
         # Arrays without a transform are gathered with one vectorised copy per field.
         self.vectorised = (
             transform is None
@@ -151,7 +175,9 @@ class SampleWriter:
     def prepare(self, sample: Any, index: int, epoch: int) -> list[np.ndarray]:
         """The fields of one sample after `transform`, as checked arrays in the slot's layout."""
         if self.transform is not None:
-            sample = apply_transform(self.transform, self.with_rng, sample, self.seed, epoch, index)
+            sample = apply_transform(
+                self.transform, self.randomness, sample, self.seed, epoch, index
+            )
         try:
             leaves = self.spec.flatten(sample, index)
         except ValueError as error:

@@ -94,18 +94,37 @@ def test_each_sample_once_per_epoch_in_the_local_order_and_values(
         assert sorted(real) == list(range(21))
 
 
-def test_a_seeded_transform_gives_the_same_values_on_any_worker(service, devices):
-    """The stateless seed is a function of (seed, epoch, index): two runs agree, and the
-    values differ from sample to sample and from epoch to epoch."""
+def test_a_seeded_transform_gives_the_local_values_on_any_worker(service, devices):
+    """The stateless seed is a function of (seed, epoch, index): the service's run equals the
+    local one, and the values differ from sample to sample and from epoch to epoch."""
 
-    def run():
-        with feeder(service.address, 12, 4, devices[:1], jittered, shuffle=False) as one:
+    def run(address):
+        with feeder(address, 12, 4, devices[:1], jittered, shuffle=True) as one:
             return stream(one, 2)
 
-    first, second = run(), run()
-    assert first == second
-    noise = [np.asarray(features)[:, 0] - np.asarray(labels) for _, _, labels, features, _ in first]
+    remote = run(service.address)
+    assert remote == run(None)
+    noise = [np.asarray(f)[:, 0] - np.asarray(labels) for _, _, labels, f, _ in remote]
     assert len({round(float(v), 6) for step in noise for v in step}) == 24
+
+
+def test_a_transform_that_asks_for_a_numpy_rng_is_refused(service):
+    def with_rng(sample, rng):
+        return sample
+
+    with pytest.raises(TypeError, match=r"name its second parameter `seed`"):
+        fp.Feeder(records(8), 4, transform=with_rng, service=service.address)
+
+
+def test_stats_say_how_long_the_producer_waited_for_the_service(service, devices):
+    with feeder(service.address, 64, 8, devices[:1], slow_scaled) as remote:
+        stream(remote, 1)
+        stats = remote.stats()
+    assert 0 < stats.service_wait_s <= stats.producer_busy_s
+    assert "waiting for tf.data service" in str(stats)
+    with feeder(None, 16, 8, devices[:1], scaled) as local:
+        stream(local, 1)
+        assert local.stats().service_wait_s == 0
 
 
 def test_a_restore_mid_epoch_continues_the_stream(service, devices):
