@@ -11,6 +11,7 @@ import faulthandler
 import json
 import os
 import sys
+import threading
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -258,6 +259,80 @@ def dataset(strategy, args: dict) -> dict:
     }
 
 
+def service_rows(strategy):
+    """A function of `batch.distributed(strategy)`: its labels, features and masks from every
+    host's replicas, in global row order (one graph for every step)."""
+
+    @tf.function
+    def gather(inputs):
+        (features, labels), mask = inputs
+        masks = strategy.run(lambda m: tf.cast(m, tf.int32), args=(mask,))
+        return [strategy.gather(values, 0) for values in (labels, features, masks)]
+
+    return gather
+
+
+def asked_of_service(feeder: fp.Feeder) -> list[dict]:
+    """The rows of each job `feeder` asks its tf.data service for, as {epoch, indices}, listed
+    as they are asked."""
+    work = feeder._producer.work
+    job = work.job
+    asked = []
+
+    def recorded(service, indices, epoch):
+        asked.append({"epoch": epoch, "indices": indices.tolist()})
+        return job(service, indices, epoch)
+
+    work.job = recorded
+    return asked
+
+
+def wait_for_service_jobs(timeout_s: float = 30.0) -> None:
+    """Waits until the readers of the service jobs closed feeders abandoned have ended (each
+    once its blocked read returns, soon while the workers serve): a reader still inside
+    TensorFlow when the interpreter exits aborts the process (SIGABRT, "FATAL: exception not
+    rethrown", TensorFlow 2.21)."""
+    deadline = time.monotonic() + timeout_s
+    while any(thread.name == "feedpipe-service-job" for thread in threading.enumerate()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"A service job's reader did not end within {timeout_s:.0f} s.")
+        time.sleep(0.05)
+
+
+def service(strategy, args: dict) -> dict:
+    """A feeder whose `transform` runs on the tf.data service at `args["service"]`: every step
+    gathered from all hosts, and the rows this host asked the service for."""
+    from tests.test_service import records, scaled
+
+    feeder = fp.Feeder(
+        records(args["length"]),
+        args["global_batch"],
+        strategy=strategy,
+        transform=scaled,
+        service=args["service"],
+        shuffle=True,
+        seed=args["seed"],
+    )
+    asked = asked_of_service(feeder)
+    gather = service_rows(strategy)
+    steps = []
+    with feeder:
+        for _ in range(args["epochs"]):
+            for batch in feeder:
+                labels, features, masks = gather(batch.distributed(strategy))
+                steps.append(
+                    [
+                        batch.epoch,
+                        batch.step,
+                        labels.numpy().tolist(),
+                        features.numpy().tolist(),
+                        masks.numpy().astype(bool).tolist(),
+                    ]
+                )
+    wait_for_service_jobs()
+    return {"steps": steps, "asked": list(asked)}
+
+
 def errors(strategy, args: dict) -> dict:
     """What each mistake a multi-host script can make raises, as `type: message`."""
 
@@ -452,6 +527,7 @@ SCENARIOS = {
     "restore": restore,
     "fault": fault,
     "dataset": dataset,
+    "service": service,
 }
 
 
