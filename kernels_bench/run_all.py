@@ -30,6 +30,7 @@ SCRIPTS = (
     "monitor_overhead",
     "images",
     "multi_worker",
+    "data_service",
 )
 
 
