@@ -13,6 +13,7 @@ a value does not depend on the worker.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import queue
 import socket
@@ -42,12 +43,27 @@ CONNECT_TIMEOUT_S = 10.0
 """Longest the feeder waits, at construction, for the dispatcher to accept a connection."""
 STALL_S = 30.0
 """Longest the feeder waits for a row of a job that still owes rows before asking a new job for
-them: a job whose worker died sends nothing more and never ends (TensorFlow 2.21)."""
+them: a job whose worker died sends nothing more and never ends (TensorFlow 2.21). It doubles
+for each new job that sends nothing either (slow to start, not lost)."""
+DISPATCHER_LOST_S = 60.0
+"""Longest the feeder waits for a row while the dispatcher does not answer: time for it to be
+restarted (with `--work-dir`, it keeps its jobs); then reading fails with a ConnectionError."""
+RELEASE_S = 3.0
+"""Longest `close()` waits for the jobs' readers to let go of their jobs."""
 ROWS_QUEUED = 4
 """Elements read ahead of the producer from one job."""
 ROWS_PER_ELEMENT = 16
 """Rows the service sends in one element: small samples cost one request each otherwise."""
 PYTHON_OPS = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
+
+
+def _connect_error(host: str, port: int, timeout_s: float) -> OSError | None:
+    """Why a TCP connection to the dispatcher failed within `timeout_s`, or None if it opened."""
+    try:
+        socket.create_connection((host, port), timeout_s).close()
+    except OSError as error:
+        return error
+    return None
 
 
 def check_address(service: str) -> str:
@@ -61,9 +77,7 @@ def check_address(service: str) -> str:
             f'`service`={service!r} is not a dispatcher address; pass "grpc://host:port", '
             "where `feedpipe service dispatcher --port PORT` runs."
         )
-    try:
-        socket.create_connection((parsed.hostname, parsed.port), CONNECT_TIMEOUT_S).close()
-    except OSError as error:
+    if error := _connect_error(parsed.hostname, parsed.port, CONNECT_TIMEOUT_S):
         raise ConnectionError(
             f"`service`={service!r}: no tf.data service dispatcher answered there within "
             f"{CONNECT_TIMEOUT_S:.0f} s ({error}); start one (`feedpipe service dispatcher "
@@ -179,46 +193,90 @@ class ServiceProducer(Producer):
         self.sampler = sampler
         self.jobs = 0
         """Jobs started so far (more than one an epoch: rows asked for again)."""
+        self._readers: list[threading.Thread] = []
 
     def slots(
         self, start: Position, supply: SlotSupply
     ) -> Iterator[tuple[Step, HostSlot] | EpochEnd]:
-        for epoch in itertools.count(start.epoch):
-            first = start.step if epoch == start.epoch else 0
-            yield from self._epoch(epoch, list(self.sampler.steps(epoch, first)), supply)
-            yield EpochEnd(epoch, self.sampler.dropped_per_epoch)
+        try:
+            for epoch in itertools.count(start.epoch):
+                first = start.step if epoch == start.epoch else 0
+                yield from self._epoch(epoch, list(self.sampler.steps(epoch, first)), supply)
+                yield EpochEnd(epoch, self.sampler.dropped_per_epoch)
+        finally:
+            self._release()
+
+    def _start(self, indices: np.ndarray, epoch: int, positions: np.ndarray) -> _Job:
+        job = _Job(functools.partial(self.work.job, self.service, indices, epoch), positions)
+        self.jobs += 1
+        self._readers = [t for t in self._readers if t.is_alive()] + [job.thread]
+        return job
+
+    def _release(self) -> None:
+        """Waits up to `RELEASE_S` for the jobs' readers to let go of their jobs (TensorFlow
+        ends a job as its iterator goes); a reader blocked by a lost worker or dispatcher is
+        left, a daemon, to end when TensorFlow's read returns."""
+        deadline = time.monotonic() + RELEASE_S
+        for reader in self._readers:
+            reader.join(max(0.0, deadline - time.monotonic()))
 
     def _epoch(self, epoch: int, steps: list[Step], supply: SlotSupply) -> Iterator:
         if not steps:
             return
         rows = _Rows(steps, supply, window=self.slots_in_flight)
         indices = np.concatenate([step.rows for step in steps])
-        job = None
+        job, patience = None, STALL_S
         try:
             while not rows.done():
                 if job is None:
                     missing = rows.missing()
-                    job = _Job(self.work.job(self.service, indices[missing], epoch), missing)
-                    self.jobs += 1
+                    job = self._start(indices[missing], epoch, missing)
                 supply.check_stop()
                 asked = time.perf_counter()
                 item = job.get()
                 supply.service_waited(time.perf_counter() - asked)
+                if isinstance(item, Failure):
+                    if not _forgotten(item.error):
+                        raise item.error
+                    item = _Job.END  # its dispatcher restarted without a journal
                 if item is None:  # nothing yet
-                    if job.stalled():  # a worker died holding rows: ask a new job for them
-                        job.abandon()
+                    if job.idle_s() > patience and self._dispatcher_answers(job, epoch, rows):
+                        job.abandon()  # a worker died holding rows: ask a new job for them
                         job = None
+                        patience *= 2  # unless jobs are slow to start: then wait longer
                     continue
                 if item is _Job.END:
                     job = None  # rows it ended without are asked for again
                     continue
                 tags, *leaves = item
                 rows.arrived(job.positions[tags], leaves)
+                patience = STALL_S
                 yield from rows.deliver()
         finally:
             if job is not None:
                 job.abandon()
             rows.give_back()
+
+    def _dispatcher_answers(self, job: _Job, epoch: int, rows: _Rows) -> bool:
+        """Whether the dispatcher accepts a connection; raises once it has not for
+        `DISPATCHER_LOST_S` without a row."""
+        parsed = urlparse(self.service)
+        error = _connect_error(parsed.hostname, parsed.port, WAIT_SLICE_S)
+        if error is not None and job.idle_s() > DISPATCHER_LOST_S:
+            raise ConnectionError(
+                f"the tf.data service dispatcher at {self.service} has not answered for "
+                f"{job.idle_s():.0f} s ({error}), at step {rows.delivered} of epoch {epoch}; "
+                "every batch delivered before was whole. Restart it at the same address "
+                "(`feedpipe service dispatcher --work-dir DIR --fault-tolerant` keeps its jobs) "
+                "and go on from `feeder.get_state()`."
+            )
+        return error is None
+
+
+def _forgotten(error: BaseException) -> bool:
+    """Whether a job failed because its dispatcher restarted without `--work-dir` and so forgot
+    it (TensorFlow names the restart): its rows can be asked of a new job."""
+    return isinstance(error, tf.errors.NotFoundError) and "dispatcher restart" in str(error)
 
 
 class _Job:
@@ -229,21 +287,22 @@ class _Job:
 
     END = object()
 
-    def __init__(self, dataset: tf.data.Dataset, positions: np.ndarray):
+    def __init__(self, make: Callable[[], tf.data.Dataset], positions: np.ndarray):
         self.positions = positions
         """The epoch's row positions its tags index."""
         self._items: queue.Queue = queue.Queue(maxsize=ROWS_QUEUED)
         self._abandoned = threading.Event()
         self._last = time.monotonic()
-        self._thread = threading.Thread(
-            target=self._read, args=(dataset,), name="feedpipe-service-job", daemon=True
+        self.thread = threading.Thread(
+            target=self._read, args=(make,), name="feedpipe-service-job", daemon=True
         )
-        self._thread.start()
+        self.thread.start()
 
-    def _read(self, dataset: tf.data.Dataset) -> None:
+    def _read(self, make: Callable[[], tf.data.Dataset]) -> None:
+        """Makes the job (which waits for the dispatcher) and reads it."""
         owed = len(self.positions)
         try:
-            for element in dataset:
+            for element in make():
                 item = [value.numpy() for value in element]
                 if not self._put(item):
                     return
@@ -265,20 +324,18 @@ class _Job:
         return False
 
     def get(self) -> Any:
-        """The next element (tags, then fields), `END`, or None if none came in a wait slice;
-        raises what reading the job raised."""
+        """The next element (tags, then fields), `END`, None if none came in a wait slice, or
+        the `Failure` reading the job met."""
         try:
             item = self._items.get(timeout=WAIT_SLICE_S)
         except queue.Empty:
             return None
         self._last = time.monotonic()
-        if isinstance(item, Failure):
-            raise item.error
         return item
 
-    def stalled(self) -> bool:
-        """No element for `STALL_S` while the job still owes rows."""
-        return time.monotonic() - self._last > STALL_S
+    def idle_s(self) -> float:
+        """Time since the job was asked for or last sent an element."""
+        return time.monotonic() - self._last
 
     def abandon(self) -> None:
         """Stops reading once the thread's blocked read returns (if it ever does)."""

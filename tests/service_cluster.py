@@ -20,8 +20,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 READY_DEADLINE_S = 60.0
 """How long a server may take to say it serves: TensorFlow's import takes a few seconds, several
 at once on two cores take longer; past this the start is a hang."""
-STOP_GRACE_S = 10.0
-"""How long the servers have to exit on SIGTERM (about 1 s each) before they are killed."""
+STOP_GRACE_S = 3.0
+"""How long the servers have to exit on SIGTERM before they are killed: an idle one exits in
+about 1 s (test_service_servers checks that), but a worker that has served a job can take
+5-20 s in TensorFlow's shutdown, which tells a test nothing."""
 POLL_S = 0.05
 
 _DISPATCHER_PORT = re.compile(r"serving the tf\.data service at grpc://localhost:(\d+)")
@@ -35,8 +37,10 @@ class ServiceCluster:
     killed through this object; `ports` each process's port, by PID.
     """
 
-    def __init__(self, logs: Path, env: dict[str, str]):
+    def __init__(self, logs: Path, env: dict[str, str], work_dir: Path | None = None):
         self.logs = logs
+        self.work_dir = work_dir
+        """Where a fault-tolerant dispatcher keeps its journal (None: not fault-tolerant)."""
         self.address = ""
         """The dispatcher's `grpc://localhost:PORT`, what `distribute` and trainers take."""
         self.dispatcher: subprocess.Popen | None = None
@@ -62,6 +66,11 @@ class ServiceCluster:
         """Kills the dispatcher (SIGKILL) and waits for it."""
         _kill(self.dispatcher)
 
+    def restart_dispatcher(self) -> None:
+        """Starts the dispatcher again at its address (and journal), and waits until it serves."""
+        self.dispatcher = self._start("dispatcher", self._dispatcher_args())
+        self._wait_ready([self.dispatcher], _DISPATCHER_PORT)
+
     def log(self, process: subprocess.Popen) -> str:
         """The end of `process`'s output."""
         return self._log_paths[process.pid].read_text(errors="replace")[-4000:]
@@ -84,9 +93,8 @@ class ServiceCluster:
     def _start_all(self, workers: int) -> None:
         """Starts the dispatcher and the workers at once (the workers wait for the dispatcher),
         then waits until each serves."""
-        port = _free_loopback_port()
-        self.address = f"grpc://localhost:{port}"
-        self.dispatcher = self._start("dispatcher", ["dispatcher", "--port", str(port)])
+        self.address = f"grpc://localhost:{_free_loopback_port()}"
+        self.dispatcher = self._start("dispatcher", self._dispatcher_args())
         started = [self._start("worker", self._worker_args(0)) for _ in range(workers)]
         self._wait_ready([self.dispatcher], _DISPATCHER_PORT)
         self._wait_ready(started, _WORKER_PORT)
@@ -97,6 +105,12 @@ class ServiceCluster:
         self._wait_ready(workers, _WORKER_PORT)
         self.workers += workers
         return workers
+
+    def _dispatcher_args(self) -> list[str]:
+        port = self.address.rsplit(":", 1)[1]
+        if self.work_dir is None:
+            return ["dispatcher", "--port", port]
+        return ["dispatcher", "--port", port, "--work-dir", str(self.work_dir), "--fault-tolerant"]
 
     def _worker_args(self, port: int) -> list[str]:
         dispatcher = self.address.removeprefix("grpc://")
@@ -155,10 +169,12 @@ def _kill(process: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def service_cluster(workers: int, logs: Path) -> Iterator[ServiceCluster]:
-    """Starts a dispatcher and `workers` workers on free loopback ports, waits until each serves
-    (hard deadline), yields them, and at the end stops every process started, by PID, and waits
-    for it, whatever the block raised.
+def service_cluster(
+    workers: int, logs: Path, work_dir: Path | None = None
+) -> Iterator[ServiceCluster]:
+    """Starts a dispatcher (fault-tolerant, journaling to `work_dir`, where given) and `workers`
+    workers on free loopback ports, waits until each serves (hard deadline), yields them, and at
+    the end stops every process started, by PID, and waits for it, whatever the block raised.
 
     Output goes to `logs/<role>-<i>.log`, not pipes, so a server that hangs cannot hold a pipe
     open.
@@ -169,7 +185,7 @@ def service_cluster(workers: int, logs: Path) -> Iterator[ServiceCluster]:
         "CUDA_VISIBLE_DEVICES": "",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
     }
-    cluster = ServiceCluster(logs, env)
+    cluster = ServiceCluster(logs, env, work_dir)
     try:
         cluster._start_all(workers)
         yield cluster

@@ -4,8 +4,10 @@ loopback make each sample once per epoch, in the plan's order, with the values a
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+import traceback
 
 import numpy as np
 import pytest
@@ -186,31 +188,107 @@ def slow_scaled(sample):
     return features + 0.0 * tf.reduce_sum(work), label
 
 
+def slow_feeder(address, length: int, devices) -> fp.Feeder:
+    """`length` records through `slow_scaled` in batches of 8 on one device."""
+    return feeder(address, length, 8, devices[:1], slow_scaled)
+
+
+def local_stream(length: int, devices) -> list[tuple]:
+    """The one-epoch stream of `slow_feeder`, made here (with `scaled`: the same values)."""
+    with feeder(None, length, 8, devices[:1], scaled) as local:
+        return stream(local, 1)
+
+
+def wait_for_the_readers_to_end(within_s: float = 60.0) -> None:
+    """Waits until no job's reader thread is left (an abandoned one ends once TensorFlow's
+    blocked read returns)."""
+    deadline = time.monotonic() + within_s
+    while readers := [t for t in threading.enumerate() if t.name == "feedpipe-service-job"]:
+        if time.monotonic() > deadline:
+            frames = sys._current_frames()
+            stacks = ["".join(traceback.format_stack(frames[t.ident])) for t in readers]
+            pytest.fail("an abandoned job's reader did not end:\n" + "\n".join(stacks))
+        time.sleep(0.1)
+
+
 def test_a_service_worker_killed_mid_epoch_loses_no_row(tmp_path, devices, monkeypatch):
     """A worker SIGKILLed after the first step: the rows it held never come and its job never
     ends (TensorFlow 2.21), so once no row came for STALL_S the feeder asks a new job for the
     missing rows; the epoch is still each sample once, in the local order and values."""
     monkeypatch.setattr(service_module, "STALL_S", 2.0)
-
-    def feed(address):
-        return feeder(address, 64, 8, devices[:1], slow_scaled)
-
-    with feed(None) as local:
-        expected = stream(local, 1)
-    with service_cluster(workers=2, logs=tmp_path) as cluster, feed(cluster.address) as remote:
-        got = []
-        for batch in remote:
-            got += stream_of(batch)
-            if batch.step == 0:
-                victim = cluster.workers[0]
-                port = cluster.ports[victim.pid]
-                cluster.kill_worker(victim.pid)
-        jobs = remote._producer.jobs
+    expected = local_stream(64, devices)
+    with service_cluster(workers=2, logs=tmp_path) as cluster:
+        with slow_feeder(cluster.address, 64, devices) as remote:
+            got = []
+            for batch in remote:
+                got += stream_of(batch)
+                if batch.step == 0:
+                    victim = cluster.workers[0]
+                    port = cluster.ports[victim.pid]
+                    cluster.kill_worker(victim.pid)
+            jobs = remote._producer.jobs
         # The abandoned job ends once a worker serves at the lost one's address again.
         cluster.add_worker(port=port)
-        deadline = time.monotonic() + 60
-        while any(t.name == "feedpipe-service-job" for t in threading.enumerate()):
-            assert time.monotonic() < deadline, "the abandoned job's reader did not end"
-            time.sleep(0.1)
+        wait_for_the_readers_to_end()
     assert got == expected
     assert jobs >= 2, "the rows the dead worker held were asked for again"
+
+
+def test_a_service_worker_added_mid_epoch_loses_no_row(tmp_path, devices):
+    """A second worker joins after the first step (the consumer waits for it to serve, so the
+    job is still under way) and takes a share of the job's work."""
+    expected = local_stream(256, devices)
+    with service_cluster(workers=1, logs=tmp_path) as cluster:
+        with slow_feeder(cluster.address, 256, devices) as remote:
+            got = []
+            for batch in remote:
+                got += stream_of(batch)
+                if batch.step == 0:
+                    cluster.add_worker()
+        wait_for_the_readers_to_end()
+    assert got == expected
+
+
+@pytest.mark.parametrize("journal", [True, False], ids=["fault_tolerant", "no_work_dir"])
+def test_a_dispatcher_restarted_mid_epoch_loses_no_row(tmp_path, devices, monkeypatch, journal):
+    """The dispatcher SIGKILLed after step 1 and started again at its address: with a journal
+    it knows its jobs again; without one it has forgotten them (TensorFlow raises NotFound) and
+    the feeder asks a new job for the rows it is owed. Either way each sample comes once."""
+    monkeypatch.setattr(service_module, "STALL_S", 2.0)
+    expected = local_stream(256, devices)
+    work_dir = tmp_path / "journal" if journal else None
+    with service_cluster(workers=2, logs=tmp_path, work_dir=work_dir) as cluster:
+        with slow_feeder(cluster.address, 256, devices) as remote:
+            got = []
+            for batch in remote:
+                got += stream_of(batch)
+                if batch.step == 1:
+                    cluster.kill_dispatcher()
+                    cluster.restart_dispatcher()
+        wait_for_the_readers_to_end()
+    assert got == expected
+
+
+def test_a_dispatcher_lost_for_good_fails_within_the_bound(tmp_path, devices, monkeypatch):
+    """No row for DISPATCHER_LOST_S while the dispatcher does not answer: a ConnectionError
+    naming it and the step, after whole batches only; never a hang, never a short epoch."""
+    monkeypatch.setattr(service_module, "STALL_S", 1.0)
+    monkeypatch.setattr(service_module, "DISPATCHER_LOST_S", 4.0)
+    expected = local_stream(256, devices)
+    with service_cluster(workers=2, logs=tmp_path) as cluster:
+        with slow_feeder(cluster.address, 256, devices) as remote:
+            got = []
+            with pytest.raises(ConnectionError, match=r"dispatcher at .* has not answered") as lost:
+                for batch in remote:
+                    got += stream_of(batch)
+                    if batch.step == 1:
+                        cluster.kill_dispatcher()
+                        killed = time.monotonic()
+            waited = time.monotonic() - killed
+        assert "of epoch 0" in str(lost.value)
+        # The bound: DISPATCHER_LOST_S without a row, noticed within a wait slice and a
+        # connect, and the jobs' release (RELEASE_S).
+        assert waited < 4.0 + 3.0 + 5.0, f"raised {waited:.1f} s after the dispatcher died"
+        cluster.restart_dispatcher()  # the abandoned reader's blocked read returns
+        wait_for_the_readers_to_end()
+    assert got == expected[: len(got)] and len(got) < len(expected)
