@@ -33,6 +33,10 @@ model, no step), on one CPU device:
   to the service writes; feedpipe's 16-row elements are its own choice, and their cost is part
   of what is measured); one dataset, iterated once per epoch, so one job per epoch, as
   `model.fit` iterates it;
+* `distribute_repeat_1w`, `distribute_repeat_2w`: distribute's steady state: the same pipeline
+  with `repeat()` after `from_tensor_slices`, so one job serves an endless stream shuffled
+  through one buffer (epochs mix, so no epoch is checked), timed over as many samples as
+  `--epochs` epochs hold after one epoch's worth;
 * `fp_job_1w`, `fp_job_2w`: feedpipe's own job read plainly, without the feeder: each epoch
   `ServiceWork(...).job(address, Sampler(...).order(epoch), epoch)` (one split per sample,
   16-row elements) iterated until all its rows are in, as the feeder's reader does, nothing
@@ -59,12 +63,15 @@ the timed epochs says where the work went: `client_cpu_us` (this process, every 
 `dispatcher_cpu_us` and `worker_cpu_us` (the service's processes), `total_cpu_us`. Ratios are
 taken within each repetition, then the median over repetitions.
 
-Why whole epochs: tf.data service's dynamic sharding hands out a `from_tensor_slices` source
-one element per split, one RPC from the worker to the dispatcher per sample. With `shuffle`
-first, distribute's workers ask for all the epoch's splits to fill the shuffle buffer before
-the first batch, so that cost sits in `epoch_start_s`, outside `steady_samples_s`; feedpipe's
-jobs ask for theirs as the map runs, inside it. Only the whole epoch holds the same work for
-both.
+Two comparisons, because a job per epoch and a steady stream cost differently. tf.data
+service's dynamic sharding hands out a `from_tensor_slices` source one element per split: one
+RPC from the worker to the dispatcher per sample. In `distribute_*`, `shuffle` asks for all the
+epoch's splits, one after the other, to fill its buffer before the first batch, and the client
+then waits for the job's end: that sits in each epoch's time but outside `steady_samples_s`,
+while feedpipe's jobs ask for their splits as the map runs, inside it, and the feeder starts
+the next epoch's job before the consumer asks. So: whole epochs, a job each, feedpipe against
+`distribute_*` (what training over epochs sees); and the steady state, feedpipe within its
+epochs against `distribute_repeat_*`'s endless job, where each sample costs one split for both.
 
 Exactness, checked in every repetition and recorded: `exact` is 1 where every epoch seen (the
 first and the timed ones) delivered each index exactly once (for the feeders in their plan's
@@ -73,8 +80,9 @@ that order's first rows), else 0. `same_values` is the share of the first epoch'
 are bit-identical to what `tfdata_local`'s pipeline makes here for the same index (the seed is
 [seed, index] in the first epoch for all; `fp_local` draws its own, so it has none).
 
-Targets: fp_service_1w / distribute_1w >= 0.9 and fp_service_2w / distribute_2w >= 0.9 in
-samples/s over whole epochs, with `exact` = 1 for both feeders; the rest reported.
+Targets, for 1 and 2 workers: fp_service / distribute >= 0.9 in samples/s over whole epochs;
+fp_service's steady samples/s / distribute_repeat's >= 0.9; `exact` = 1 for both feeders. The
+rest is reported.
 
 Run: `python -m kernels_bench.data_service [--quick] [--reps N] [--repeat 4] [--epochs 2]
 [--local-batches 8] [--deadline-s 590]`; writes `kernels_bench/results/data_service.json`.
@@ -118,6 +126,8 @@ PEERS = (
     "fp_local",
     "distribute_1w",
     "distribute_2w",
+    "distribute_repeat_1w",
+    "distribute_repeat_2w",
     "fp_job_1w",
     "fp_job_2w",
     "fp_service_1w",
@@ -133,6 +143,10 @@ PEER_NAMES = {
     "distribute('distributed_epoch', address)): shuffle, map and batch on 1 service worker, 64-row "
     "elements, one job per epoch",
     "distribute_2w": "the same on 2 service workers",
+    "distribute_repeat_1w": "from_tensor_slices(arrays).repeat().shuffle(N).map(...).batch(64)"
+    " .apply(distribute('distributed_epoch', address)): one job, one endless stream shuffled "
+    "through one buffer (epochs mix), 1 service worker: distribute's steady state",
+    "distribute_repeat_2w": "the same on 2 service workers",
     "fp_job_1w": "feedpipe's own job, read plainly: ServiceWork(arrays, augment, seed).job("
     "address, Sampler(N, 64, shuffle=True, seed).order(epoch), epoch) (16-row elements, one "
     "sample per split), iterated until all its rows are in, no slots: the service's side of "
@@ -143,7 +157,9 @@ PEER_NAMES = {
     "fp_service_2w": "the same on 2 service workers",
 }
 WORKERS_OF = {
-    f"{kind}_{w}w": w for kind in ("distribute", "fp_job", "fp_service") for w in WORKER_COUNTS
+    f"{kind}_{w}w": w
+    for kind in ("distribute", "distribute_repeat", "fp_job", "fp_service")
+    for w in WORKER_COUNTS
 }
 """The service's workers of each peer that uses it."""
 FEEDERS = ("fp_local", "fp_service_1w", "fp_service_2w")
@@ -333,8 +349,11 @@ def deadline(seconds: float, servers: Servers) -> Iterator[None]:
 # ---- the peers ---------------------------------------------------------------------------------
 
 
-def tf_pipeline(arrays: tuple[np.ndarray, ...], seed: int, shuffle: bool = True):
-    """The tf.data pipeline of `tfdata_local` and `distribute_*`, up to `batch(64)`."""
+def tf_pipeline(
+    arrays: tuple[np.ndarray, ...], seed: int, shuffle: bool = True, repeat: bool = False
+):
+    """The tf.data pipeline of `tfdata_local` and `distribute_*`, up to `batch(64)`; with
+    `repeat`, one endless stream of epochs shuffled through one buffer."""
     import tensorflow as tf
 
     seed_t = tf.constant(seed, tf.int64)
@@ -343,6 +362,8 @@ def tf_pipeline(arrays: tuple[np.ndarray, ...], seed: int, shuffle: bool = True)
         return augment((path, label, index), tf.stack([seed_t, index]))
 
     dataset = tf.data.Dataset.from_tensor_slices(arrays)
+    if repeat:
+        dataset = dataset.repeat()
     if shuffle:
         dataset = dataset.shuffle(len(arrays[0]), seed=seed, reshuffle_each_iteration=True)
     return dataset.map(mapped, num_parallel_calls=tf.data.AUTOTUNE, deterministic=False).batch(
@@ -404,7 +425,8 @@ def open_peer(
         plan = Sampler(len(arrays[0]), GLOBAL_BATCH, shuffle=True, seed=seed)
         yield job_epochs(work, check_address(address), plan, len(arrays[0])), None
         return
-    dataset = tf_pipeline(arrays, seed)
+    stream = peer.startswith("distribute_repeat")
+    dataset = tf_pipeline(arrays, seed, repeat=stream)
     if peer == "tfdata_local":
         dataset = dataset.prefetch(tf.data.AUTOTUNE)
     else:
@@ -418,7 +440,11 @@ def open_peer(
         for images, _, indices in dataset:
             yield images, indices
 
-    yield dataset_epoch, None
+    if stream:  # one job: every call goes on with the same stream
+        batches = dataset_epoch()
+        yield (lambda: batches), None
+    else:
+        yield dataset_epoch, None
 
 
 def digests(images, indices) -> dict[int, str]:
@@ -449,11 +475,12 @@ def run_peer(
     servers: Servers,
 ) -> dict:
     """One repetition of `peer`: start-up and the first epoch (untimed, its values checked),
-    then `epochs` whole epochs timed back to back (`fp_local`: `local_batches` batches)."""
+    then `epochs` whole epochs timed back to back; `fp_local` takes `local_batches` batches
+    after a few, the `distribute_repeat_*` streams as many samples as `epochs` epochs hold."""
     from feedpipe.sampler import Sampler
 
     length = len(arrays[0])
-    local = peer == "fp_local"
+    local, stream = peer == "fp_local", peer.startswith("distribute_repeat")
     gc.collect()
     started = time.perf_counter()
     with open_peer(peer, arrays, addresses, device, seed) as (next_epoch, feeder):
@@ -462,10 +489,14 @@ def run_peer(
         first_batch_s = time.perf_counter() - started
         order = [np.asarray(indices)]
         values = {} if local else digests(images, indices)
-        for images, indices in itertools.islice(batches, LOCAL_WARMUP_BATCHES if local else None):
+        taken = len(order[0])
+        for images, indices in batches:
             order.append(np.asarray(indices))
+            taken += len(order[-1])
             if not local:
                 values.update(digests(images, indices))
+            if (local and len(order) == LOCAL_WARMUP_BATCHES) or (stream and taken >= length):
+                break
         del images
         seen = [np.concatenate(order)]  # each epoch's indices in delivery order
         starts, steady_rows, steady_s = [], 0, 0.0
@@ -473,29 +504,35 @@ def run_peer(
             cpu = time.process_time()
             dispatcher, worker = servers.cpu_s("dispatcher"), servers.cpu_s("worker")
             wall = time.perf_counter()
-            if local:
-                seen += [np.asarray(next(batches)[1]) for _ in range(local_batches)]
-                rows = steady_rows = local_batches * GLOBAL_BATCH
-            for _ in range(0 if local else epochs):
-                asked, arrivals, order = time.perf_counter(), [], []
-                for _, indices in next_epoch():
-                    arrivals.append(time.perf_counter())
-                    order.append(np.asarray(indices))
-                starts.append(arrivals[0] - asked)
-                steady_rows += sum(map(len, order[1:]))
-                steady_s += arrivals[-1] - arrivals[0]
-                seen.append(np.concatenate(order))
+            if local or stream:
+                goal, rows = (local_batches * GLOBAL_BATCH if local else epochs * length), 0
+                while rows < goal:
+                    indices = np.asarray(next(batches)[1])
+                    seen.append(indices)
+                    rows += len(indices)
+                steady_rows, steady_s = rows, time.perf_counter() - wall
+            else:
+                for _ in range(epochs):
+                    asked, arrivals, order = time.perf_counter(), [], []
+                    for _, indices in next_epoch():
+                        arrivals.append(time.perf_counter())
+                        order.append(np.asarray(indices))
+                    starts.append(arrivals[0] - asked)
+                    steady_rows += sum(map(len, order[1:]))
+                    steady_s += arrivals[-1] - arrivals[0]
+                    seen.append(np.concatenate(order))
+                rows = epochs * length
             wall = time.perf_counter() - wall
             cpu = time.process_time() - cpu
             dispatcher = servers.cpu_s("dispatcher") - dispatcher
             worker = servers.cpu_s("worker") - worker
-        if not local:
-            rows = epochs * length
         jobs = getattr(getattr(feeder, "_producer", None), "jobs", None)
         batches.close()
     time.sleep(SETTLE_S)
     plan = Sampler(length, GLOBAL_BATCH, shuffle=True, seed=seed)
-    if local:  # the plan's first rows
+    if stream:  # epochs mix in one shuffle buffer: no epoch to check
+        exact = None
+    elif local:  # the plan's first rows
         delivered = np.concatenate(seen)
         exact = np.array_equal(delivered, plan.order(0)[: len(delivered)])
     elif peer in FEEDERS:  # each epoch whole, in the plan's order
@@ -504,14 +541,13 @@ def run_peer(
         exact = all(np.array_equal(np.sort(ids), np.arange(length)) for ids in seen)
     return {
         "samples_s": rows / wall,
-        "steady_samples_s": steady_rows / (steady_s or wall),
+        "steady_samples_s": steady_rows / steady_s,
         "first_batch_s": first_batch_s,
         "epoch_start_s": float(np.mean(starts)) if starts else None,
         "client_cpu_us": 1e6 * cpu / rows,
         "dispatcher_cpu_us": 1e6 * dispatcher / rows,
         "worker_cpu_us": 1e6 * worker / rows,
-        "exact": float(exact),
-        "epochs_checked": 0 if local else len(seen),
+        "exact": None if exact is None else float(exact),
         "jobs": jobs,
         "other_cores": other.cores,
         "values": values,
@@ -524,7 +560,6 @@ def rep_row(result: dict[str, dict], reference: dict[int, str]) -> dict:
     for peer in PEERS:
         for key in METRICS:
             row[f"{peer}_{key}"] = result[peer][key]
-        row[f"{peer}_total_cpu_us"] = None
         row[f"{peer}_total_cpu_us"] = sum(
             result[peer][key] for key in ("client_cpu_us", "dispatcher_cpu_us", "worker_cpu_us")
         )
@@ -535,20 +570,29 @@ def rep_row(result: dict[str, dict], reference: dict[int, str]) -> dict:
             else None
         )
     for workers in WORKER_COUNTS:
-        fp_peer, job_peer, ds_peer = (
-            f"{k}_{workers}w" for k in ("fp_service", "fp_job", "distribute")
+        fp_peer, job_peer, ds_peer, stream_peer = (
+            f"{kind}_{workers}w"
+            for kind in ("fp_service", "fp_job", "distribute", "distribute_repeat")
         )
         for over, under in ((fp_peer, ds_peer), (job_peer, ds_peer), (fp_peer, job_peer)):
-            row[f"{over}_over_{under}"] = result[over]["samples_s"] / result[under]["samples_s"]
+            row[f"{over}_over_{under}"] = row[f"{over}_samples_s"] / row[f"{under}_samples_s"]
         for key in ("steady_samples_s", "first_batch_s", "epoch_start_s", "total_cpu_us"):
             row[f"{fp_peer}_{key.rsplit('_', 1)[0]}_over_{ds_peer}"] = (
                 row[f"{fp_peer}_{key}"] / row[f"{ds_peer}_{key}"]
+            )
+        # The steady state of each: feedpipe within its epochs, distribute's one endless job.
+        row[f"{fp_peer}_steady_over_{stream_peer}"] = (
+            row[f"{fp_peer}_steady_samples_s"] / row[f"{stream_peer}_samples_s"]
+        )
+        for key in ("client_cpu_us", "total_cpu_us"):
+            row[f"{fp_peer}_{key.rsplit('_', 1)[0]}_over_{stream_peer}"] = (
+                row[f"{fp_peer}_{key}"] / row[f"{stream_peer}_{key}"]
             )
     for peer in PEERS[1:]:
         row[f"{peer}_over_tfdata_local"] = (
             result[peer]["samples_s"] / result["tfdata_local"]["samples_s"]
         )
-    for kind in ("fp_service", "fp_job", "distribute"):
+    for kind in ("fp_service", "fp_job", "distribute", "distribute_repeat"):
         row[f"{kind}_2w_over_1w"] = (
             result[f"{kind}_2w"]["samples_s"] / result[f"{kind}_1w"]["samples_s"]
         )
@@ -642,7 +686,11 @@ def main(argv=None) -> None:
             print(
                 f"  rep {rep + 1}/{settings.reps}: "
                 + "  ".join(f"{p} {result[p]['samples_s']:,.0f}/s" for p in PEERS)
-                + f"  exact {''.join(str(int(result[p]['exact'])) for p in PEERS)}"
+                + "  exact "
+                + "".join(
+                    "-" if result[p]["exact"] is None else str(int(result[p]["exact"]))
+                    for p in PEERS
+                )
                 + f"  (other processes: up to {rows[-1]['other_cores']:.2f} core)",
                 flush=True,
             )
@@ -694,7 +742,18 @@ def finish(report: harness.Report, context: dict, rows: list[dict]) -> None:
     for workers in WORKER_COUNTS:
         fp_peer, ds_peer = f"fp_service_{workers}w", f"distribute_{workers}w"
         report.target(
-            case, f"{fp_peer}_over_{ds_peer}", ">=", 0.9, f"{fp_peer} / {ds_peer} (samples/s)"
+            case,
+            f"{fp_peer}_over_{ds_peer}",
+            ">=",
+            0.9,
+            f"{fp_peer} / {ds_peer} (samples/s over whole epochs, a job each)",
+        )
+        report.target(
+            case,
+            f"{fp_peer}_steady_over_distribute_repeat_{workers}w",
+            ">=",
+            0.9,
+            f"{fp_peer} within its epochs / distribute_repeat_{workers}w (steady samples/s)",
         )
         report.target(
             case, f"{fp_peer}_exact", ">=", 1.0, f"{fp_peer}: each sample once, in the plan's order"
@@ -702,12 +761,14 @@ def finish(report: harness.Report, context: dict, rows: list[dict]) -> None:
     report.note(
         "samples_s: whole epochs back to back after the first (the first: start-up, tracing, "
         "the first job, tf.data's autotuning, values checked), from asking each epoch to its "
-        "last batch, so each epoch's start counts; fp_local over its batches after "
+        "last batch, so each epoch's start and end count; distribute_repeat_*: its one stream "
+        "over as many samples, after one epoch's worth; fp_local over its batches after "
         f"{LOCAL_WARMUP_BATCHES} of its first epoch. steady_samples_s: the same epochs from "
-        "their first batch to their last (without each epoch's start; with shuffle, "
-        "distribute_* ask for the epoch's splits, one RPC per sample, to fill the shuffle "
-        "buffer before their first batch, so that cost falls outside this window for them and "
-        "inside it for fp_*). Each peer fresh per repetition, peers in rotating order, ratios "
+        "their first batch to their last (with shuffle, distribute_* fetch the epoch's splits, "
+        "one RPC per sample, to fill the shuffle buffer before their first batch, so that cost "
+        "falls outside this window for them and inside it for fp_*; distribute_repeat_* pays "
+        "it as it goes, like fp_*). Each peer fresh per repetition, peers in rotating order, "
+        "ratios "
         "within each repetition. Producer alone: no step. client_cpu_us: this process's CPU "
         "(every thread) per sample over the timed epochs; dispatcher_cpu_us, worker_cpu_us: "
         "the service processes' (both clusters'; the idle one's heartbeats included); "
@@ -725,6 +786,7 @@ def finish(report: harness.Report, context: dict, rows: list[dict]) -> None:
             *(f"{p}_steady_samples_s" for p in PEERS),
             *(f"fp_service_{w}w_over_distribute_{w}w" for w in WORKER_COUNTS),
             *(f"fp_service_{w}w_steady_samples_over_distribute_{w}w" for w in WORKER_COUNTS),
+            *(f"fp_service_{w}w_steady_over_distribute_repeat_{w}w" for w in WORKER_COUNTS),
             *(f"fp_job_{w}w_over_distribute_{w}w" for w in WORKER_COUNTS),
             *(f"fp_service_{w}w_over_fp_job_{w}w" for w in WORKER_COUNTS),
             *(f"{p}_first_batch_s" for p in PEERS),
