@@ -22,11 +22,9 @@ model, no step), on one CPU device:
 * `tfdata_local`: `from_tensor_slices(arrays).shuffle(N, reshuffle_each_iteration=True)
   .map(augment with seed [seed, index], AUTOTUNE, deterministic=False).batch(64)
   .prefetch(AUTOTUNE)`, in this process: the machine's own ceiling for this work;
-* `fp_local`: `fp.Feeder(arrays, 64, shuffle=True, transform=...)` without a service: the
-  feeder's thread calls the transform once per sample, eagerly (TensorFlow op by op). With
-  `service=None` a two-argument transform gets a numpy Generator, not a stateless seed (README,
-  "Not yet"), so this peer's transform draws the seed from that generator and calls `augment`:
-  the same work, other random values;
+* `fp_local`: `fp.Feeder(arrays, 64, shuffle=True, transform=augment)` without a service: the
+  feeder's thread calls the transform once per sample, eagerly (TensorFlow op by op), with the
+  same stateless seed the service's workers get;
 * `distribute_1w`, `distribute_2w`: the `tfdata_local` pipeline up to `batch(64)`
   `.apply(tf.data.experimental.service.distribute("distributed_epoch", address))`: shuffle, map
   and batch on the service's workers, elements of 64 rows (what a user who moves the pipeline
@@ -78,7 +76,7 @@ first and the timed ones) delivered each index exactly once (for the feeders in 
 order, `Sampler(N, 64, shuffle=True, seed).order(epoch)`; for `fp_local`, the rows taken are
 that order's first rows), else 0. `same_values` is the share of the first epoch's images that
 are bit-identical to what `tfdata_local`'s pipeline makes here for the same index (the seed is
-[seed, index] in the first epoch for all; `fp_local` draws its own, so it has none).
+[seed, index] in the first epoch for all; `fp_local`'s are those of its first batches).
 
 Targets, for 1 and 2 workers: fp_service / distribute >= 0.9 in samples/s over whole epochs;
 fp_service's steady samples/s / distribute_repeat's >= 0.9; `exact` = 1 for both feeders. The
@@ -136,9 +134,8 @@ PEERS = (
 PEER_NAMES = {
     "tfdata_local": "from_tensor_slices(arrays).shuffle(N).map(augment, AUTOTUNE, "
     "deterministic=False).batch(64).prefetch(AUTOTUNE), in this process",
-    "fp_local": "fp.Feeder(arrays, 64, shuffle=True, transform=augment with a seed drawn from "
-    "the feeder's numpy Generator), service=None: the transform run eagerly per sample in the "
-    "feeder's thread",
+    "fp_local": "fp.Feeder(arrays, 64, shuffle=True, transform=augment), service=None: the "
+    "transform run eagerly per sample in the feeder's thread",
     "distribute_1w": "the same pipeline up to batch(64) .apply(tf.data.experimental.service."
     "distribute('distributed_epoch', address)): shuffle, map and batch on 1 service worker, 64-row "
     "elements, one job per epoch",
@@ -203,13 +200,6 @@ def augment(sample, seed):
     image = tf.image.resize(image, (OUT_SIZE, OUT_SIZE))
     image = tf.image.stateless_random_flip_left_right(image, flip_seed)
     return image / 255.0, label, index
-
-
-def augment_with_generator(sample, rng):
-    """`augment` with a stateless seed drawn from the numpy Generator a local feeder passes."""
-    import tensorflow as tf
-
-    return augment(sample, tf.constant(rng.integers(0, 2**62, 2), tf.int64))
 
 
 # ---- the service's processes ------------------------------------------------------------------
@@ -405,7 +395,7 @@ def open_peer(
             devices=[device],
             shuffle=True,
             seed=seed,
-            transform=augment if address else augment_with_generator,
+            transform=augment,
             service=address,
         ) as feeder:
 
@@ -488,13 +478,12 @@ def run_peer(
         images, indices = next(batches)
         first_batch_s = time.perf_counter() - started
         order = [np.asarray(indices)]
-        values = {} if local else digests(images, indices)
+        values = digests(images, indices)
         taken = len(order[0])
         for images, indices in batches:
             order.append(np.asarray(indices))
             taken += len(order[-1])
-            if not local:
-                values.update(digests(images, indices))
+            values.update(digests(images, indices))
             if (local and len(order) == LOCAL_WARMUP_BATCHES) or (stream and taken >= length):
                 break
         del images
