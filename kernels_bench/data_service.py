@@ -28,7 +28,7 @@ model, no step), on one CPU device:
 * `distribute_1w`, `distribute_2w`: the `tfdata_local` pipeline up to `batch(64)`
   `.apply(tf.data.experimental.service.distribute("distributed_epoch", address))`: shuffle, map
   and batch on the service's workers, elements of 64 rows (what a user who moves the pipeline
-  to the service writes; feedpipe's 16-row elements are its own choice, and their cost is part
+  to the service writes; feedpipe's 64-row elements are its own choice, and their cost is part
   of what is measured); one dataset, iterated once per epoch, so one job per epoch, as
   `model.fit` iterates it;
 * `distribute_repeat_1w`, `distribute_repeat_2w`: distribute's steady state: the same pipeline
@@ -37,11 +37,11 @@ model, no step), on one CPU device:
   `--epochs` epochs hold after one epoch's worth;
 * `fp_job_1w`, `fp_job_2w`: feedpipe's own job read plainly, without the feeder: each epoch
   `ServiceWork(...).job(address, Sampler(...).order(epoch), epoch)` (one split per sample,
-  16-row elements) iterated until all its rows are in, as the feeder's reader does, nothing
+  64-row elements) iterated until all its rows are in, as the feeder's reader does, nothing
   written into slots. It splits fp_service's cost into the service's side (fp_job /
   distribute) and the feeder's (fp_service / fp_job);
 * `fp_service_1w`, `fp_service_2w`: `fp.Feeder(arrays, 64, shuffle=True, transform=augment,
-  service=address)`: one job per epoch over the rows of the steps, 16 rows per element
+  service=address)`: one job per epoch over the rows of the steps, 64 rows per element
   (`feedpipe.service.ROWS_PER_ELEMENT`), each row written into its place in the host slot.
 
 The service runs as two clusters on loopback started by this script before the repetitions,
@@ -145,12 +145,12 @@ PEER_NAMES = {
     "through one buffer (epochs mix), 1 service worker: distribute's steady state",
     "distribute_repeat_2w": "the same on 2 service workers",
     "fp_job_1w": "feedpipe's own job, read plainly: ServiceWork(arrays, augment, seed).job("
-    "address, Sampler(N, 64, shuffle=True, seed).order(epoch), epoch) (16-row elements, one "
+    "address, Sampler(N, 64, shuffle=True, seed).order(epoch), epoch) (64-row elements, one "
     "sample per split), iterated until all its rows are in, no slots: the service's side of "
     "fp_service alone; 1 service worker",
     "fp_job_2w": "the same on 2 service workers",
     "fp_service_1w": "fp.Feeder(arrays, 64, shuffle=True, transform=augment, service=address): "
-    "1 service worker, 16-row elements, one job per epoch",
+    "1 service worker, 64-row elements, one job per epoch",
     "fp_service_2w": "the same on 2 service workers",
 }
 WORKERS_OF = {
