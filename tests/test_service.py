@@ -119,7 +119,8 @@ def test_a_transform_that_asks_for_a_numpy_rng_is_refused(service):
 
 
 def test_stats_say_how_long_the_producer_waited_for_the_service(service, devices):
-    with feeder(service.address, 64, 8, devices[:1], slow_scaled) as remote:
+    # 4 elements of 64 rows: the first makes the first batch (start-up, not counted).
+    with feeder(service.address, 256, 8, devices[:1], slow_scaled) as remote:
         stream(remote, 1)
         stats = remote.stats()
     assert 0 < stats.service_wait_s <= stats.producer_busy_s
