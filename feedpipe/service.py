@@ -104,8 +104,9 @@ class ServiceWork:
         self.source = source
         self.transform = transform
         self.seed = seed
-        self.with_seed = transform is not None and randomness(transform) == SEED
-        if transform is not None and randomness(transform) == RNG:
+        kind = None if transform is None else randomness(transform)
+        self.with_seed = kind == SEED
+        if kind == RNG:
             raise TypeError(
                 f"`transform` takes a second argument other than `seed`, but {SERVICE_LIMIT}, "
                 "so it cannot get a numpy Generator: name its second parameter `seed` and use "
