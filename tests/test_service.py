@@ -215,11 +215,14 @@ def wait_for_the_readers_to_end(within_s: float = 60.0) -> None:
 def test_a_service_worker_killed_mid_epoch_loses_no_row(tmp_path, devices, monkeypatch):
     """A worker SIGKILLed after the first step: the rows it held never come and its job never
     ends (TensorFlow 2.21), so once no row came for STALL_S the feeder asks a new job for the
-    missing rows; the epoch is still each sample once, in the local order and values."""
+    missing rows; the epoch is still each sample once, in the local order and values.
+    Elements of 8 rows keep both workers mid-epoch when the first step is in (with 64-row
+    elements both could have sent every row they would ever send by then)."""
     monkeypatch.setattr(service_module, "STALL_S", 2.0)
-    expected = local_stream(64, devices)
+    monkeypatch.setattr(service_module, "ROWS_PER_ELEMENT", 8)
+    expected = local_stream(128, devices)
     with service_cluster(workers=2, logs=tmp_path) as cluster:
-        with slow_feeder(cluster.address, 64, devices) as remote:
+        with slow_feeder(cluster.address, 128, devices) as remote:
             got = []
             for batch in remote:
                 got += stream_of(batch)
