@@ -8,6 +8,7 @@ back afterwards, and wait for a step's outputs.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from feedpipe._contention import delay_from_other_load_s, snapshot
 from feedpipe.stats import verdict
 
 HEADSPACE_MIN_S = 0.25
@@ -34,23 +36,41 @@ def bounded_verdict(low: float, high: float) -> str:
     return judged if verdict(high) == judged else CANNOT_TELL
 
 
-def bracket(*measurements: list[float], compared_over: int) -> tuple[float, float, float]:
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepAlone:
+    """One measurement of the step alone."""
+
+    times_s: list[float]
+    """Seconds per step, one entry per call."""
+    other_load_s: float = 0.0
+    """Seconds per step its threads waited for a CPU that other processes held (see
+    `feedpipe._contention`)."""
+
+
+def bracket(
+    *measurements: StepAlone, compared_over: int, other_load_s: float = 0.0
+) -> tuple[float, float, float]:
     """The step alone over a stretch of `compared_over` steps it was timed on both sides of:
-    the mean of the measurements' means, and the least (never below zero) and most the step
-    alone may have averaged over the stretch, each mean less or plus twice its noise. The
-    noise counts both samples, the measurement and the stretch
-    (`sd * sqrt(1/n + 1/compared_over)`); the machine's load, changing between the
-    measurements, widens the bound further."""
-    means, noise = [], []
-    for times in measurements:
+    its estimate, and the least (never below zero) and most it may have averaged.
+
+    Each measurement bounds it as its mean less or plus twice its noise. The noise counts both
+    samples, the measurement and the stretch (`sd * sqrt(1/n + 1/compared_over)`); the
+    machine's load, changing between the measurements, widens the bound further. Load that
+    rose and fell within the stretch is seen only in the delay other processes caused there,
+    `other_load_s` per step: each measurement less the delay it saw, plus the stretch's, bounds
+    the step alone too, and the estimate is their mean.
+    """
+    means, noise, unloaded = [], [], []
+    for measured in measurements:
+        times = measured.times_s
         means.append(statistics.fmean(times))
         spread = statistics.stdev(times) if len(times) > 1 else 0.0
         noise.append(2 * spread * (1 / len(times) + 1 / max(compared_over, 1)) ** 0.5)
-    return (
-        statistics.fmean(means),
-        max(0.0, min(m - n for m, n in zip(means, noise, strict=True))),
-        max(m + n for m, n in zip(means, noise, strict=True)),
-    )
+        unloaded.append(max(0.0, means[-1] - measured.other_load_s))
+    loaded = [mean + other_load_s for mean in unloaded]
+    low = min(m - n for m, n in zip([*means, *loaded], noise + noise, strict=True))
+    high = max(m + n for m, n in zip([*means, *loaded], noise + noise, strict=True))
+    return min(max(statistics.fmean(loaded), low), high), max(0.0, low), high
 
 
 def save_state(model: keras.Model) -> Callable[[], None]:
@@ -151,17 +171,18 @@ def resident_iterator(element: Any, strategy: tf.distribute.Strategy) -> Any:
     return iter(strategy.distribute_datasets_from_function(replica_batches))
 
 
-def time_step_alone(run: Callable[[], Any], calls: int, steps_per_call: int = 1) -> list[float]:
-    """Seconds per step of `run()`, one entry per call: at least `calls` calls and at least
-    `HEADSPACE_MIN_S`, after one untimed call that warms up (the first may trace)."""
+def time_step_alone(run: Callable[[], Any], calls: int, steps_per_call: int = 1) -> StepAlone:
+    """The step alone by `run()`: at least `calls` calls and at least `HEADSPACE_MIN_S`, after
+    one untimed call that warms up (the first may trace)."""
     finish(run())
     times: list[float] = []
-    began = time.perf_counter()
+    began, counters = time.perf_counter(), snapshot()
     while len(times) < calls or time.perf_counter() - began < HEADSPACE_MIN_S:
         started = time.perf_counter()
         finish(run())
         times.append((time.perf_counter() - started) / steps_per_call)
-    return times
+    other_load_s = delay_from_other_load_s(counters, snapshot()) / (len(times) * steps_per_call)
+    return StepAlone(times, other_load_s)
 
 
 def finish(outputs: Any) -> None:

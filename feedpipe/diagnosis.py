@@ -37,8 +37,10 @@ import numpy as np
 import optree
 import tensorflow as tf
 
+from feedpipe._contention import delay_from_other_load_s, snapshot
 from feedpipe._headspace import (
     CANNOT_TELL,
+    StepAlone,
     bounded_verdict,
     bracket,
     finish,
@@ -115,7 +117,8 @@ class Diagnosis:
     remedies: tuple[Remedy, ...] = ()
     step_alone_range_s: tuple[float, float] | None = None
     """The least and most seconds the step alone may have taken per step while together ran:
-    the consumer-alone measurements before and after it, each widened by twice its noise (see
+    the consumer-alone measurements before and after it, each widened by twice its noise and by
+    the delay other load caused the together measurement beyond its own (see
     `feedpipe._headspace.bracket`). Derived waits only; None where waits were timed
     directly."""
     measured_at: str = ""
@@ -460,6 +463,11 @@ class _KerasRun(_CallableRun):
         """Steps each call runs: times are per call, divided by it."""
         self._restore: Callable[[], None] = lambda: None
         self.kept = None
+        self.alone_other_load_s: list[float] = []
+        """Per step, the delay other processes caused each consumer-alone measurement (see
+        `feedpipe._contention`)."""
+        self.together_other_load_s = 0.0
+        """The same for the together measurement's timed steps."""
 
     def warm_up(self, count: int, progress: _Progress) -> Any:
         progress.start("warm-up", count)
@@ -511,11 +519,15 @@ class _KerasRun(_CallableRun):
     def _time_alone(self, label: str, count: int, progress: _Progress) -> list[float]:
         progress.start(label, count)
         times = []
+        counters = snapshot()
         for _ in range(count):
             started = time.perf_counter()
             finish(self.train(self.kept))
             times.append((time.perf_counter() - started) / self.spe)
             progress.step()
+        self.alone_other_load_s.append(
+            delay_from_other_load_s(counters, snapshot()) / (count * self.spe)
+        )
         return times
 
     def together(self, warmup: int, count: int, progress: _Progress) -> list[StepTiming]:
@@ -524,6 +536,8 @@ class _KerasRun(_CallableRun):
         progress.start("together (input and step, the first steps untimed)", warmup + count)
         timings = []
         for i in range(warmup + count):
+            if i == warmup:
+                counters = snapshot()
             staged = self._staged()
             started = time.perf_counter()
             finish(self.train(self.batches))
@@ -531,6 +545,9 @@ class _KerasRun(_CallableRun):
                 took = (time.perf_counter() - started) / self.spe
                 timings.append(StepTiming(0.0, took, staged))
             progress.step()
+        self.together_other_load_s = delay_from_other_load_s(counters, snapshot()) / (
+            count * self.spe
+        )
         return timings
 
     def restore(self) -> None:
@@ -932,7 +949,13 @@ def diagnose(
         run.restore()
     alone_range = None
     if again:
-        alone_s, low_s, high_s = bracket(consumer, again, compared_over=len(together))
+        before_load_s, again_load_s = run.alone_other_load_s
+        alone_s, low_s, high_s = bracket(
+            StepAlone(consumer, before_load_s),
+            StepAlone(again, again_load_s),
+            compared_over=len(together),
+            other_load_s=run.together_other_load_s,
+        )
         together = _split_waits(together, alone_s)
         alone_range = (low_s, high_s)
     measured = Diagnosis(

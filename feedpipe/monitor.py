@@ -17,7 +17,9 @@ The input-wait fraction is `1 - B / A`: the share of the real step that was not 
 itself. B is measured after every epoch, because other load on the machine changes the step's
 speed: the measurements on both sides of an epoch and their noise bound B over it, so they
 bound the fraction, and a bound that spans more than one of the TensorFlow profiler's bands
-(see `feedpipe.stats`) is judged "cannot tell" rather than guessed.
+(see `feedpipe.stats`) is judged "cannot tell" rather than guessed. Load that rises and falls
+within the epoch escapes both measurements; the delay it caused the process's threads there
+(`feedpipe._contention`) widens the bound by what it adds over theirs.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from typing import TYPE_CHECKING, Any
 import keras
 import tensorflow as tf
 
+from feedpipe._contention import CpuSnapshot, delay_from_other_load_s, snapshot
 from feedpipe._headspace import (
     CANNOT_TELL,
+    StepAlone,
     bounded_verdict,
     bracket,
     resident_iterator,
@@ -68,14 +72,20 @@ class EpochStarvation:
     step_alone_s: float
     """Mean time per step on an input that costs nothing (the headspace measurement): the mean
     of the measurements at the end of the epoch before (none for the fit's first) and at the
-    end of this one."""
+    end of this one, each less the delay other load caused it and plus the epoch's (see
+    `other_load_s`)."""
     step_alone_low_s: float
     """The least the step alone may have averaged over the epoch: the faster measurement, less
-    twice its noise (that of its own steps and of the epoch's, see `bracket`)."""
+    twice its noise (that of its own steps and of the epoch's, see `bracket`), or less the
+    delay other load caused it where the epoch saw less."""
     step_alone_high_s: float
     """The most the step alone may have averaged over the epoch: the slower measurement, plus
-    twice its noise. Far from `step_alone_low_s`: the machine's load changed the
-    step's speed around the epoch."""
+    twice its noise, or, where other processes kept the step's threads waiting for a CPU
+    longer in the epoch than in a measurement, that measurement less its delay plus the
+    epoch's. Far from `step_alone_low_s`: the machine's load changed the step's speed."""
+    other_load_s: float = 0.0
+    """Seconds per step the process's threads waited in the epoch for a CPU that other
+    processes held (see `feedpipe._contention`); 0 where the system does not count it."""
     producer_samples_per_s: float | None = None
     """What the monitored `Feeder`'s producer alone sustains (see `FeedStats`); None
     without a feeder."""
@@ -143,7 +153,8 @@ class EpochStarvation:
             line = (
                 f"{CANNOT_TELL}: the step waited for input {low:.1%} to {high:.1%} of the time "
                 f"({verdict(low)} to {verdict(high)}): the step alone's speed varied in the "
-                f"measurements around this epoch, as other load on the machine makes it ({rates})"
+                f"measurements around this epoch, as other load on the machine makes it ({rates}"
+                f"{self._other_load_note()})"
             )
         else:
             line = (
@@ -151,6 +162,14 @@ class EpochStarvation:
                 f"the time (bound {low:.1%} to {high:.1%}; {rates})"
             )
         return line + self._feeder_note()
+
+    def _other_load_note(self) -> str:
+        if self.other_load_s < 0.0005:
+            return ""
+        return (
+            f"; other processes kept its threads waiting for a CPU "
+            f"{self.other_load_s * 1e3:,.1f} ms a step this epoch"
+        )
 
     def _feeder_note(self) -> str:
         """What the feeder saw of the same wait, and why it differs where it does."""
@@ -265,8 +284,8 @@ class StarvationMonitor(keras.callbacks.Callback):
         self._resident: Any = None
         """The headspace batch served from memory, taken from the real stream on the fit's
         second call; None until then."""
-        self._alone: list[float] | None = None
-        """The latest headspace measurement: seconds per step, one entry per call."""
+        self._alone: StepAlone | None = None
+        """The latest headspace measurement."""
         self._fit_calls = 0
         self._epoch_calls = 0
         self._started: float | None = None
@@ -275,6 +294,8 @@ class StarvationMonitor(keras.callbacks.Callback):
         self._epoch_busy_s = 0.0
         self._epoch_steps = 0
         self._epoch_calls_timed = 0
+        self._epoch_counters: CpuSnapshot | None = None
+        """The CPU counters when the epoch's first timed call began."""
         self._feeder_at_begin: Any = None
 
     def on_train_begin(self, logs=None):
@@ -302,6 +323,8 @@ class StarvationMonitor(keras.callbacks.Callback):
             if self._resident is None and self._fit_calls >= 2:
                 self._started = None
                 return self._take_headspace_batch(original, iterator)
+            if self._epoch_calls > 1 and self._epoch_counters is None:
+                self._epoch_counters = snapshot()
             self._started = time.perf_counter() if self._epoch_calls > 1 else None
             return original(iterator)
 
@@ -314,6 +337,7 @@ class StarvationMonitor(keras.callbacks.Callback):
         self._epoch_busy_s = 0.0
         self._epoch_steps = 0
         self._epoch_calls_timed = 0
+        self._epoch_counters = None
         self._feeder_at_begin = None if self.feeder is None else self.feeder.stats()
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -331,9 +355,12 @@ class StarvationMonitor(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if self._epoch_steps == 0:
             return
+        other_load_s = delay_from_other_load_s(self._epoch_counters, snapshot()) / self._epoch_steps
         before, self._alone = self._alone, self._time_step_alone()
         step_alone_s, low_s, high_s = bracket(
-            *filter(None, [before, self._alone]), compared_over=self._epoch_calls_timed
+            *filter(None, [before, self._alone]),
+            compared_over=self._epoch_calls_timed,
+            other_load_s=other_load_s,
         )
         producer = feeder_wait = None
         if self.feeder is not None:
@@ -347,6 +374,7 @@ class StarvationMonitor(keras.callbacks.Callback):
             step_alone_s=step_alone_s,
             step_alone_low_s=low_s,
             step_alone_high_s=high_s,
+            other_load_s=other_load_s,
             producer_samples_per_s=producer,
             feeder_wait_fraction=feeder_wait,
         )
@@ -393,9 +421,8 @@ class StarvationMonitor(keras.callbacks.Callback):
         self._resident = resident_iterator(elements[0], self.model.distribute_strategy)
         return outputs
 
-    def _time_step_alone(self) -> list[float]:
-        """Seconds per step of the compiled step on the resident batch, one entry per call;
-        training unchanged."""
+    def _time_step_alone(self) -> StepAlone:
+        """The compiled step on the resident batch, training unchanged."""
         restore = save_state(self.model)
         try:
             return time_step_alone(

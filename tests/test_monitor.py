@@ -20,7 +20,7 @@ import tensorflow as tf
 
 import feedpipe as fp
 from feedpipe import monitor as monitor_module
-from feedpipe._headspace import CANNOT_TELL
+from feedpipe._headspace import CANNOT_TELL, StepAlone, bracket
 from feedpipe.monitor import EpochStarvation
 from feedpipe.stats import HIGH_FRACTION, MODERATE_FRACTION, verdict
 from tests.fakes import CountingSource, index_arrays, sleeping_model
@@ -238,6 +238,29 @@ def test_a_bound_across_two_bands_is_judged_cannot_tell():
     )
 
 
+def test_load_within_the_stretch_raises_the_bound_by_the_delay_it_caused():
+    """Unloaded before, loaded after, and loaded more in between: each measurement less the
+    delay other load caused it, plus the stretch's, is the step alone the stretch may have
+    seen (0.020 + 0.070), above both measurements."""
+    before = StepAlone([0.020] * 10)
+    after = StepAlone([0.060] * 10, other_load_s=0.040)
+    estimate, low, high = bracket(before, after, compared_over=14, other_load_s=0.070)
+    assert (estimate, low, high) == pytest.approx((0.090, 0.020, 0.090))
+
+
+def test_without_other_load_the_measurements_alone_bound_the_stretch():
+    before, after = StepAlone([0.020] * 10), StepAlone([0.060] * 10)
+    assert bracket(before, after, compared_over=14) == pytest.approx((0.040, 0.020, 0.060))
+
+
+def test_load_in_the_measurements_that_left_the_stretch_lowers_the_bound():
+    """Loaded around the stretch, idle within it: the step alone may have been as fast as the
+    measurements less the delay other load caused them."""
+    around = StepAlone([0.060] * 10, other_load_s=0.040)
+    estimate, low, high = bracket(around, around, compared_over=14, other_load_s=0.0)
+    assert (estimate, low, high) == pytest.approx((0.020, 0.020, 0.060))
+
+
 @contextlib.contextmanager
 def competing_cpu_load(per_core: int = 2, deadline_s: float = 300.0):
     """`per_core` busy processes per core, started here and ended by PID on exit; each also
@@ -303,7 +326,10 @@ def in_memory_data(batches: int) -> tf.data.Dataset:
 def test_monitor_verdict_holds_when_competing_cpu_load_starts_mid_fit():
     """The input is in memory, so the truth is "not input-bound" in every epoch; from the
     second epoch on, competing load slows the CPU-bound step. A step alone measured once,
-    before the load, read that slowdown as input wait ("highly input-bound")."""
+    before the load, read that slowdown as input wait ("highly input-bound"); so did one
+    measured on both sides, in 3 of 13 fits, where the load slowed the epoch's steps more
+    than it slowed the measurement after it, until the delay the load caused within the
+    epoch widened the bound."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((3,)), Spin(600_000), keras.layers.Dense(1)])
     model.compile("adam", "mse", jit_compile=False)
@@ -318,6 +344,8 @@ def test_monitor_verdict_holds_when_competing_cpu_load_starts_mid_fit():
         )
     unloaded, changed, loaded = monitor.epochs
     assert loaded.real_step_s > 1.2 * unloaded.real_step_s, "the load must slow the step"
+    if os.path.exists("/proc/self/schedstat"):  # the delay the load caused is seen
+        assert changed.other_load_s > 10 * unloaded.other_load_s + 0.001, str(changed)
     # Measured before the load and after: the bound spans the change, so no wrong band.
     assert changed.verdict in ("not input-bound", CANNOT_TELL), str(changed)
     assert loaded.verdict in ("not input-bound", CANNOT_TELL), str(loaded)
