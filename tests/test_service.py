@@ -4,11 +4,14 @@ loopback make each sample once per epoch, in the plan's order, with the values a
 
 from __future__ import annotations
 
+import _thread
+import contextlib
 import sys
 import threading
 import time
 import traceback
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -16,6 +19,7 @@ import tensorflow as tf
 import feedpipe as fp
 from feedpipe import service as service_module
 from tests.service_cluster import service_cluster
+from tests.test_fit_checkpoints import InterruptAfter
 
 
 def records(length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -147,6 +151,75 @@ def test_a_restore_mid_epoch_continues_the_stream(service, devices):
     with feed() as resumed:
         resumed.set_state(state)
         assert stream(resumed, 2) == expected[2:]  # the rest of epoch 0 (a new job), then 1
+
+
+def regression(sample):
+    """`scaled`, with the label as the float target of a regression."""
+    features, label = scaled(sample)
+    return features, tf.cast(label, tf.float32) / 8.0
+
+
+def fitted(address, fits: list[int], interrupt_after: int | None = None) -> tuple[list, list]:
+    """A model trained by `model.fit(feeder.as_dataset())` over 21 shuffled records in batches
+    of 4 (a padded last batch), one fit per entry of `fits` (its epochs), the first ended by
+    Ctrl-C after step `interrupt_after` where given: its weights and the feeder's state after
+    each fit."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    states = []
+    with feeder(address, 21, 4, ["/cpu:0"], regression) as feed:
+        for number, epochs in enumerate(fits):
+            callbacks = [feed.fit_callback()]
+            if number == 0 and interrupt_after is not None:
+                callbacks.append(InterruptAfter(interrupt_after))
+            with contextlib.suppress(KeyboardInterrupt):
+                model.fit(feed.as_dataset(), epochs=epochs, verbose=0, callbacks=callbacks)
+            states.append((feed.get_state()["epoch"], feed.get_state()["step"]))
+    return [w.numpy() for w in model.weights], states
+
+
+def test_model_fit_on_as_dataset_trains_as_on_the_local_feeder(service):
+    """Two epochs of fit over the service end on the weights a local feeder's fit ends on."""
+    weights, states = fitted(service.address, [2])
+    local_weights, local_states = fitted(None, [2])
+    assert states == local_states == [(2, 0)]
+    for got, expected in zip(weights, local_weights, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_a_fit_on_the_service_interrupted_by_ctrl_c_and_run_again_goes_on(service):
+    """Ctrl-C after step 2 ends the fit with 3 steps trained; running the cell again trains the
+    rest of the epoch and the next, each batch once: the weights of a local run doing the same,
+    and no job's reader left behind."""
+    weights, states = fitted(service.address, [2, 1, 1], interrupt_after=2)
+    local_weights, local_states = fitted(None, [2, 1, 1], interrupt_after=2)
+    assert states == local_states == [(0, 3), (1, 0), (2, 0)]
+    for got, expected in zip(weights, local_weights, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-6)
+    wait_for_the_readers_to_end(within_s=10.0)
+
+
+def test_ctrl_c_while_the_loop_waits_for_the_service_and_the_next_loop_goes_on(
+    service, devices, monkeypatch
+):
+    """Ctrl-C lands while the loop waits for a slow batch (elements of 8 rows: the later
+    steps' rows are still being made): the next loop takes the rest of the epoch, so the two
+    loops together are the uninterrupted stream."""
+    monkeypatch.setattr(service_module, "ROWS_PER_ELEMENT", 8)
+    expected = local_stream(128, devices)
+    got = []
+    with slow_feeder(service.address, 128, devices) as remote:
+        with contextlib.suppress(KeyboardInterrupt):
+            for batch in remote:
+                got += stream_of(batch)
+                if batch.step == 1:
+                    threading.Timer(0.01, _thread.interrupt_main).start()
+        interrupted_at = len(got)
+        got += stream(remote, 1)
+    assert 2 <= interrupted_at < len(expected)
+    assert got == expected
+    wait_for_the_readers_to_end(within_s=10.0)
 
 
 def test_a_python_transform_is_refused_naming_the_service_limit(service):
