@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import itertools
 import queue
+import secrets
 import socket
 import threading
 import time
@@ -56,6 +57,15 @@ ROWS_PER_ELEMENT = 64
 """Rows the service sends in one element: the client's cost is mostly per element (receiving
 and decoding it), and at 16 rows it took 3.4-4.0x the CPU per sample of `distribute` with a
 batch of 64 (kernels_bench/data_service.py)."""
+ROWS_PER_SPLIT = 16
+"""Rows the dispatcher hands a worker at a time: it spends about 150-210 µs of CPU on each
+split it hands out, one per row without grouping (kernels_bench/data_service.py)."""
+JOB_SHIFT = 32
+"""A row's tag is `job << JOB_SHIFT | position`: its place among the epoch's rows (below
+2**32), and a random number of the job that asked for it. A dispatcher restarted without
+`--work-dir` numbers its tasks from the start again, and a worker still holding a task of a
+forgotten job under the same number serves that job's rows to the new one; those are told
+apart by the job and left out."""
 PYTHON_OPS = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
 
 
@@ -143,14 +153,24 @@ class ServiceWork:
         _, *leaves = next(iter(self._rows(np.zeros(1, np.int64), 0)))
         return optree.tree_unflatten(self.treespec, [leaf.numpy() for leaf in leaves])
 
-    def _rows(self, indices: np.ndarray, epoch: int) -> tf.data.Dataset:
-        """Samples `indices` of `epoch`, each after its place in the order (its tag)."""
+    def _rows(self, indices: np.ndarray, epoch: int, job: int = 0) -> tf.data.Dataset:
+        """Samples `indices` of `epoch`, each after its tag (see `JOB_SHIFT`), shared out
+        `ROWS_PER_SPLIT` at a time (the last split padded with rows tagged -1, dropped)."""
+        tags = (job << JOB_SHIFT) | np.arange(len(indices), dtype=np.int64)
         seeds = sample_seeds(self.seed, epoch, indices)
-        tags = tf.data.Dataset.from_tensor_slices((np.arange(len(indices)), indices, seeds))
-        return tags.map(
-            lambda tag, index, seed: (tag, *self._sample(index, seed)),
-            num_parallel_calls=tf.data.AUTOTUNE,
-            deterministic=False,
+        rows = np.column_stack([tags, indices, seeds]).astype(np.int64)
+        splits = -(-len(rows) // ROWS_PER_SPLIT)
+        padding = [(0, splits * ROWS_PER_SPLIT - len(rows)), (0, 0)]
+        padded = np.pad(rows, padding, constant_values=-1)
+        tagged = tf.data.Dataset.from_tensor_slices(padded.reshape(splits, ROWS_PER_SPLIT, -1))
+        return (
+            tagged.unbatch()
+            .filter(lambda row: row[0] >= 0)
+            .map(
+                lambda row: (row[0], *self._sample(row[1], row[2:])),
+                num_parallel_calls=tf.data.AUTOTUNE,
+                deterministic=False,
+            )
         )
 
     def _check(self) -> None:
@@ -173,9 +193,10 @@ class ServiceWork:
                     "`transform` (e.g. tf.image.resize)."
                 )
 
-    def job(self, service: str, indices: np.ndarray, epoch: int) -> tf.data.Dataset:
-        """A new service job over `indices` (tagged by position), shared out dynamically."""
-        rows = self._rows(indices, epoch).batch(ROWS_PER_ELEMENT)
+    def job(self, service: str, indices: np.ndarray, epoch: int, job: int) -> tf.data.Dataset:
+        """A new service job over `indices`, tagged with `job` and their positions, shared
+        out dynamically."""
+        rows = self._rows(indices, epoch, job).batch(ROWS_PER_ELEMENT)
         return rows.apply(
             tf.data.experimental.service.distribute(
                 processing_mode="distributed_epoch",
@@ -251,8 +272,8 @@ class ServiceProducer(Producer):
                 if item is _Job.END:
                     job = None  # rows it ended without are asked for again
                     continue
-                tags, *leaves = item
-                rows.arrived(job.positions[tags], leaves)
+                positions, *leaves = item
+                rows.arrived(positions, leaves)
                 patience = STALL_S
                 yield from rows.deliver()
         finally:
@@ -290,9 +311,11 @@ class _Job:
 
     END = object()
 
-    def __init__(self, make: Callable[[], tf.data.Dataset], positions: np.ndarray):
+    def __init__(self, make: Callable[[int], tf.data.Dataset], positions: np.ndarray):
         self.positions = positions
         """The epoch's row positions its tags index."""
+        self.number = secrets.randbits(31)
+        """The job's random number, in every tag of its rows (see `JOB_SHIFT`)."""
         self._items: queue.Queue = queue.Queue(maxsize=ROWS_QUEUED)
         self._abandoned = threading.Event()
         self._last = time.monotonic()
@@ -301,15 +324,18 @@ class _Job:
         )
         self.thread.start()
 
-    def _read(self, make: Callable[[], tf.data.Dataset]) -> None:
-        """Makes the job (which waits for the dispatcher) and reads it."""
+    def _read(self, make: Callable[[int], tf.data.Dataset]) -> None:
+        """Makes the job (which waits for the dispatcher) and reads it, each element as the
+        epoch's positions of its rows, then its fields."""
         owed = len(self.positions)
         try:
-            for element in make():
-                item = [value.numpy() for value in element]
-                if not self._put(item):
+            for element in make(self.number):
+                tags, *leaves = [value.numpy() for value in element]
+                if np.any(tags >> JOB_SHIFT != self.number):
+                    continue  # another job's rows, under a reused task number
+                if not self._put([self.positions[tags & ((1 << JOB_SHIFT) - 1)], *leaves]):
                     return
-                owed -= len(item[0])
+                owed -= len(tags)
                 if owed <= 0:  # all its rows are in: never wait for the job's end
                     break
             self._put(self.END)
@@ -327,8 +353,8 @@ class _Job:
         return False
 
     def get(self) -> Any:
-        """The next element (tags, then fields), `END`, None if none came in a wait slice, or
-        the `Failure` reading the job met."""
+        """The next element (positions, then fields), `END`, None if none came in a wait
+        slice, or the `Failure` reading the job met."""
         try:
             item = self._items.get(timeout=WAIT_SLICE_S)
         except queue.Empty:

@@ -36,7 +36,7 @@ model, no step), on one CPU device:
   through one buffer (epochs mix, so no epoch is checked), timed over as many samples as
   `--epochs` epochs hold after one epoch's worth;
 * `fp_job_1w`, `fp_job_2w`: feedpipe's own job read plainly, without the feeder: each epoch
-  `ServiceWork(...).job(address, Sampler(...).order(epoch), epoch)` (one split per sample,
+  `ServiceWork(...).job(address, Sampler(...).order(epoch), epoch, 0)` (16 rows per split,
   64-row elements) iterated until all its rows are in, as the feeder's reader does, nothing
   written into slots. It splits fp_service's cost into the service's side (fp_job /
   distribute) and the feeder's (fp_service / fp_job);
@@ -145,8 +145,8 @@ PEER_NAMES = {
     "through one buffer (epochs mix), 1 service worker: distribute's steady state",
     "distribute_repeat_2w": "the same on 2 service workers",
     "fp_job_1w": "feedpipe's own job, read plainly: ServiceWork(arrays, augment, seed).job("
-    "address, Sampler(N, 64, shuffle=True, seed).order(epoch), epoch) (64-row elements, one "
-    "sample per split), iterated until all its rows are in, no slots: the service's side of "
+    "address, Sampler(N, 64, shuffle=True, seed).order(epoch), epoch, 0) (64-row elements, 16 "
+    "rows per split), iterated until all its rows are in, no slots: the service's side of "
     "fp_service alone; 1 service worker",
     "fp_job_2w": "the same on 2 service workers",
     "fp_service_1w": "fp.Feeder(arrays, 64, shuffle=True, transform=augment, service=address): "
@@ -368,7 +368,7 @@ def job_epochs(work, address: str, plan, length: int) -> Callable[[], Iterator]:
 
     def epoch():
         owed, number = length, next(epochs)
-        for tags, images, _, indices in work.job(address, plan.order(number), number):
+        for tags, images, _, indices in work.job(address, plan.order(number), number, 0):
             yield images, indices
             owed -= len(tags)
             if owed <= 0:

@@ -279,9 +279,9 @@ def asked_of_service(feeder: fp.Feeder) -> list[dict]:
     job = work.job
     asked = []
 
-    def recorded(service, indices, epoch):
+    def recorded(service, indices, epoch, number):
         asked.append({"epoch": epoch, "indices": indices.tolist()})
-        return job(service, indices, epoch)
+        return job(service, indices, epoch, number)
 
     work.job = recorded
     return asked
