@@ -69,7 +69,8 @@ then waits for the job's end: that sits in each epoch's time but outside `steady
 while feedpipe's jobs ask for their splits as the map runs, inside it, and the feeder starts
 the next epoch's job before the consumer asks. So: whole epochs, a job each, feedpipe against
 `distribute_*` (what training over epochs sees); and the steady state, feedpipe within its
-epochs against `distribute_repeat_*`'s endless job, where each sample costs one split for both.
+epochs against `distribute_repeat_*`'s endless job, where `distribute` pays one split per
+sample as it goes and feedpipe one per 16 rows (`feedpipe.service.ROWS_PER_SPLIT`).
 
 Exactness, checked in every repetition and recorded: `exact` is 1 where every epoch seen (the
 first and the timed ones) delivered each index exactly once (for the feeders in their plan's
