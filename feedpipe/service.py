@@ -297,10 +297,18 @@ class ServiceProducer(Producer):
         return error is None
 
 
+FORGOTTEN_JOB = ("dispatcher restart", "Failed to get split")
+"""What TensorFlow says when a dispatcher restarted without `--work-dir` forgot a job: to the
+client it names the restart; through a worker that asks it for the job's next split, the split
+is not found (a file the transform cannot find is also NotFound, and says neither)."""
+
+
 def _forgotten(error: BaseException) -> bool:
     """Whether a job failed because its dispatcher restarted without `--work-dir` and so forgot
-    it (TensorFlow names the restart): its rows can be asked of a new job."""
-    return isinstance(error, tf.errors.NotFoundError) and "dispatcher restart" in str(error)
+    it: its rows can be asked of a new job."""
+    return isinstance(error, tf.errors.NotFoundError) and any(
+        said in str(error) for said in FORGOTTEN_JOB
+    )
 
 
 class _Job:

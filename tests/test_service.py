@@ -391,3 +391,31 @@ def test_rows_of_another_job_served_under_a_reused_task_number_are_left_out():
             items.append([value.tolist() for value in item])
     job.thread.join(5.0)
     assert items == [[[12, 5], [20.0, 0.0]], [[9, 20], [10.0, 30.0]]]
+
+
+@pytest.mark.parametrize(
+    ("message", "forgotten"),
+    [
+        # How TensorFlow 2.21 ends what the client is told when it asks the restarted
+        # dispatcher about a job it forgot.
+        (
+            "... not found. The dispatcher is not configured to be fault tolerant, so this "
+            "could be caused by a dispatcher restart.",
+            True,
+        ),
+        # What a worker passes on when the restarted dispatcher no longer knows the job's
+        # iteration (the no_work_dir restart test met it in CI).
+        (
+            "Failed to get element from worker localhost:38175: Failed to get an element, with "
+            "a nonretryable error: Failed to get element: Failed to get split: Iteration id "
+            "2000 not found",
+            True,
+        ),
+        # The transform's own NotFound (a missing file) is the user's error, never asked again.
+        ("/data/cats/001.jpg; No such file or directory", False),
+    ],
+)
+def test_a_job_forgotten_by_a_restarted_dispatcher_is_told_from_the_transforms_errors(
+    message, forgotten
+):
+    assert service_module._forgotten(tf.errors.NotFoundError(None, None, message)) is forgotten
