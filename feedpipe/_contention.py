@@ -49,6 +49,17 @@ def delay_from_other_load_s(begin: CpuSnapshot, end: CpuSnapshot) -> float:
     return delay_s * min(1.0, max(0.0, others_s / busy_s))
 
 
+class OtherLoadSpan:
+    """The delay other processes cause this process's threads from its making on."""
+
+    def __init__(self) -> None:
+        self._begin = snapshot()
+
+    def per_step_s(self, steps: int) -> float:
+        """That delay so far, in seconds per step over `steps` steps."""
+        return delay_from_other_load_s(self._begin, snapshot()) / max(steps, 1)
+
+
 def _read(path: str, first_line: bool = False) -> str | None:
     try:
         with open(path) as file:

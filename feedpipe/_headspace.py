@@ -18,7 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from feedpipe._contention import delay_from_other_load_s, snapshot
+from feedpipe._contention import OtherLoadSpan
 from feedpipe.stats import verdict
 
 HEADSPACE_MIN_S = 0.25
@@ -60,14 +60,13 @@ def bracket(
     `other_load_s` per step: each measurement less the delay it saw, plus the stretch's, bounds
     the step alone too, and the estimate is their mean.
     """
-    means, noise, unloaded = [], [], []
+    means, noise, loaded = [], [], []
     for measured in measurements:
         times = measured.times_s
         means.append(statistics.fmean(times))
         spread = statistics.stdev(times) if len(times) > 1 else 0.0
         noise.append(2 * spread * (1 / len(times) + 1 / max(compared_over, 1)) ** 0.5)
-        unloaded.append(max(0.0, means[-1] - measured.other_load_s))
-    loaded = [mean + other_load_s for mean in unloaded]
+        loaded.append(max(0.0, means[-1] - measured.other_load_s) + other_load_s)
     low = min(m - n for m, n in zip([*means, *loaded], noise + noise, strict=True))
     high = max(m + n for m, n in zip([*means, *loaded], noise + noise, strict=True))
     return min(max(statistics.fmean(loaded), low), high), max(0.0, low), high
@@ -176,13 +175,12 @@ def time_step_alone(run: Callable[[], Any], calls: int, steps_per_call: int = 1)
     one untimed call that warms up (the first may trace)."""
     finish(run())
     times: list[float] = []
-    began, counters = time.perf_counter(), snapshot()
+    began, other_load = time.perf_counter(), OtherLoadSpan()
     while len(times) < calls or time.perf_counter() - began < HEADSPACE_MIN_S:
         started = time.perf_counter()
         finish(run())
         times.append((time.perf_counter() - started) / steps_per_call)
-    other_load_s = delay_from_other_load_s(counters, snapshot()) / (len(times) * steps_per_call)
-    return StepAlone(times, other_load_s)
+    return StepAlone(times, other_load.per_step_s(len(times) * steps_per_call))
 
 
 def finish(outputs: Any) -> None:

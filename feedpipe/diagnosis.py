@@ -37,7 +37,7 @@ import numpy as np
 import optree
 import tensorflow as tf
 
-from feedpipe._contention import delay_from_other_load_s, snapshot
+from feedpipe._contention import OtherLoadSpan
 from feedpipe._headspace import (
     CANNOT_TELL,
     StepAlone,
@@ -381,7 +381,7 @@ class _CallableRun:
         self.kept = batch if isinstance(self.source, Feeder) else on_step_device(batch)
         return batch
 
-    def consumer_alone(self, count: int, progress: _Progress) -> list[float]:
+    def consumer_alone(self, count: int, progress: _Progress) -> StepAlone:
         progress.start("consumer alone (a batch already on the devices)", count)
         times = []
         for _ in range(count):
@@ -390,11 +390,11 @@ class _CallableRun:
             times.append(time.perf_counter() - started)
             progress.step()
         self.kept = None  # a kept Feeder batch would hold a host slot
-        return times
+        return StepAlone(times)
 
-    def consumer_again(self, count: int, progress: _Progress) -> list[float]:
+    def consumer_again(self, count: int, progress: _Progress) -> StepAlone | None:
         """The consumer alone after together: needed only where waits are derived."""
-        return []
+        return None
 
     def keras_arrays(
         self, warmup: int, count: int, progress: _Progress
@@ -463,11 +463,9 @@ class _KerasRun(_CallableRun):
         """Steps each call runs: times are per call, divided by it."""
         self._restore: Callable[[], None] = lambda: None
         self.kept = None
-        self.alone_other_load_s: list[float] = []
-        """Per step, the delay other processes caused each consumer-alone measurement (see
-        `feedpipe._contention`)."""
         self.together_other_load_s = 0.0
-        """The same for the together measurement's timed steps."""
+        """Per step, the delay other processes caused the together measurement's timed steps
+        (see `feedpipe._contention`)."""
 
     def warm_up(self, count: int, progress: _Progress) -> Any:
         progress.start("warm-up", count)
@@ -481,14 +479,14 @@ class _KerasRun(_CallableRun):
         self.kept = resident_iterator(batch, self.model.distribute_strategy)
         return batch
 
-    def consumer_alone(self, count: int, progress: _Progress) -> list[float]:
+    def consumer_alone(self, count: int, progress: _Progress) -> StepAlone:
         finish(self.train(self.kept))  # the first call on this iterator traces
         return self._time_alone("consumer alone (one batch served from memory)", count, progress)
 
-    def consumer_again(self, count: int, progress: _Progress) -> list[float]:
-        times = self._time_alone("consumer alone again, after together", count, progress)
+    def consumer_again(self, count: int, progress: _Progress) -> StepAlone:
+        alone = self._time_alone("consumer alone again, after together", count, progress)
         self.kept = None
-        return times
+        return alone
 
     def keras_arrays(
         self, warmup: int, count: int, progress: _Progress
@@ -516,19 +514,16 @@ class _KerasRun(_CallableRun):
             progress.step()
         return direct, beside
 
-    def _time_alone(self, label: str, count: int, progress: _Progress) -> list[float]:
+    def _time_alone(self, label: str, count: int, progress: _Progress) -> StepAlone:
         progress.start(label, count)
         times = []
-        counters = snapshot()
+        other_load = OtherLoadSpan()
         for _ in range(count):
             started = time.perf_counter()
             finish(self.train(self.kept))
             times.append((time.perf_counter() - started) / self.spe)
             progress.step()
-        self.alone_other_load_s.append(
-            delay_from_other_load_s(counters, snapshot()) / (count * self.spe)
-        )
-        return times
+        return StepAlone(times, other_load.per_step_s(count * self.spe))
 
     def together(self, warmup: int, count: int, progress: _Progress) -> list[StepTiming]:
         """Each step's whole time as `compute_s`; `diagnose` splits off the wait once the
@@ -537,7 +532,7 @@ class _KerasRun(_CallableRun):
         timings = []
         for i in range(warmup + count):
             if i == warmup:
-                counters = snapshot()
+                other_load = OtherLoadSpan()
             staged = self._staged()
             started = time.perf_counter()
             finish(self.train(self.batches))
@@ -545,9 +540,7 @@ class _KerasRun(_CallableRun):
                 took = (time.perf_counter() - started) / self.spe
                 timings.append(StepTiming(0.0, took, staged))
             progress.step()
-        self.together_other_load_s = delay_from_other_load_s(counters, snapshot()) / (
-            count * self.spe
-        )
+        self.together_other_load_s = other_load.per_step_s(count * self.spe)
         return timings
 
     def restore(self) -> None:
@@ -948,13 +941,9 @@ def diagnose(
     finally:
         run.restore()
     alone_range = None
-    if again:
-        before_load_s, again_load_s = run.alone_other_load_s
+    if again is not None:
         alone_s, low_s, high_s = bracket(
-            StepAlone(consumer, before_load_s),
-            StepAlone(again, again_load_s),
-            compared_over=len(together),
-            other_load_s=run.together_other_load_s,
+            consumer, again, compared_over=len(together), other_load_s=run.together_other_load_s
         )
         together = _split_waits(together, alone_s)
         alone_range = (low_s, high_s)
@@ -963,7 +952,7 @@ def diagnose(
         step_kind,
         batch_bytes,
         tuple(producer),
-        (*consumer, *again),
+        (*consumer.times_s, *(again.times_s if again else ())),
         tuple(together),
         run.waits_derived,
         step_alone_range_s=alone_range,

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 import tensorflow as tf
 
-from feedpipe._contention import CpuSnapshot, delay_from_other_load_s, snapshot
+from feedpipe._contention import OtherLoadSpan
 from feedpipe._headspace import (
     CANNOT_TELL,
     StepAlone,
@@ -294,8 +294,8 @@ class StarvationMonitor(keras.callbacks.Callback):
         self._epoch_busy_s = 0.0
         self._epoch_steps = 0
         self._epoch_calls_timed = 0
-        self._epoch_counters: CpuSnapshot | None = None
-        """The CPU counters when the epoch's first timed call began."""
+        self._epoch_other_load: OtherLoadSpan | None = None
+        """Other processes' delay from the epoch's first timed call on."""
         self._feeder_at_begin: Any = None
 
     def on_train_begin(self, logs=None):
@@ -323,8 +323,8 @@ class StarvationMonitor(keras.callbacks.Callback):
             if self._resident is None and self._fit_calls >= 2:
                 self._started = None
                 return self._take_headspace_batch(original, iterator)
-            if self._epoch_calls > 1 and self._epoch_counters is None:
-                self._epoch_counters = snapshot()
+            if self._epoch_calls > 1 and self._epoch_other_load is None:
+                self._epoch_other_load = OtherLoadSpan()
             self._started = time.perf_counter() if self._epoch_calls > 1 else None
             return original(iterator)
 
@@ -337,7 +337,7 @@ class StarvationMonitor(keras.callbacks.Callback):
         self._epoch_busy_s = 0.0
         self._epoch_steps = 0
         self._epoch_calls_timed = 0
-        self._epoch_counters = None
+        self._epoch_other_load = None
         self._feeder_at_begin = None if self.feeder is None else self.feeder.stats()
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -355,7 +355,7 @@ class StarvationMonitor(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if self._epoch_steps == 0:
             return
-        other_load_s = delay_from_other_load_s(self._epoch_counters, snapshot()) / self._epoch_steps
+        other_load_s = self._epoch_other_load.per_step_s(self._epoch_steps)
         before, self._alone = self._alone, self._time_step_alone()
         step_alone_s, low_s, high_s = bracket(
             *filter(None, [before, self._alone]),
