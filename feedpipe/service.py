@@ -48,7 +48,8 @@ them: a job whose worker died sends nothing more and never ends (TensorFlow 2.21
 for each new job that sends nothing either (slow to start, not lost)."""
 DISPATCHER_LOST_S = 60.0
 """Longest the feeder waits for a row while the dispatcher does not answer: time for it to be
-restarted (with `--work-dir`, it keeps its jobs); then reading fails with a ConnectionError."""
+restarted (with `--work-dir`, it keeps its jobs); then reading fails with a ConnectionError.
+Jobs the dispatcher forgot are asked for again within it too; past it, its error is raised."""
 RELEASE_S = 3.0
 """Longest `close()` waits for the jobs' readers to let go of their jobs."""
 ROWS_QUEUED = 4
@@ -66,6 +67,10 @@ JOB_SHIFT = 32
 `--work-dir` numbers its tasks from the start again, and a worker still holding a task of a
 forgotten job under the same number serves that job's rows to the new one; those are told
 apart by the job and left out."""
+FORGOTTEN_JOB = ("dispatcher restart", "Failed to get split")
+"""What TensorFlow says when a dispatcher restarted without `--work-dir` forgot a job: to the
+client it names the restart; through a worker that asks it for the job's next split, the split
+is not found (a file the transform cannot find is also NotFound, and says neither)."""
 PYTHON_OPS = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
 
 
@@ -128,7 +133,8 @@ class ServiceWork:
         """The structure of a transformed sample (known once the map is traced)."""
         self._arrays = [tf.constant(array) for array in source.arrays]
         try:
-            self.element_spec = self._rows(np.zeros(1, np.int64), epoch=0).element_spec
+            self._probe = self._rows(np.zeros(1, np.int64), epoch=0)
+            """Sample 0 of epoch 0, traced once: its structure, then its value."""
         except Exception as error:
             raise TypeError(
                 f"`transform` cannot be traced into a TensorFlow graph ({type(error).__name__}: "
@@ -150,7 +156,7 @@ class ServiceWork:
 
     def first_sample(self) -> Any:
         """Sample 0 of epoch 0 as the service makes it (its structure, shapes and dtypes)."""
-        _, *leaves = next(iter(self._rows(np.zeros(1, np.int64), 0)))
+        _, *leaves = next(iter(self._probe))
         return optree.tree_unflatten(self.treespec, [leaf.numpy() for leaf in leaves])
 
     def _rows(self, indices: np.ndarray, epoch: int, job: int = 0) -> tf.data.Dataset:
@@ -185,7 +191,7 @@ class ServiceWork:
                 f"{SERVICE_LIMIT}. Write it with TensorFlow ops alone, or drop `service` and "
                 "use workers=N to run Python per sample in worker processes."
             )
-        for spec in self.element_spec[1:]:
+        for spec in self._probe.element_spec[1:]:
             if not spec.shape.is_fully_defined():
                 raise ValueError(
                     f"`transform` returns a field of shape {spec.shape} that varies from sample "
@@ -249,7 +255,7 @@ class ServiceProducer(Producer):
             return
         rows = _Rows(steps, supply, window=self.slots_in_flight)
         indices = np.concatenate([step.rows for step in steps])
-        job, patience = None, STALL_S
+        job, patience, last_row = None, STALL_S, time.monotonic()
         try:
             while not rows.done():
                 if job is None:
@@ -260,7 +266,8 @@ class ServiceProducer(Producer):
                 item = job.get()
                 supply.service_waited(time.perf_counter() - asked)
                 if isinstance(item, Failure):
-                    if not _forgotten(item.error):
+                    lost_s = time.monotonic() - last_row
+                    if not _forgotten(item.error) or lost_s > DISPATCHER_LOST_S:
                         raise item.error
                     item = _Job.END  # its dispatcher restarted without a journal
                 if item is None:  # nothing yet
@@ -274,7 +281,7 @@ class ServiceProducer(Producer):
                     continue
                 positions, *leaves = item
                 rows.arrived(positions, leaves)
-                patience = STALL_S
+                patience, last_row = STALL_S, time.monotonic()
                 yield from rows.deliver()
         finally:
             if job is not None:
@@ -295,12 +302,6 @@ class ServiceProducer(Producer):
                 "and go on from `feeder.get_state()`."
             )
         return error is None
-
-
-FORGOTTEN_JOB = ("dispatcher restart", "Failed to get split")
-"""What TensorFlow says when a dispatcher restarted without `--work-dir` forgot a job: to the
-client it names the restart; through a worker that asks it for the job's next split, the split
-is not found (a file the transform cannot find is also NotFound, and says neither)."""
 
 
 def _forgotten(error: BaseException) -> bool:

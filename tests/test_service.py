@@ -419,3 +419,31 @@ def test_a_job_forgotten_by_a_restarted_dispatcher_is_told_from_the_transforms_e
     message, forgotten
 ):
     assert service_module._forgotten(tf.errors.NotFoundError(None, None, message)) is forgotten
+
+
+def test_a_file_the_transform_cannot_find_reaches_the_loop_and_is_not_asked_again(
+    service, devices, tmp_path, monkeypatch
+):
+    """TensorFlow's NotFound for a missing file, raised on a service worker, is the user's
+    error: it reaches the loop naming the file, from the first job (a job a restarted
+    dispatcher forgot would be asked for again, for up to DISPATCHER_LOST_S without a row),
+    and no job's reader is left behind."""
+    monkeypatch.setattr(service_module, "DISPATCHER_LOST_S", 5.0)
+    paths = [tmp_path / f"{index}.txt" for index in range(16)]
+    for path in paths[:11] + paths[12:]:
+        path.write_text(path.stem)
+
+    def read(sample):
+        path, label = sample
+        return tf.strings.length(tf.io.read_file(path)), label
+
+    arrays = (np.array([str(path) for path in paths]), np.arange(16))
+    with fp.Feeder(
+        arrays, 4, devices=devices[:1], transform=read, service=service.address
+    ) as remote:
+        with pytest.raises(tf.errors.NotFoundError, match=r"11\.txt"):
+            for _ in remote:
+                pass
+        jobs = remote._producer.jobs
+    assert jobs == 1
+    wait_for_the_readers_to_end(within_s=10.0)
