@@ -286,9 +286,17 @@ def slow_dataset(batch_s: float) -> tf.data.Dataset:
     return dataset.prefetch(2)
 
 
-@pytest.mark.parametrize(("batch_s", "expected"), [(3 * STEP_S, 2 / 3), (STEP_S / 3, 0.0)])
+KERAS_STEP_S = 0.03
+"""The emulated step of a Keras model whose wait fraction is checked: Keras's train function
+adds 3-5 ms a step on this CPU (13.2-14.7 ms alone for a 10 ms sleep), which moved the truth
+from 2/3 to 0.51-0.56, past the test's 0.1 tolerance in about a third of runs."""
+
+
+@pytest.mark.parametrize(
+    ("batch_s", "expected"), [(3 * KERAS_STEP_S, 2 / 3), (KERAS_STEP_S / 3, 0.0)]
+)
 def test_a_keras_model_is_diagnosed_through_its_compiled_step(batch_s, expected):
-    model = sleeping_model(STEP_S)
+    model = sleeping_model(KERAS_STEP_S)
     diagnosis = run(slow_dataset(batch_s), model, steps=15)
     assert diagnosis.waits_derived
     low, high = diagnosis.input_bound_range
