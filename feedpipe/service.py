@@ -60,7 +60,7 @@ and decoding it), and at 16 rows it took 3.4-4.0x the CPU per sample of `distrib
 batch of 64 (kernels_bench/data_service.py)."""
 ROWS_PER_SPLIT = 16
 """Rows the dispatcher hands a worker at a time: one split per row cost the dispatcher 150-210
-µs of CPU a row; 16 to a split, 32-37 µs (kernels_bench/data_service.py)."""
+µs of CPU a row; 16 to a split, 32-44 µs (kernels_bench/data_service.py)."""
 JOB_SHIFT = 32
 """A row's tag is `job << JOB_SHIFT | position`: its place among the epoch's rows (below
 2**32), and a random number of the job that asked for it. A dispatcher restarted without
