@@ -35,19 +35,19 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Batch": "feedpipe.batch",
-    "Diagnosis": "feedpipe.diagnosis",
+    "Batch": "feedpipe.tf.batch",
+    "Diagnosis": "feedpipe.diagnostics.diagnosis",
     "FeedOptions": "feedpipe.feeder",
-    "FeedStats": "feedpipe.stats",
+    "FeedStats": "feedpipe.core.stats",
     "Feeder": "feedpipe.feeder",
-    "StarvationMonitor": "feedpipe.monitor",
-    "TowerStep": "feedpipe.training",
-    "Trainer": "feedpipe.training",
-    "WarmupLinearScaling": "feedpipe.training",
-    "WorkerError": "feedpipe.workers",
-    "diagnose": "feedpipe.diagnosis",
-    "from_generator": "feedpipe.source",
-    "train": "feedpipe.training",
+    "StarvationMonitor": "feedpipe.diagnostics.monitor",
+    "TowerStep": "feedpipe.tf.training",
+    "Trainer": "feedpipe.tf.training",
+    "WarmupLinearScaling": "feedpipe.tf.training",
+    "WorkerError": "feedpipe.core.workers",
+    "diagnose": "feedpipe.diagnostics.diagnosis",
+    "from_generator": "feedpipe.core.source",
+    "train": "feedpipe.tf.training",
 }
 
 __all__ = [
@@ -67,14 +67,14 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from feedpipe.batch import Batch
-    from feedpipe.diagnosis import Diagnosis, diagnose
+    from feedpipe.tf.batch import Batch
+    from feedpipe.diagnostics.diagnosis import Diagnosis, diagnose
     from feedpipe.feeder import Feeder, FeedOptions
-    from feedpipe.monitor import StarvationMonitor
-    from feedpipe.source import from_generator
-    from feedpipe.stats import FeedStats
-    from feedpipe.training import TowerStep, Trainer, WarmupLinearScaling, train
-    from feedpipe.workers import WorkerError
+    from feedpipe.diagnostics.monitor import StarvationMonitor
+    from feedpipe.core.source import from_generator
+    from feedpipe.core.stats import FeedStats
+    from feedpipe.tf.training import TowerStep, Trainer, WarmupLinearScaling, train
+    from feedpipe.core.workers import WorkerError
 
 
 def __getattr__(name: str) -> Any:

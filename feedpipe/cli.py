@@ -138,7 +138,7 @@ def _add_diagnose(subcommands: argparse._SubParsersAction) -> None:
 def _run_diagnose(args: argparse.Namespace) -> int:
     import json
 
-    from feedpipe.diagnosis import TargetError, diagnose, load_target
+    from feedpipe.diagnostics.diagnosis import TargetError, diagnose, load_target
 
     try:
         source, step = load_target(args.target)
@@ -152,7 +152,7 @@ def _run_diagnose(args: argparse.Namespace) -> int:
         if callable(close):
             close()
     if args.report:
-        from feedpipe.report import write_report
+        from feedpipe.diagnostics.report import write_report
 
         page = write_report(diagnosis, args.report, command=args.command)
     if args.json:
@@ -230,7 +230,7 @@ def _add_service(subcommands: argparse._SubParsersAction) -> None:
 
 
 def _run_service(args: argparse.Namespace) -> int:
-    from feedpipe.service_servers import LaunchError, serve_dispatcher, serve_worker
+    from feedpipe.service.servers import LaunchError, serve_dispatcher, serve_worker
 
     try:
         if args.server == "dispatcher":

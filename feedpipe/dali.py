@@ -37,12 +37,12 @@ from typing import Any
 
 import numpy as np
 
-from feedpipe.producers import Position, Producer, SlotSupply
-from feedpipe.remainder import Remainder
-from feedpipe.sampler import EpochEnd, Step
-from feedpipe.source import Source
-from feedpipe.split import HostShare
-from feedpipe.stage import Imported
+from feedpipe.core.producers import Position, Producer, SlotSupply
+from feedpipe.core.remainder import Remainder
+from feedpipe.core.sampler import EpochEnd, Step
+from feedpipe.core.source import Source
+from feedpipe.core.split import HostShare
+from feedpipe.tf.stage import Imported
 
 INSTALL = "pip install feedpipe[dali] (nvidia-dali-cuda120)"
 KEPT_CHECKPOINTS = 64

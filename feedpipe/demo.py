@@ -31,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 import feedpipe as fp
-from feedpipe.stats import verdict
+from feedpipe.core.stats import verdict
 
 FEATURES = 256
 """Floats per sample: 1 KiB records, small enough that reading, not copying, dominates."""

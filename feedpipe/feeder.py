@@ -19,19 +19,19 @@ import numpy as np
 import optree
 import tensorflow as tf
 
-from feedpipe._pipeline import Pipeline
-from feedpipe._sync import Failure
-from feedpipe.batch import Batch, HostBatch
-from feedpipe.devices import host_share, resolve_devices
-from feedpipe.producers import Position, ThreadProducer, WorkerProducer
-from feedpipe.remainder import Remainder, check_remainder, warn_dropped
-from feedpipe.sampler import EpochEnd, Sampler
-from feedpipe.service import ServiceProducer, ServiceWork, check_address
-from feedpipe.slots import SlotLayout, SlotPool
-from feedpipe.source import SampleSpec, TFDatasetSource, as_source, field_name
-from feedpipe.stage import HostStager, Stager, check_stageable
-from feedpipe.stats import FeedStats, StatsRecorder
-from feedpipe.writer import SampleWriter, first_look
+from feedpipe.core.pipeline import Pipeline
+from feedpipe.core._sync import Failure
+from feedpipe.tf.batch import Batch, HostBatch
+from feedpipe.tf.devices import host_share, resolve_devices
+from feedpipe.core.producers import Position, ThreadProducer, WorkerProducer
+from feedpipe.core.remainder import Remainder, check_remainder, warn_dropped
+from feedpipe.core.sampler import EpochEnd, Sampler
+from feedpipe.service.client import ServiceProducer, ServiceWork, check_address
+from feedpipe.core.slots import SlotLayout, SlotPool
+from feedpipe.core.source import SampleSpec, TFDatasetSource, as_source, field_name
+from feedpipe.tf.stage import HostStager, Stager, check_stageable
+from feedpipe.core.stats import FeedStats, StatsRecorder
+from feedpipe.core.writer import SampleWriter, first_look
 
 STATE_VERSION = 1
 WORKER_MODES = ("process", "thread")
@@ -276,7 +276,7 @@ class Feeder(tf.train.experimental.PythonState):
 
     def _service_work(self, service: str, transform, transpose) -> tuple[str, ServiceWork]:
         """The dispatcher's address and the per-sample work it will run, both checked (see
-        `feedpipe.service`)."""
+        `feedpipe.service.client`)."""
         if self.options.workers or transpose is not None:
             raise ValueError(
                 f"`service`={service!r} runs the per-sample work on tf.data service workers: "
@@ -286,7 +286,7 @@ class Feeder(tf.train.experimental.PythonState):
         return address, ServiceWork(self._source, transform, self.options.seed)
 
     def _start_workers(self, transform):
-        from feedpipe import workers as pool
+        from feedpipe.core import workers as pool
 
         o = self.options
         if isinstance(self._source, TFDatasetSource):
@@ -560,7 +560,7 @@ class Feeder(tf.train.experimental.PythonState):
         `get_state()` and checkpoints taken in any callback hold exactly the batches the step
         trained on, and an error in the source or `transform` leaves `fit` as itself where the
         step has not reached it yet (see `feedpipe.fit.FitTracker`)."""
-        from feedpipe.fit import FitTracker  # Keras is loaded only for a fit
+        from feedpipe.tf.fit import FitTracker  # Keras is loaded only for a fit
 
         return FitTracker(self)
 

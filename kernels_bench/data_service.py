@@ -408,9 +408,9 @@ def open_peer(
             yield feeder_epoch, feeder
         return
     if peer.startswith("fp_job"):
-        from feedpipe.sampler import Sampler
-        from feedpipe.service import ServiceWork, check_address
-        from feedpipe.source import as_source
+        from feedpipe.core.sampler import Sampler
+        from feedpipe.service.client import ServiceWork, check_address
+        from feedpipe.core.source import as_source
 
         work = ServiceWork(as_source(arrays, text=True), augment, seed)
         plan = Sampler(len(arrays[0]), GLOBAL_BATCH, shuffle=True, seed=seed)
@@ -468,7 +468,7 @@ def run_peer(
     """One repetition of `peer`: start-up and the first epoch (untimed, its values checked),
     then `epochs` whole epochs timed back to back; `fp_local` takes `local_batches` batches
     after a few, the `distribute_repeat_*` streams as many samples as `epochs` epochs hold."""
-    from feedpipe.sampler import Sampler
+    from feedpipe.core.sampler import Sampler
 
     length = len(arrays[0])
     local, stream = peer == "fp_local", peer.startswith("distribute_repeat")
@@ -708,7 +708,7 @@ def finish(report: harness.Report, context: dict, rows: list[dict]) -> None:
         for p in PEERS
         for k in ("client_cpu_us", "dispatcher_cpu_us", "worker_cpu_us")
     }
-    from feedpipe.service import ROWS_PER_ELEMENT
+    from feedpipe.service.client import ROWS_PER_ELEMENT
 
     report.add_case(
         case,

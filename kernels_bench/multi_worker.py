@@ -76,7 +76,7 @@ run only, where the machine has the memory, over 3 repetitions: one takes second
   that materialises its order pays `order_s` before its first step, so at 1e8 the steps are
   timed only where the sampler is lazy;
 * `lazy_*`, the hook for a lazy permutation (indices computed per batch, without the whole
-  permutation): where `feedpipe.sampler` (or `feedpipe.permutation`) has a
+  permutation): where `feedpipe.core.sampler` (or `feedpipe.permutation`) has a
   `LazyPermutation(length, key)` whose call maps positions to sample indices, its build time,
   time per step (one global batch of 64 positions) and peak memory, and `lazy_epoch_s`, that
   time per step over the epoch's steps, against `order_s` in `lazy_epoch_over_order` (what
@@ -614,19 +614,19 @@ def training_rows(hosts: list[dict], reps: int) -> list[dict]:
 
 
 def lazy_plan() -> tuple[Any, str]:
-    """The hook for a lazy permutation: `LazyPermutation(length, key)` from `feedpipe.sampler`
+    """The hook for a lazy permutation: `LazyPermutation(length, key)` from `feedpipe.core.sampler`
     (or `feedpipe.permutation`), called with positions, returning sample indices; and where
     it was found (None and why not, where none is)."""
     import importlib
 
-    for module in ("feedpipe.sampler", "feedpipe.permutation"):
+    for module in ("feedpipe.core.sampler", "feedpipe.permutation"):
         try:
             found = getattr(importlib.import_module(module), "LazyPermutation", None)
         except ImportError:
             continue
         if found is not None:
             return found, f"{module}.LazyPermutation"
-    return None, "none found: feedpipe.sampler (and feedpipe.permutation) has no LazyPermutation"
+    return None, "none found: feedpipe.core.sampler (and feedpipe.permutation) has no LazyPermutation"
 
 
 @contextlib.contextmanager
@@ -644,8 +644,8 @@ def traced() -> Iterator[dict]:
 
 def plan_rep(length: int, lazy: Any, with_steps: bool, seed: int) -> dict:
     """One repetition of the plan's cost at `length` samples (epoch 0 of `seed`)."""
-    from feedpipe.sampler import Sampler
-    from feedpipe.split import HostShare
+    from feedpipe.core.sampler import Sampler
+    from feedpipe.core.split import HostShare
 
     epoch = 0
     sampler = Sampler(length, GLOBAL_BATCH, shuffle=True, seed=seed)
@@ -724,7 +724,7 @@ def run_plan(report: harness.Report, settings: harness.Settings, sample_us: floa
     sample's work, as measured in case "input CPU"."""
     import psutil
 
-    from feedpipe.sampler import Sampler
+    from feedpipe.core.sampler import Sampler
 
     lazy, lazy_where = lazy_plan()
     available = psutil.virtual_memory().available
@@ -783,7 +783,7 @@ def lazy_call_rep(lazy: Any, length: int, sizes: list[int], seed: int) -> dict:
 
 def sampler_step_us(length: int, share: range, seed: int) -> float:
     """µs per step of the sampler a host with `share` runs, after its first step."""
-    from feedpipe.sampler import Sampler
+    from feedpipe.core.sampler import Sampler
 
     steps = Sampler(length, GLOBAL_BATCH, shuffle=True, seed=seed, share=share).steps(0)
     next(steps)
@@ -803,7 +803,7 @@ def scale_model(
 ) -> None:
     """The case "hosts to 64" (and "lazy plan per call"): the plan's measured cost spread over
     the rows each host makes."""
-    from feedpipe.split import HostShare
+    from feedpipe.core.split import HostShare
 
     largest = max(plans)
     shares = [

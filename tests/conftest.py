@@ -16,7 +16,7 @@ import psutil
 import pytest
 import tensorflow as tf
 
-from feedpipe._shm import NAME_PATTERN, SHM_DIR
+from feedpipe.core._shm import NAME_PATTERN, SHM_DIR
 from tests.fakes import configure_logical_cpus
 
 NUM_CPU_DEVICES = 4
@@ -74,8 +74,8 @@ def feedpipe_processes() -> list[str]:
     for child in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
             cmdline = child.cmdline()
-            if "feedpipe._worker" in cmdline and child.status() != psutil.STATUS_ZOMBIE:
-                name = cmdline[cmdline.index("feedpipe._worker") + 1]
+            if "feedpipe.core._worker" in cmdline and child.status() != psutil.STATUS_ZOMBIE:
+                name = cmdline[cmdline.index("feedpipe.core._worker") + 1]
                 found.append(f"{name} (pid {child.pid})")
     return found
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from feedpipe._contention import delay_from_other_load_s, snapshot
+from feedpipe.diagnostics._contention import delay_from_other_load_s, snapshot
 from tests.test_monitor import competing_cpu_load
 
 SPAN_S = 0.6

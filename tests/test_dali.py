@@ -99,7 +99,7 @@ def buffer_address(tensor: tf.Tensor) -> int:
 
 
 def test_host_outputs_are_staged_in_dalis_own_memory_without_a_copy(files, devices, monkeypatch):
-    from feedpipe import stage
+    from feedpipe.tf import stage
 
     dali_addresses = []
     import_to_device = stage.import_to_device
@@ -288,7 +288,7 @@ def test_missing_dali_says_how_to_install(monkeypatch):
 
 
 def test_diagnose_suggests_dali_threads_not_workers_for_a_dali_feeder(files):
-    from feedpipe import diagnosis
+    from feedpipe.diagnostics import diagnosis
 
     source = DaliSource(indexed_images(files).pipeline, num_threads=1)
     with fp.Feeder(source, 8, devices=["/cpu:0"]) as feeder:

@@ -26,9 +26,9 @@ import tensorflow as tf
 
 import feedpipe as fp
 from feedpipe import cli
-from feedpipe import diagnosis as diagnosis_module
-from feedpipe._headspace import CANNOT_TELL
-from feedpipe.diagnosis import (
+from feedpipe.diagnostics import diagnosis as diagnosis_module
+from feedpipe.diagnostics._headspace import CANNOT_TELL
+from feedpipe.diagnostics.diagnosis import (
     SCHEMA_VERSION,
     Diagnosis,
     Remedy,
@@ -37,7 +37,7 @@ from feedpipe.diagnosis import (
     load_target,
     rank_remedies,
 )
-from feedpipe.report import GLOSSARY, write_report
+from feedpipe.diagnostics.report import GLOSSARY, write_report
 from tests.fakes import SlowSource, sleeping_model
 from tests.test_monitor import Spin, competing_cpu_load, in_memory_data
 
@@ -105,7 +105,7 @@ def test_an_input_read_in_line_with_the_step_is_measured_as_such():
 
 
 def test_a_starved_feeder_is_told_to_use_more_workers(monkeypatch):
-    monkeypatch.setattr("feedpipe.diagnosis._cores", lambda: 4)
+    monkeypatch.setattr("feedpipe.diagnostics.diagnosis._cores", lambda: 4)
     with slow_feeder(3 * STEP_S) as feeder:
         diagnosis = run(feeder)
     actions = [r.action for r in diagnosis.remedies]
@@ -506,7 +506,7 @@ def test_diagnosis_hands_its_result_to_the_report_and_never_imports_it():
             imported |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             imported |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
-    assert "feedpipe.report" not in imported, "data flows one way: diagnosis -> report"
+    assert "feedpipe.diagnostics.report" not in imported, "data flows one way: diagnosis -> report"
 
 
 # ---- the report -------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 import feedpipe as fp
-from feedpipe.sampler import Sampler
+from feedpipe.core.sampler import Sampler
 from tests.conftest import (
     HAS_GPU,
     feedpipe_processes,

@@ -9,9 +9,9 @@ import types
 
 import pytest
 
-from feedpipe import handoff as module
-from feedpipe.sampler import EpochEnd
-from feedpipe.stats import StatsRecorder
+from feedpipe.core import handoff as module
+from feedpipe.core.sampler import EpochEnd
+from feedpipe.core.stats import StatsRecorder
 
 
 def a_batch(num_valid: int = 4):

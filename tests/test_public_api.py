@@ -14,18 +14,18 @@ import feedpipe as fp
 
 LIGHT_MODULES = [
     "feedpipe",
-    "feedpipe._internals",
-    "feedpipe._shm",
-    "feedpipe._sync",
-    "feedpipe._worker",
-    "feedpipe.producers",
-    "feedpipe.remainder",
-    "feedpipe.sampler",
-    "feedpipe.slots",
-    "feedpipe.source",
-    "feedpipe.split",
-    "feedpipe.workers",
-    "feedpipe.writer",
+    "feedpipe.tf._internals",
+    "feedpipe.core._shm",
+    "feedpipe.core._sync",
+    "feedpipe.core._worker",
+    "feedpipe.core.producers",
+    "feedpipe.core.remainder",
+    "feedpipe.core.sampler",
+    "feedpipe.core.slots",
+    "feedpipe.core.source",
+    "feedpipe.core.split",
+    "feedpipe.core.workers",
+    "feedpipe.core.writer",
 ]
 
 

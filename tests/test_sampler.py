@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from feedpipe import sampler as sampler_module
-from feedpipe.remainder import check_remainder
-from feedpipe.sampler import LAZY_SHUFFLE_ABOVE, LazyPermutation, Sampler
+from feedpipe.core import sampler as sampler_module
+from feedpipe.core.remainder import check_remainder
+from feedpipe.core.sampler import LAZY_SHUFFLE_ABOVE, LazyPermutation, Sampler
 
 
 @pytest.fixture(params=["full", "lazy"])

@@ -6,7 +6,7 @@ import mmap
 
 import numpy as np
 
-from feedpipe._shm import SharedBuffer
+from feedpipe.core._shm import SharedBuffer
 from tests.conftest import feedpipe_memory
 
 

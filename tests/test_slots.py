@@ -11,10 +11,10 @@ import time
 import numpy as np
 import pytest
 
-from feedpipe._sync import Stopped
-from feedpipe.slots import ALIGN_BYTES, HostSlot, SlotLayout, SlotPool
-from feedpipe.source import SampleSpec
-from feedpipe.split import ReplicaSplit
+from feedpipe.core._sync import Stopped
+from feedpipe.core.slots import ALIGN_BYTES, HostSlot, SlotLayout, SlotPool
+from feedpipe.core.source import SampleSpec
+from feedpipe.core.split import ReplicaSplit
 
 
 def spec() -> SampleSpec:

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import feedpipe as fp
-from feedpipe.source import (
+from feedpipe.core.source import (
     ArraySource,
     GeneratorSource,
     MapSource,

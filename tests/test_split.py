@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from feedpipe.sampler import Sampler
-from feedpipe.split import HostShare, ReplicaSplit
+from feedpipe.core.sampler import Sampler
+from feedpipe.core.split import HostShare, ReplicaSplit
 from tests.processes import REPO_ROOT
 
 
@@ -95,7 +95,7 @@ def test_the_hosts_rows_of_each_step_are_the_one_host_batch(hosts, local):
 def test_the_planner_runs_without_tensorflow():
     """Worker processes and the planner never load TensorFlow."""
     code = (
-        "import sys; import feedpipe.sampler, feedpipe.split; "
+        "import sys; import feedpipe.core.sampler, feedpipe.core.split; "
         "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, timeout=60)

@@ -11,13 +11,13 @@ import pytest
 import tensorflow as tf
 
 import feedpipe as fp
-from feedpipe.batch import Batch
-from feedpipe.devices import resolve_devices
-from feedpipe.sampler import Step
-from feedpipe.slots import HostSlot, SlotLayout
-from feedpipe.source import SampleSpec
-from feedpipe.split import ReplicaSplit
-from feedpipe.stage import Stager, to_device
+from feedpipe.tf.batch import Batch
+from feedpipe.tf.devices import resolve_devices
+from feedpipe.core.sampler import Step
+from feedpipe.core.slots import HostSlot, SlotLayout
+from feedpipe.core.source import SampleSpec
+from feedpipe.core.split import ReplicaSplit
+from feedpipe.tf.stage import Stager, to_device
 
 
 def test_devices_resolve_to_full_names(devices):

@@ -9,7 +9,7 @@ import time
 import pytest
 
 import feedpipe as fp
-from feedpipe.stats import HIGH_FRACTION, MODERATE_FRACTION, StatsRecorder, verdict
+from feedpipe.core.stats import HIGH_FRACTION, MODERATE_FRACTION, StatsRecorder, verdict
 from tests.fakes import SlowSource, index_arrays
 
 

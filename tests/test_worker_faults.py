@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 import feedpipe as fp
-from feedpipe._shm import SHM_DIR
+from feedpipe.core._shm import SHM_DIR
 from tests import worker_fakes as wf
 from tests.conftest import (
     feedpipe_memory,
@@ -88,7 +88,7 @@ ISOLATED_PRELUDE = """
 import json, os, resource, signal, sys, threading, time
 import psutil
 import feedpipe as fp
-from feedpipe._shm import SHM_DIR
+from feedpipe.core._shm import SHM_DIR
 from tests import worker_fakes as wf
 
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a worker's SIGSEGV must not dump core
@@ -99,8 +99,8 @@ def worker_pids():
     for child in psutil.Process().children(recursive=True):
         try:
             cmdline = child.cmdline()
-            if "feedpipe._worker" in cmdline and child.status() != psutil.STATUS_ZOMBIE:
-                found[cmdline[cmdline.index("feedpipe._worker") + 1]] = child.pid
+            if "feedpipe.core._worker" in cmdline and child.status() != psutil.STATUS_ZOMBIE:
+                found[cmdline[cmdline.index("feedpipe.core._worker") + 1]] = child.pid
         except psutil.Error:
             pass
     return found
@@ -400,7 +400,7 @@ def _end_a_feeder(devices, ending: str) -> list[int]:
     """Builds a feeder with two worker processes, ends it by `ending`, and drops it."""
     source = wf.FailingSource(64, 20) if ending == "exception" else wf.IndexSource(64)
     feeder = fp.Feeder(source, GLOBAL_BATCH, devices=devices, workers=2)
-    pids = [p.pid for p in psutil.Process().children() if "feedpipe._worker" in p.cmdline()]
+    pids = [p.pid for p in psutil.Process().children() if "feedpipe.core._worker" in p.cmdline()]
     if ending == "close":
         next(iter(feeder))
         feeder.close()
@@ -822,7 +822,7 @@ def test_ctrl_c_interrupts_the_loop_and_the_next_loop_goes_on(interrupted):
 
 
 def test_a_second_ctrl_c_during_cleanup_leaves_the_feeder_usable(devices, monkeypatch):
-    from feedpipe import _pipeline
+    from feedpipe.core import pipeline as _pipeline
 
     joined = _pipeline.join_within
     pressed = []
@@ -908,7 +908,7 @@ def test_a_worker_that_imports_tensorflow_is_named_in_one_warning(devices, tmp_p
 
 
 def test_the_tensorflow_warning_names_user_code_in_a_checkout_named_feedpipe_dash():
-    from feedpipe import _worker
+    from feedpipe.core import _worker
 
     assert _worker._passes_imports_along(_worker.__file__)
     assert not _worker._passes_imports_along("/home/me/feedpipe-0.1.0/tests/worker_fakes.py")

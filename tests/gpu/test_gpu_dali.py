@@ -47,7 +47,7 @@ def gpu_pipeline(files):
 
 
 def test_gpu_outputs_are_staged_on_each_replicas_gpu_without_a_host_round_trip(files, monkeypatch):
-    from feedpipe import stage
+    from feedpipe.tf import stage
 
     gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
     handed_over = []

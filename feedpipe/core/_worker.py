@@ -1,7 +1,7 @@
 """What runs inside a worker: the tasks, and the main loop of a worker process.
 
-A worker process is started as `python -m feedpipe._worker NAME FD PARENT PDEATHSIG` (see
-`feedpipe.workers`): a fresh interpreter that imports only what the source and `transform`
+A worker process is started as `python -m feedpipe.core._worker NAME FD PARENT PDEATHSIG` (see
+`feedpipe.core.workers`): a fresh interpreter that imports only what the source and `transform`
 need, never TensorFlow on feedpipe's account (and says so, once, if they pull it in). It
 receives its setup and tasks over the socket `FD`, maps the host slots it is sent, writes
 samples straight into them and replies with one message per task.
@@ -31,9 +31,9 @@ from pathlib import Path
 import cloudpickle
 import numpy as np
 
-from feedpipe._shm import map_shared
-from feedpipe.slots import HostSlot, SlotLayout
-from feedpipe.writer import RowStream, SampleWriter, first_look
+from feedpipe.core._shm import map_shared
+from feedpipe.core.slots import HostSlot, SlotLayout
+from feedpipe.core.writer import RowStream, SampleWriter, first_look
 
 PARENT_CHECK_S = 0.25
 """How often a worker process checks that its parent is still alive (besides the kernel)."""

@@ -17,9 +17,9 @@ The input-wait fraction is `1 - B / A`: the share of the real step that was not 
 itself. B is measured after every epoch, because other load on the machine changes the step's
 speed: the measurements on both sides of an epoch and their noise bound B over it, so they
 bound the fraction, and a bound that spans more than one of the TensorFlow profiler's bands
-(see `feedpipe.stats`) is judged "cannot tell" rather than guessed. Load that rises and falls
+(see `feedpipe.core.stats`) is judged "cannot tell" rather than guessed. Load that rises and falls
 within the epoch escapes both measurements; the delay it caused the process's threads there
-(`feedpipe._contention`) widens the bound by what it adds over theirs.
+(`feedpipe.diagnostics._contention`) widens the bound by what it adds over theirs.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 import keras
 import tensorflow as tf
 
-from feedpipe._contention import OtherLoadSpan
-from feedpipe._headspace import (
+from feedpipe.diagnostics._contention import OtherLoadSpan
+from feedpipe.diagnostics._headspace import (
     CANNOT_TELL,
     StepAlone,
     bounded_verdict,
@@ -43,15 +43,15 @@ from feedpipe._headspace import (
     save_state,
     time_step_alone,
 )
-from feedpipe._internals import scalar_summary_metadata
-from feedpipe.stats import MODERATE_FRACTION, verdict
+from feedpipe.tf._internals import scalar_summary_metadata
+from feedpipe.core.stats import MODERATE_FRACTION, verdict
 
 _SCALAR = scalar_summary_metadata()
-"""Marks the monitor's summaries as scalars for TensorBoard (see `feedpipe._internals`)."""
+"""Marks the monitor's summaries as scalars for TensorBoard (see `feedpipe.tf._internals`)."""
 
 if TYPE_CHECKING:
     from feedpipe.feeder import Feeder
-    from feedpipe.stats import FeedStats
+    from feedpipe.core.stats import FeedStats
 
 _ORIGINAL = "_feedpipe_original_train_function"
 """The attribute the monitor's wrapper keeps Keras's own `train_function` under."""
@@ -85,7 +85,7 @@ class EpochStarvation:
     epoch's. Far from `step_alone_low_s`: the machine's load changed the step's speed."""
     other_load_s: float = 0.0
     """Seconds per step the process's threads waited in the epoch for a CPU that other
-    processes held (see `feedpipe._contention`); 0 where the system does not count it."""
+    processes held (see `feedpipe.diagnostics._contention`); 0 where the system does not count it."""
     producer_samples_per_s: float | None = None
     """What the monitored `Feeder`'s producer alone sustains (see `FeedStats`); None
     without a feeder."""

@@ -15,7 +15,7 @@ measurement, through the same compiled input path on one batch served from memor
 consumer alone is then timed before and after the together measurement: other load on the
 machine changes the step's speed, and the two bound the derived waits, so a verdict the bound
 cannot support reads "cannot tell". The model's variables are put back when the diagnosis
-ends. Writing the HTML report is `feedpipe.report`'s job, which reads a `Diagnosis`.
+ends. Writing the HTML report is `feedpipe.diagnostics.report`'s job, which reads a `Diagnosis`.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ import numpy as np
 import optree
 import tensorflow as tf
 
-from feedpipe._contention import OtherLoadSpan
-from feedpipe._headspace import (
+from feedpipe.diagnostics._contention import OtherLoadSpan
+from feedpipe.diagnostics._headspace import (
     CANNOT_TELL,
     StepAlone,
     bounded_verdict,
@@ -48,11 +48,11 @@ from feedpipe._headspace import (
     resident_iterator,
     save_state,
 )
-from feedpipe._internals import build_for_batch, keras_dataset
+from feedpipe.tf._internals import build_for_batch, keras_dataset
 from feedpipe.feeder import Feeder
-from feedpipe.service import ServiceProducer
-from feedpipe.source import ArraySource, TFDatasetSource
-from feedpipe.stats import verdict
+from feedpipe.service.client import ServiceProducer
+from feedpipe.core.source import ArraySource, TFDatasetSource
+from feedpipe.core.stats import verdict
 
 DEFAULT_STEPS = 50
 """Steps timed per measurement: enough for a median that one slow step does not move."""
@@ -320,7 +320,7 @@ def _keras_dataset(source: Any) -> tf.data.Dataset:
 
 
 def _nbytes(batch: Any) -> int:
-    from feedpipe.batch import Batch
+    from feedpipe.tf.batch import Batch
 
     if isinstance(batch, Batch):
         batch = batch.replicas
@@ -465,7 +465,7 @@ class _KerasRun(_CallableRun):
         self.kept = None
         self.together_other_load_s = 0.0
         """Per step, the delay other processes caused the together measurement's timed steps
-        (see `feedpipe._contention`)."""
+        (see `feedpipe.diagnostics._contention`)."""
 
     def warm_up(self, count: int, progress: _Progress) -> Any:
         progress.start("warm-up", count)
@@ -579,7 +579,7 @@ def _memcpy_s(nbytes: int) -> float:
 
 def _image_like(batch: Any) -> bool:
     """Whether the batch holds uint8 images (rank 4 with 1, 3 or 4 channels first or last)."""
-    from feedpipe.batch import Batch
+    from feedpipe.tf.batch import Batch
 
     leaves = tf.nest.flatten(batch.replicas if isinstance(batch, Batch) else batch)
     for leaf in leaves:

@@ -1,6 +1,6 @@
 """Report: a `Diagnosis` as an HTML page with plots, viewable offline.
 
-Data flows one way: `feedpipe.diagnosis` measures and returns a `Diagnosis`; this module only
+Data flows one way: `feedpipe.diagnostics.diagnosis` measures and returns a `Diagnosis`; this module only
 reads it (the `feedpipe diagnose --report` command calls it). The page and its PNGs live in
 one directory and reference nothing outside it: the per-step wait against compute, the staged
 batches over time (for a `Feeder` input), the three rates side by side, a glossary line per
@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from feedpipe import __version__
-from feedpipe.diagnosis import SCHEMA_VERSION, Diagnosis
+from feedpipe.diagnostics.diagnosis import SCHEMA_VERSION, Diagnosis
 
 PLOTS = ("timeline.png", "occupancy.png", "rates.png")
 

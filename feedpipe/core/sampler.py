@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from feedpipe.remainder import Remainder
+from feedpipe.core.remainder import Remainder
 
 LAZY_SHUFFLE_ABOVE = 10_000_000
 """Samples above which a shuffled epoch is computed per batch (`LazyPermutation`) instead of

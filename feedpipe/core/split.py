@@ -2,7 +2,7 @@
 
 Replica `r` takes the contiguous rows `[r * b, (r + 1) * b)` of each global batch of `b * R`
 rows, so the global batch (its rows, padding and masks) does not depend on the replica count,
-and each replica's rows can be written straight into a region of their own (`feedpipe.slots`).
+and each replica's rows can be written straight into a region of their own (`feedpipe.core.slots`).
 Across hosts the same rule gives host `w`, with `L` replicas, the contiguous rows
 `[w * L * b, (w + 1) * L * b)`: each host makes only those, and the rows gathered from every
 host are the one-host global batch, whatever the number of hosts.

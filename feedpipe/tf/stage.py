@@ -3,7 +3,7 @@
 A replica's region of a host slot is handed to TensorFlow through DLPack, which wraps the
 memory without copying, and is then placed on the replica's device: on a GPU that is the one
 host-to-device copy; on a CPU device it is free. The slot stays leased until every tensor made
-from it is gone (see `feedpipe.slots`).
+from it is gone (see `feedpipe.core.slots`).
 
 A source whose outputs already sit in memory of their own (DALI's, on the host or a GPU) hands
 them over as `Imported`: DLPack wraps them where they are, so a GPU output is never copied
@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from feedpipe._internals import copy_to_device
-from feedpipe.batch import Batch, HostBatch
-from feedpipe.sampler import Step
-from feedpipe.slots import SlotLayout
-from feedpipe.source import SampleSpec
-from feedpipe.split import HostShare
+from feedpipe.tf._internals import copy_to_device
+from feedpipe.tf.batch import Batch, HostBatch
+from feedpipe.core.sampler import Step
+from feedpipe.core.slots import SlotLayout
+from feedpipe.core.source import SampleSpec
+from feedpipe.core.split import HostShare
 
 _DLPACK_KINDS = frozenset("biufc")
 """dtype kinds DLPack carries; others (bfloat16, float8) travel as unsigned ints of their width."""

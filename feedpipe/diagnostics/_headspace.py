@@ -18,8 +18,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from feedpipe._contention import OtherLoadSpan
-from feedpipe.stats import verdict
+from feedpipe.diagnostics._contention import OtherLoadSpan
+from feedpipe.core.stats import verdict
 
 HEADSPACE_MIN_S = 0.25
 """The step alone is timed for at least this long, so that the machine's load over a quarter
@@ -44,7 +44,7 @@ class StepAlone:
     """Seconds per step, one entry per call."""
     other_load_s: float = 0.0
     """Seconds per step its threads waited for a CPU that other processes held (see
-    `feedpipe._contention`)."""
+    `feedpipe.diagnostics._contention`)."""
 
 
 def bracket(

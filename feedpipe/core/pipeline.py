@@ -13,12 +13,12 @@ import time
 import weakref
 from typing import Any
 
-from feedpipe._sync import WAIT_SLICE_S, Failure, Stopped, join_within
-from feedpipe.handoff import Handoff
-from feedpipe.producers import Position, Producer
-from feedpipe.sampler import EpochEnd
-from feedpipe.slots import HostSlot, SlotPool
-from feedpipe.stats import StatsRecorder
+from feedpipe.core._sync import WAIT_SLICE_S, Failure, Stopped, join_within
+from feedpipe.core.handoff import Handoff
+from feedpipe.core.producers import Position, Producer
+from feedpipe.core.sampler import EpochEnd
+from feedpipe.core.slots import HostSlot, SlotPool
+from feedpipe.core.stats import StatsRecorder
 
 
 class _Supply:

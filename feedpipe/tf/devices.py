@@ -14,8 +14,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from feedpipe._internals import host_index
-from feedpipe.split import HostShare
+from feedpipe.tf._internals import host_index
+from feedpipe.core.split import HostShare
 
 
 def _canonical(spec: tf.DeviceSpec) -> tuple[str, int]:

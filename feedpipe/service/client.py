@@ -29,12 +29,12 @@ import numpy as np
 import optree
 import tensorflow as tf
 
-from feedpipe._sync import WAIT_SLICE_S, Failure
-from feedpipe.producers import Position, Producer, SlotSupply
-from feedpipe.sampler import EpochEnd, Sampler, Step
-from feedpipe.slots import HostSlot
-from feedpipe.source import ArraySource, Source
-from feedpipe.writer import RNG, SEED, randomness, sample_seeds
+from feedpipe.core._sync import WAIT_SLICE_S, Failure
+from feedpipe.core.producers import Position, Producer, SlotSupply
+from feedpipe.core.sampler import EpochEnd, Sampler, Step
+from feedpipe.core.slots import HostSlot
+from feedpipe.core.source import ArraySource, Source
+from feedpipe.core.writer import RNG, SEED, randomness, sample_seeds
 
 SERVICE_LIMIT = (
     "tf.data service workers run TensorFlow graphs only, never Python (py_function, "

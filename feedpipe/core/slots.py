@@ -18,10 +18,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from feedpipe._shm import SharedBuffer
-from feedpipe._sync import Stopped
-from feedpipe.source import SampleSpec
-from feedpipe.split import ReplicaSplit
+from feedpipe.core._shm import SharedBuffer
+from feedpipe.core._sync import Stopped
+from feedpipe.core.source import SampleSpec
+from feedpipe.core.split import ReplicaSplit
 
 ALIGN_BYTES = 64
 """TensorFlow's CPU kernels expect 64-byte aligned buffers (Eigen's EIGEN_MAX_ALIGN_BYTES)."""

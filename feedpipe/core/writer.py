@@ -19,9 +19,9 @@ from typing import Any, NoReturn
 import numpy as np
 import optree
 
-from feedpipe.sampler import Step
-from feedpipe.slots import HostSlot
-from feedpipe.source import ArraySource, SampleSpec, Source, TFDatasetSource
+from feedpipe.core.sampler import Step
+from feedpipe.core.slots import HostSlot
+from feedpipe.core.source import ArraySource, SampleSpec, Source, TFDatasetSource
 
 Transform = Callable[..., Any]
 

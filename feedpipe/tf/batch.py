@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from feedpipe.split import HostShare
+from feedpipe.core.split import HostShare
 
 
 class Batch:

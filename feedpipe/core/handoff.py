@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from feedpipe._sync import WAIT_SLICE_S, Failure, Stopped, Wakeup
-from feedpipe.sampler import EpochEnd
-from feedpipe.stats import StatsRecorder
+from feedpipe.core._sync import WAIT_SLICE_S, Failure, Stopped, Wakeup
+from feedpipe.core.sampler import EpochEnd
+from feedpipe.core.stats import StatsRecorder
 
 
 class Handoff:

@@ -2,7 +2,7 @@
 
 Worker processes (the default) run the source and `transform` in parallel, each with its own
 interpreter and GIL, and write samples straight into host slots shared with them, so a batch
-never travels through a pipe. They are fresh interpreters (`python -m feedpipe._worker`), not
+never travels through a pipe. They are fresh interpreters (`python -m feedpipe.core._worker`), not
 forks of a process that runs TensorFlow, and they see no GPU. Their source and `transform` are
 sent pickled with cloudpickle, which carries functions and classes defined in `__main__` by
 value; numpy arrays inside them go out of band into one read-only shared buffer that every
@@ -41,10 +41,10 @@ from typing import Any, NamedTuple
 import cloudpickle
 import numpy as np
 
-from feedpipe._shm import SharedBuffer, remove_orphans
-from feedpipe._sync import STOP_GRACE_S, WAIT_SLICE_S, Watchdog, join_within
-from feedpipe._worker import TaskRunner
-from feedpipe.slots import ALIGN_BYTES, HostSlot
+from feedpipe.core._shm import SharedBuffer, remove_orphans
+from feedpipe.core._sync import STOP_GRACE_S, WAIT_SLICE_S, Watchdog, join_within
+from feedpipe.core._worker import TaskRunner
+from feedpipe.core.slots import ALIGN_BYTES, HostSlot
 
 SPEC_TASK = -1
 """The id of the one task sent before any other: read sample 0 and return its spec."""
@@ -241,7 +241,7 @@ class ProcessWorkers(_Pool):
                         [
                             sys.executable,
                             "-m",
-                            "feedpipe._worker",
+                            "feedpipe.core._worker",
                             name,
                             str(theirs.fileno()),
                             str(os.getpid()),

@@ -2,10 +2,10 @@
 
 A producer turns the plan of each epoch into filled slots, in order, behind one small interface
 (`Producer.slots`). `ThreadProducer` makes them in the feeder's background thread
-(`workers=0`). `WorkerProducer` hands the work to a pool of workers (`feedpipe.workers`):
+(`workers=0`). `WorkerProducer` hands the work to a pool of workers (`feedpipe.core.workers`):
 the rows of each batch of an indexed source are split among them, and each worker of a
 generator fills whole batches from its own shard. Either way the batches come out in the same
-order with the same rows. The per-sample work is `feedpipe.writer`'s, wherever it runs.
+order with the same rows. The per-sample work is `feedpipe.core.writer`'s, wherever it runs.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from feedpipe._sync import WAIT_SLICE_S
-from feedpipe.remainder import Remainder
-from feedpipe.sampler import EpochEnd, Sampler, Step
-from feedpipe.slots import HostSlot
-from feedpipe.writer import RowStream, SampleWriter
+from feedpipe.core._sync import WAIT_SLICE_S
+from feedpipe.core.remainder import Remainder
+from feedpipe.core.sampler import EpochEnd, Sampler, Step
+from feedpipe.core.slots import HostSlot
+from feedpipe.core.writer import RowStream, SampleWriter
 
 
 class Position(NamedTuple):

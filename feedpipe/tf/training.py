@@ -24,8 +24,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from feedpipe._internals import collective_timeout, keras_loss, keras_metric
-from feedpipe.batch import Batch
+from feedpipe.tf._internals import collective_timeout, keras_loss, keras_metric
+from feedpipe.tf.batch import Batch
 from feedpipe.feeder import Feeder
 
 
