@@ -67,14 +67,14 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from feedpipe.tf.batch import Batch
-    from feedpipe.diagnostics.diagnosis import Diagnosis, diagnose
-    from feedpipe.feeder import Feeder, FeedOptions
-    from feedpipe.diagnostics.monitor import StarvationMonitor
     from feedpipe.core.source import from_generator
     from feedpipe.core.stats import FeedStats
-    from feedpipe.tf.training import TowerStep, Trainer, WarmupLinearScaling, train
     from feedpipe.core.workers import WorkerError
+    from feedpipe.diagnostics.diagnosis import Diagnosis, diagnose
+    from feedpipe.diagnostics.monitor import StarvationMonitor
+    from feedpipe.feeder import Feeder, FeedOptions
+    from feedpipe.tf.batch import Batch
+    from feedpipe.tf.training import TowerStep, Trainer, WarmupLinearScaling, train
 
 
 def __getattr__(name: str) -> Any:

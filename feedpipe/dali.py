@@ -37,12 +37,13 @@ from typing import Any
 
 import numpy as np
 
-from feedpipe.core.producers import Position, Producer, SlotSupply
+from feedpipe.core.producers import Producer, SlotSupply
 from feedpipe.core.remainder import Remainder
 from feedpipe.core.sampler import EpochEnd, Step
 from feedpipe.core.source import Source
 from feedpipe.core.split import HostShare
-from feedpipe.tf.stage import Imported
+from feedpipe.core.stage import Imported
+from feedpipe.core.state import Position
 
 INSTALL = "pip install feedpipe[dali] (nvidia-dali-cuda120)"
 KEPT_CHECKPOINTS = 64

@@ -1,39 +1,36 @@
 """Feeder: the consumer's end of the pipeline, and the object users build.
 
-It wires source → sampler → producer → split → stage, keeps the consumer's position (what it
-has taken, never what was produced), and serves batches as a Python iterator, as a
-`tf.data.Dataset` for `model.fit`, and as state for checkpoints.
+It wires source → sampler → producer → slots → stage, keeps the consumer's position (what it
+has taken, never what was produced), and serves batches as a Python iterator and its position as
+state for checkpoints. It knows no framework: `fp.Feeder(...)` builds the subclass of the
+framework that `devices` or `strategy` name (`feedpipe.tf.feeder`, `feedpipe.jax.feeder`),
+which supplies the `Layer` that stages on its devices and its own ways in (`as_dataset`, a
+sharded global batch, a checkpoint adapter).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
-import warnings
-import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import optree
-import tensorflow as tf
 
-from feedpipe.core.pipeline import Pipeline
+from feedpipe._frameworks import feeder_class
 from feedpipe.core._sync import Failure
-from feedpipe.tf.batch import Batch, HostBatch
-from feedpipe.tf.devices import host_share, resolve_devices
-from feedpipe.core.producers import Position, ThreadProducer, WorkerProducer
+from feedpipe.core.pipeline import Pipeline
+from feedpipe.core.producers import ThreadProducer, WorkerProducer
 from feedpipe.core.remainder import Remainder, check_remainder, warn_dropped
 from feedpipe.core.sampler import EpochEnd, Sampler
-from feedpipe.service.client import ServiceProducer, ServiceWork, check_address
 from feedpipe.core.slots import SlotLayout, SlotPool
 from feedpipe.core.source import SampleSpec, TFDatasetSource, as_source, field_name
-from feedpipe.tf.stage import HostStager, Stager, check_stageable
+from feedpipe.core.stage import HostStager, Layer
+from feedpipe.core.state import Position, Stream
 from feedpipe.core.stats import FeedStats, StatsRecorder
 from feedpipe.core.writer import SampleWriter, first_look
 
-STATE_VERSION = 1
 WORKER_MODES = ("process", "thread")
 
 
@@ -133,21 +130,35 @@ _SUPERSEDED = (
 )
 
 
-class Feeder(tf.train.experimental.PythonState):
+class Feeder:
     """Builds each global batch on the host, splits it per replica, and stages it on each device.
 
-    Iterating yields `Batch`es whose tensors already sit on their devices; each `for` loop runs
+    Iterating yields batches whose arrays already sit on their devices; each `for` loop runs
     one epoch from the feeder's position (a loop left early resumes where it stopped). Invariant:
     at most `depth` batches wait on each device, and `depth + 2` host slots (allocated once,
     reused) hold everything in flight.
+
+    `fp.Feeder(...)` is the feeder of the framework `devices` or `strategy` belong to (see
+    `feedpipe._frameworks`), or of `framework=` ("tensorflow" or "jax").
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Feeder:
+        if cls is Feeder:
+            devices = kwargs.get("devices", args[2] if len(args) > 2 else None)
+            strategy = kwargs.get("strategy", args[3] if len(args) > 3 else None)
+            cls = feeder_class(kwargs.get("framework"), devices, strategy)
+        return super().__new__(cls)
+
+    def _layer(self, devices: Any, strategy: Any, global_batch_size: int) -> Layer:
+        """The framework layer that stages this feeder's batches (each framework's subclass)."""
+        raise NotImplementedError
 
     def __init__(
         self,
         source: Any,
         global_batch_size: int,
-        devices: Sequence[str] | None = None,
-        strategy: tf.distribute.Strategy | None = None,
+        devices: Any = None,
+        strategy: Any = None,
         remainder: str = "pad",
         shuffle: bool = False,
         seed: int = 0,
@@ -159,6 +170,7 @@ class Feeder(tf.train.experimental.PythonState):
         timeout_s: float | None = None,
         transpose: Any = None,
         service: str | None = None,
+        framework: str | None = None,
     ):
         self._pipeline: Pipeline | None = None
         self._workers = None
@@ -172,10 +184,12 @@ class Feeder(tf.train.experimental.PythonState):
             raise TypeError(
                 f"`transform` must be callable or None; got {type(transform).__name__}."
             )
-        self.devices = resolve_devices(devices, strategy)
+        self.layer = self._layer(devices, strategy, global_batch_size)
+        """The framework layer: its devices, this host's share, how it stages."""
+        self.devices = self.layer.devices
         """This host's replica devices (under a multi-worker strategy, not the other hosts')."""
         self.strategy = strategy
-        self.share = host_share(global_batch_size, strategy, len(self.devices))
+        self.share = self.layer.share
         """This host's rows of each global batch (all of them on one host)."""
         self.split = self.share.local_split
         """How this host's rows divide among its devices."""
@@ -235,10 +249,12 @@ class Feeder(tf.train.experimental.PythonState):
             axes = _axes(transpose, sample_spec)
             self.spec = sample_spec.transposed(axes)
             """What each batch holds: the samples after `transform` and `transpose`."""
-            check_stageable(self.spec, self.devices[0])
+            self.layer.check_stageable(self.spec)
             if own_producer is not None:
                 self._producer = own_producer
             elif work is not None:
+                from feedpipe.service.client import ServiceProducer
+
                 self._producer = ServiceProducer(work, address, self._sampler)
             elif workers:
                 layouts = {
@@ -274,7 +290,7 @@ class Feeder(tf.train.experimental.PythonState):
         self._untracked = False
         """Passes of `as_dataset` were read since the position was settled, with no tracker."""
 
-    def _service_work(self, service: str, transform, transpose) -> tuple[str, ServiceWork]:
+    def _service_work(self, service: str, transform, transpose) -> tuple[str, Any]:
         """The dispatcher's address and the per-sample work it will run, both checked (see
         `feedpipe.service.client`)."""
         if self.options.workers or transpose is not None:
@@ -282,6 +298,8 @@ class Feeder(tf.train.experimental.PythonState):
                 f"`service`={service!r} runs the per-sample work on tf.data service workers: "
                 "pass workers=0, and transpose inside `transform` (tf.transpose)."
             )
+        from feedpipe.service.client import ServiceWork, check_address
+
         address = check_address(service)
         return address, ServiceWork(self._source, transform, self.options.seed)
 
@@ -318,7 +336,7 @@ class Feeder(tf.train.experimental.PythonState):
             )
         return len(self._plan)
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[Any]:
         """The batches of the next epoch (or of the rest of an epoch left early)."""
         return self._iterate(host=False)
 
@@ -330,7 +348,13 @@ class Feeder(tf.train.experimental.PythonState):
             # Batches handed to tf.data get memory of their own, except from shared slots,
             # which are copied out instead (see HostStager).
             reuse = self._shared or not host
-            self._pools[host] = SlotPool(layout, capacity, reuse=reuse, shared=self._shared)
+            self._pools[host] = SlotPool(
+                layout,
+                capacity,
+                reuse=reuse,
+                shared=self._shared,
+                page_lock=None if host else self.layer.page_lock,
+            )
         return self._pools[host]
 
     def _start(self, host: bool) -> Pipeline:
@@ -339,10 +363,8 @@ class Feeder(tf.train.experimental.PythonState):
         self._stop_pipeline()
         self._stats.stream_started()
         pool = self._pool(host)
-        stager: Any = (
-            HostStager(pool.layout, copy=self._shared)
-            if host
-            else Stager(self.devices, pool.layout, self.strategy, self.share)
+        stager = (
+            HostStager(pool.layout, copy=self._shared) if host else self.layer.stager(pool.layout, self._stats)
         )
         self._pipeline = Pipeline(
             self._producer,
@@ -362,7 +384,7 @@ class Feeder(tf.train.experimental.PythonState):
         if pipeline is not None:
             pipeline.close()
 
-    def _iterate(self, host: bool, steps: int | None = None) -> Iterator[Batch | HostBatch]:
+    def _iterate(self, host: bool, steps: int | None = None) -> Iterator[Any]:
         """One pass over the rest of the current epoch (`steps` batches, where given).
 
         A loop left early keeps its position (the next loop resumes there). A pass of
@@ -453,148 +475,29 @@ class Feeder(tf.train.experimental.PythonState):
         self._settled = (self._position, self._passes)
         self._untracked = False
 
-    def as_dataset(self) -> tf.data.Dataset | tf.distribute.DistributedDataset:
-        """A `tf.data.Dataset` of global batches for `model.fit` and other wrappers.
-
-        Each complete pass over the dataset is the feeder's next epoch; a pass left early does
-        not count (see `_iterate`). Under `model.fit`, pass `callbacks=[feeder.fit_callback()]`
-        so that the feeder's state (and a checkpoint holding it) is the batches the step
-        trained on. With `remainder="pad"` an `(x, y)` source gets a third element,
-        `sample_weight`: 0 on padding rows, and real rows scaled by `global_batch_size /
-        num_valid` so the batch's mean loss is the mean over its real samples (an `(x, y, w)`
-        source has its weights scaled the same way). The weight of a label field of shape `s`
-        has shape `[batch, 1, ..., 1]` with `len(s)` ones, so that it broadcasts against
-        per-element losses (per pixel, per timestep) as well as per-sample ones.
-
-        Under a MultiWorkerMirroredStrategy it is a `tf.distribute.DistributedDataset` made by
-        `distribute_datasets_from_function`: each host makes only its replicas' rows, and the
-        stream runs on from epoch to epoch without end (so no step pays TensorFlow's
-        all-reduce asking whether every host still has data): take `len(feeder)` steps per
-        epoch from one iterator.
-
-        The dataset holds the feeder; the feeder does not hold the dataset, so dropping both
-        frees the workers and memory.
-        """
-        self._end_interrupted_fit()
-        hosts = self.share.num_hosts > 1
-        rows = self.split.per_replica if hosts else self.options.global_batch_size
-        signature = self.spec.unflatten(
-            [
-                tf.TensorSpec((rows, *leaf.shape), tf.as_dtype(leaf.dtype))
-                for leaf in self.spec.leaves
-            ]
-        )
-        weighting = self._weighting()
-        if weighting == "add":
-            signature = (*signature, optree.tree_map(_weight_spec, signature[1]))
-        steps = None
-        if self._plan is not None and not hosts:
-            # A feeder left or restored mid-epoch first serves the rest of that epoch: shorter.
-            steps = len(self._plan) - self._position_state(self._position)["step"]
-        feeder = weakref.ref(self)  # TensorFlow keeps `generate` for the life of the process
-
-        def generate():
-            this = feeder()
-            if this is None:
-                raise RuntimeError(
-                    "The fp.Feeder of this dataset was closed and collected; keep the feeder "
-                    "while its dataset is read."
-                )
-            if not hosts:
-                for batch in this._iterate(host=True, steps=steps):
-                    yield this._with_weights(batch, weighting)
-                return
-            per_replica = this.split.per_replica
-            while True:  # every epoch, one replica's rows at a time, as the strategy takes them
-                for batch in this._iterate(host=True):
-                    sample = this._with_weights(batch, weighting)
-                    for lo in range(0, len(batch.arrays[0]), per_replica):
-                        yield optree.tree_map(lambda a, lo=lo: a[lo : lo + per_replica], sample)
-
-        dataset = tf.data.Dataset.from_generator(generate, output_signature=signature)
-        if steps is not None:
-            dataset = dataset.apply(tf.data.experimental.assert_cardinality(steps))
-        if hosts:
-            dataset = dataset.apply(
-                tf.data.experimental.assert_cardinality(tf.data.INFINITE_CARDINALITY)
-            )
-        options = tf.data.Options()
-        # On one host elements are global batches: a strategy splits each among its replicas.
-        # (Under a multi-worker strategy the dataset is this host's alone: nothing to shard.)
-        policy = tf.data.experimental.AutoShardPolicy.DATA
-        options.experimental_distribute.auto_shard_policy = policy
-        # The feeder stages `depth` batches ahead in its own thread: a prefetch that TensorFlow
-        # would add only takes more batches before the step asks.
-        options.experimental_optimization.inject_prefetch = False
-        dataset = dataset.with_options(options)
-        dataset._feedpipe_feeder = self  # the feeder lives as long as its dataset
-        # Keras's fit(shuffle=True), its default, cannot shuffle a dataset and says so on every
-        # fit; the feeder shuffles (fp.Feeder(shuffle=True)), so the warning says nothing here.
-        warnings.filterwarnings(
-            "ignore",
-            message="`shuffle=True` was passed, but will be ignored since the data `x` was "
-            "provided as a tf.data.Dataset",
-            category=UserWarning,
-        )
-        if hosts:
-            return self._per_host(dataset)
-        return dataset
-
-    def _per_host(self, dataset: tf.data.Dataset) -> tf.distribute.DistributedDataset:
-        """`dataset`, this host's replicas' rows, as the strategy's input on this host."""
-        host = self.share.host
-
-        def this_host(context: tf.distribute.InputContext) -> tf.data.Dataset:
-            if context.input_pipeline_id != host:  # the feeder was built for another strategy
-                raise ValueError(
-                    f"The strategy asks this host for input pipeline {context.input_pipeline_id} "
-                    f"but the feeder makes host {host}'s rows; build the feeder with the "
-                    "strategy that reads its dataset."
-                )
-            return dataset
-
-        return self.strategy.distribute_datasets_from_function(this_host)
-
     def fit_callback(self) -> Any:
         """A Keras callback for `model.fit(feeder.as_dataset(), callbacks=[...])`: with it,
         `get_state()` and checkpoints taken in any callback hold exactly the batches the step
         trained on, and an error in the source or `transform` leaves `fit` as itself where the
         step has not reached it yet (see `feedpipe.fit.FitTracker`)."""
-        from feedpipe.tf.fit import FitTracker  # Keras is loaded only for a fit
+        from feedpipe.keras.fit import FitTracker  # Keras is loaded only for a fit
 
         return FitTracker(self)
-
-    def _weighting(self) -> str | None:
-        """How padding is weighted in `as_dataset`: add a sample_weight, scale one, or none."""
-        treespec = self.spec.treespec
-        if self.options.remainder != "pad" or treespec.kind != optree.PyTreeKind.TUPLE:
-            return None
-        return {2: "add", 3: "scale"}.get(treespec.num_children)
-
-    def _with_weights(self, batch: HostBatch, weighting: str | None) -> Any:
-        sample = self.spec.unflatten(batch.arrays)
-        if weighting is None:
-            return sample
-        # Fresh arrays every batch: TensorFlow may take a generator's array over without a copy
-        # and later write into its memory.
-        size = self.options.global_batch_size
-        rows = np.zeros(len(batch.arrays[0]), np.float32)  # this host's rows of the batch
-        rows[slice(batch.num_valid) if batch.real is None else batch.real] = size / batch.num_valid
-        if weighting == "add":
-            labels = sample[1]
-            return (*sample, optree.tree_map(lambda y: _broadcastable(rows, y.ndim).copy(), labels))
-        x, y, given = sample
-        factor = _broadcastable(rows, given.ndim)
-        return x, y, (np.asarray(given, np.float32) * factor).astype(given.dtype, copy=False)
 
     # ---- diagnostics and state ------------------------------------------------------------
 
     def stats(self) -> FeedStats:
         """A snapshot of how well the step has been fed so far."""
         pools = self._pools.values()
+        device_pool = self._pools.get(False)
+        locked = reason = None
+        if self.layer.page_lock is not None and device_pool is not None:
+            locked, reason = device_pool.page_locked, device_pool.page_lock_reason
         return self._stats.snapshot(
             overflow_slots=sum(pool.overflow_allocations for pool in pools),
             slots_allocated=sum(pool.allocated + pool.overflow_allocations for pool in pools),
+            page_locked=locked,
+            page_lock_reason=reason,
         )
 
     def _staged(self) -> int:
@@ -639,20 +542,20 @@ class Feeder(tf.train.experimental.PythonState):
 
     def _position_state(self, position: Position) -> dict:
         """The state at `position`, without what the source adds."""
-        epoch, step = position
-        if self._plan is not None and step >= len(self._plan):
-            epoch, step = epoch + 1, 0
-        return {
-            "version": STATE_VERSION,
-            "epoch": epoch,
-            "step": step,
-            "dataset_length": self._source.length,
-            "global_batch_size": self.options.global_batch_size,
-            "num_replicas": self.share.num_replicas,
-            "num_shards": self._num_shards(),
-            "seed": self.options.seed,
-            "shuffle": self.options.shuffle,
-        }
+        return self._stream().state(position)
+
+    def _stream(self) -> Stream:
+        """What this feeder's order depends on: a state restores only where it agrees."""
+        return Stream(
+            dataset_length=self._source.length,
+            global_batch_size=self.options.global_batch_size,
+            num_replicas=self.share.num_replicas,
+            num_shards=self._num_shards(),
+            seed=self.options.seed,
+            shuffle=self.options.shuffle,
+            steps_per_epoch=None if self._plan is None else len(self._plan),
+            replicas_order=self._source.replicas_order,
+        )
 
     def _num_shards(self) -> int:
         """The generator shards whose rotation is the stream's order (1 for other sources)."""
@@ -669,36 +572,12 @@ class Feeder(tf.train.experimental.PythonState):
                 "set_state() was called while a loop over the feeder is running; restore "
                 "before the loop starts (or break out of it first)."
             )
-        mine = self._position_state(self._position)
-        state = {"num_shards": 1, **state}  # states written before shards were recorded
-        missing = sorted(set(mine) - set(state))
-        if missing:
-            raise ValueError(f"The state lacks {', '.join(missing)}; pass a dict from get_state().")
-        # The order is the same for any number of replicas and hosts (elastic resume), unless
-        # each replica reads a shard of its own.
-        fields = ["version", "dataset_length", "global_batch_size", "num_shards", "seed", "shuffle"]
-        if self._source.replicas_order:
-            fields.append("num_replicas")
-        for field in fields:
-            if state[field] != mine[field]:
-                fix = (
-                    f"build the feeder with workers={state[field]} (a generator's order is the "
-                    "rotation of its shards, one per worker)"
-                    if field == "num_shards"
-                    else f"build the feeder with the same {field}"
-                )
-                raise ValueError(
-                    f"Cannot restore: the state has {field}={state[field]!r} but this feeder has "
-                    f"{field}={mine[field]!r}; {fix}."
-                )
-        for field in ("epoch", "step"):
-            if not isinstance(state[field], int) or state[field] < 0:
-                raise ValueError(f"The state's {field}={state[field]!r} must be an integer >= 0.")
-        if state["step"] > 0:
-            self._source.check_resumable(state["step"] * self.options.global_batch_size)
+        position = self._stream().position(state)
+        if position.step > 0:
+            self._source.check_resumable(position.step * self.options.global_batch_size)
         self._active = None
         self._stop_pipeline()
-        self._position = Position(state["epoch"], state["step"])
+        self._position = position
         self._producer.restore(self._position, state.get("source"))
         self._settle()
 
@@ -772,14 +651,6 @@ class Feeder(tf.train.experimental.PythonState):
         if self._failure is not None:
             raise self._failure
 
-    def serialize(self) -> bytes:
-        """For `tf.train.Checkpoint`: the state as JSON."""
-        return json.dumps(self.get_state()).encode()
-
-    def deserialize(self, string_value: bytes) -> None:
-        """For `tf.train.Checkpoint`: restores a state written by `serialize`."""
-        self.set_state(json.loads(string_value))
-
     # ---- lifetime ---------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -813,16 +684,6 @@ class Feeder(tf.train.experimental.PythonState):
             )
             + ")"
         )
-
-
-def _broadcastable(rows: np.ndarray, ndim: int) -> np.ndarray:
-    """One weight per row, shaped `[batch, 1, ..., 1]` to the rank `ndim` of a label field."""
-    return rows.reshape(rows.shape + (1,) * (ndim - 1))
-
-
-def _weight_spec(label: tf.TensorSpec) -> tf.TensorSpec:
-    """The sample weight of a label field: `[batch, 1, ..., 1]`, of the label's rank."""
-    return tf.TensorSpec((label.shape[0],) + (1,) * (label.shape.rank - 1), tf.float32)
 
 
 def _axes(transpose: Any, spec: SampleSpec) -> list[tuple[int, ...] | None]:

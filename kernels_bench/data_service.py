@@ -409,8 +409,8 @@ def open_peer(
         return
     if peer.startswith("fp_job"):
         from feedpipe.core.sampler import Sampler
-        from feedpipe.service.client import ServiceWork, check_address
         from feedpipe.core.source import as_source
+        from feedpipe.service.client import ServiceWork, check_address
 
         work = ServiceWork(as_source(arrays, text=True), augment, seed)
         plan = Sampler(len(arrays[0]), GLOBAL_BATCH, shuffle=True, seed=seed)

@@ -626,7 +626,9 @@ def lazy_plan() -> tuple[Any, str]:
             continue
         if found is not None:
             return found, f"{module}.LazyPermutation"
-    return None, "none found: feedpipe.core.sampler (and feedpipe.permutation) has no LazyPermutation"
+    return None, (
+        "none found: feedpipe.core.sampler (and feedpipe.permutation) has no LazyPermutation"
+    )
 
 
 @contextlib.contextmanager

@@ -19,10 +19,10 @@ import pytest
 import tensorflow as tf
 
 import feedpipe as fp
+from feedpipe.core.stats import HIGH_FRACTION, MODERATE_FRACTION, verdict
 from feedpipe.diagnostics import monitor as monitor_module
 from feedpipe.diagnostics._headspace import CANNOT_TELL, StepAlone, bracket
 from feedpipe.diagnostics.monitor import EpochStarvation
-from feedpipe.core.stats import HIGH_FRACTION, MODERATE_FRACTION, verdict
 from tests.fakes import CountingSource, index_arrays, sleeping_model
 
 STEP_S = 0.04

@@ -14,7 +14,7 @@ import feedpipe as fp
 
 LIGHT_MODULES = [
     "feedpipe",
-    "feedpipe.tf._internals",
+    "feedpipe._internals",
     "feedpipe.core._shm",
     "feedpipe.core._sync",
     "feedpipe.core._worker",
@@ -131,6 +131,10 @@ def test_the_readme_layout_names_every_module():
     package = Path(fp.__file__).parent
     readme = (package.parent / "README.md").read_text()
     layout = readme[readme.index("## Layout") :]
-    modules = sorted(p.name for p in package.glob("*.py") if p.stem not in ("__init__", "__main__"))
+    modules = sorted(
+        p.relative_to(package).as_posix()
+        for p in package.rglob("*.py")
+        if p.stem not in ("__init__", "__main__")
+    )
     missing = [name for name in modules if f"`{name}`" not in layout]
     assert missing == [], f"README's layout does not name {missing}"

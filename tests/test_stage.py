@@ -11,12 +11,12 @@ import pytest
 import tensorflow as tf
 
 import feedpipe as fp
-from feedpipe.tf.batch import Batch
-from feedpipe.tf.devices import resolve_devices
 from feedpipe.core.sampler import Step
 from feedpipe.core.slots import HostSlot, SlotLayout
 from feedpipe.core.source import SampleSpec
 from feedpipe.core.split import ReplicaSplit
+from feedpipe.tf.batch import Batch
+from feedpipe.tf.devices import resolve_devices
 from feedpipe.tf.stage import Stager, to_device
 
 

@@ -88,7 +88,9 @@ def test_recorder_keeps_the_first_wait_of_a_stream_out_of_the_steady_state():
 
 def assert_sane(stats: fp.FeedStats, depth: int) -> None:
     for field in dataclasses.fields(stats):
-        assert getattr(stats, field.name) >= 0, field.name
+        value = getattr(stats, field.name)
+        if isinstance(value, int | float):  # page_locked and its reason are facts, not counts
+            assert value >= 0, field.name
     assert 0.0 <= stats.input_bound_fraction <= 1.0
     assert 0.0 <= stats.mean_occupancy <= depth
     assert stats.consumer_wait_s <= stats.wall_s

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import itertools
 from collections.abc import Iterator
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -21,14 +21,8 @@ from feedpipe.core._sync import WAIT_SLICE_S
 from feedpipe.core.remainder import Remainder
 from feedpipe.core.sampler import EpochEnd, Sampler, Step
 from feedpipe.core.slots import HostSlot
+from feedpipe.core.state import Position
 from feedpipe.core.writer import RowStream, SampleWriter
-
-
-class Position(NamedTuple):
-    """Where a stream of batches starts: an epoch and a step within it."""
-
-    epoch: int
-    step: int
 
 
 class SlotSupply(Protocol):

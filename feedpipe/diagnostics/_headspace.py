@@ -18,8 +18,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from feedpipe.diagnostics._contention import OtherLoadSpan
 from feedpipe.core.stats import verdict
+from feedpipe.diagnostics._contention import OtherLoadSpan
 
 HEADSPACE_MIN_S = 0.25
 """The step alone is timed for at least this long, so that the machine's load over a quarter

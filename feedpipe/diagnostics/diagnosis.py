@@ -37,6 +37,9 @@ import numpy as np
 import optree
 import tensorflow as tf
 
+from feedpipe._internals import build_for_batch, keras_dataset
+from feedpipe.core.source import ArraySource, TFDatasetSource
+from feedpipe.core.stats import verdict
 from feedpipe.diagnostics._contention import OtherLoadSpan
 from feedpipe.diagnostics._headspace import (
     CANNOT_TELL,
@@ -48,11 +51,8 @@ from feedpipe.diagnostics._headspace import (
     resident_iterator,
     save_state,
 )
-from feedpipe.tf._internals import build_for_batch, keras_dataset
 from feedpipe.feeder import Feeder
 from feedpipe.service.client import ServiceProducer
-from feedpipe.core.source import ArraySource, TFDatasetSource
-from feedpipe.core.stats import verdict
 
 DEFAULT_STEPS = 50
 """Steps timed per measurement: enough for a median that one slow step does not move."""

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 import keras
 import tensorflow as tf
 
+from feedpipe._internals import scalar_summary_metadata
+from feedpipe.core.stats import MODERATE_FRACTION, verdict
 from feedpipe.diagnostics._contention import OtherLoadSpan
 from feedpipe.diagnostics._headspace import (
     CANNOT_TELL,
@@ -43,15 +45,13 @@ from feedpipe.diagnostics._headspace import (
     save_state,
     time_step_alone,
 )
-from feedpipe.tf._internals import scalar_summary_metadata
-from feedpipe.core.stats import MODERATE_FRACTION, verdict
 
 _SCALAR = scalar_summary_metadata()
-"""Marks the monitor's summaries as scalars for TensorBoard (see `feedpipe.tf._internals`)."""
+"""Marks the monitor's summaries as scalars for TensorBoard (see `feedpipe._internals`)."""
 
 if TYPE_CHECKING:
-    from feedpipe.feeder import Feeder
     from feedpipe.core.stats import FeedStats
+    from feedpipe.feeder import Feeder
 
 _ORIGINAL = "_feedpipe_original_train_function"
 """The attribute the monitor's wrapper keeps Keras's own `train_function` under."""
@@ -85,7 +85,8 @@ class EpochStarvation:
     epoch's. Far from `step_alone_low_s`: the machine's load changed the step's speed."""
     other_load_s: float = 0.0
     """Seconds per step the process's threads waited in the epoch for a CPU that other
-    processes held (see `feedpipe.diagnostics._contention`); 0 where the system does not count it."""
+    processes held (see `feedpipe.diagnostics._contention`); 0 where the system does not
+    count it."""
     producer_samples_per_s: float | None = None
     """What the monitored `Feeder`'s producer alone sustains (see `FeedStats`); None
     without a feeder."""

@@ -1,10 +1,10 @@
 """Report: a `Diagnosis` as an HTML page with plots, viewable offline.
 
-Data flows one way: `feedpipe.diagnostics.diagnosis` measures and returns a `Diagnosis`; this module only
-reads it (the `feedpipe diagnose --report` command calls it). The page and its PNGs live in
-one directory and reference nothing outside it: the per-step wait against compute, the staged
-batches over time (for a `Feeder` input), the three rates side by side, a glossary line per
-figure, and what produced the page (the command, when it was measured, the schema version).
+Data flows one way: `feedpipe.diagnostics.diagnosis` measures and returns a `Diagnosis`; this
+module only reads it (the `feedpipe diagnose --report` command calls it). The page and its PNGs
+live in one directory and reference nothing outside it: the per-step wait against compute, the
+staged batches over time (for a `Feeder` input), the three rates side by side, a glossary line
+per figure, and what produced the page (the command, when it was measured, the schema version).
 matplotlib draws the plots with its file-only Agg backend, imported here alone, so diagnosing
 without a report never needs it.
 """

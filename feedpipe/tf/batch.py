@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
 from feedpipe.core.split import HostShare
@@ -79,24 +78,3 @@ class Batch:
             f"Batch(epoch={self.epoch}, step={self.step}, replicas={len(self.replicas)}, "
             f"num_valid={self.num_valid})"
         )
-
-
-class HostBatch:
-    """A global batch on the host: one array per field, padding rows last unless `real` says
-    which rows are real (sources that fill each replica from its own shard)."""
-
-    __slots__ = ("arrays", "epoch", "num_valid", "real", "step")
-
-    def __init__(
-        self,
-        arrays: list[np.ndarray],
-        num_valid: int,
-        epoch: int,
-        step: int,
-        real: np.ndarray | None = None,
-    ):
-        self.arrays = arrays
-        self.num_valid = num_valid
-        self.epoch = epoch
-        self.step = step
-        self.real = real

@@ -1,4 +1,4 @@
-"""Stage: puts each replica's rows on its device, or keeps global batches on the host.
+"""Stage: puts each replica's rows on its TensorFlow device.
 
 A replica's region of a host slot is handed to TensorFlow through DLPack, which wraps the
 memory without copying, and is then placed on the replica's device: on a GPU that is the one
@@ -18,12 +18,13 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from feedpipe.tf._internals import copy_to_device
-from feedpipe.tf.batch import Batch, HostBatch
+from feedpipe._internals import copy_to_device
 from feedpipe.core.sampler import Step
 from feedpipe.core.slots import SlotLayout
 from feedpipe.core.source import SampleSpec
 from feedpipe.core.split import HostShare
+from feedpipe.core.stage import Imported, replica_masks
+from feedpipe.tf.batch import Batch
 
 _DLPACK_KINDS = frozenset("biufc")
 """dtype kinds DLPack carries; others (bfloat16, float8) travel as unsigned ints of their width."""
@@ -58,36 +59,11 @@ def check_stageable(spec: SampleSpec, device: str) -> None:
             ) from error
 
 
-_DLPACK_CPU = 1
-"""DLPack's device type of host memory (kDLCPU)."""
-
-
 def import_to_device(tensor: Any, device: str) -> tf.Tensor:
     """A tensor on `device` over the memory of `tensor`, any object that speaks DLPack: no copy
     where it already sits on `device` (or on a CPU device, for a CPU device)."""
     imported = tf.experimental.dlpack.from_dlpack(tensor.__dlpack__())
     return imported if imported.device == device else copy_to_device(imported, device)
-
-
-def host_array(tensor: Any) -> np.ndarray:
-    """The values of a DLPack object as a host array: a view of host memory, or a device copy."""
-    if tensor.__dlpack_device__()[0] == _DLPACK_CPU:
-        return np.from_dlpack(tensor)
-    return tf.experimental.dlpack.from_dlpack(tensor.__dlpack__()).numpy()
-
-
-class Imported:
-    """A batch already in memory another library owns: `replicas[replica][field]`, each an
-    object that speaks DLPack and holds `per_replica` rows. It takes no slot."""
-
-    __slots__ = ("replicas",)
-
-    def __init__(self, replicas: list[list[Any]]):
-        self.replicas = replicas
-
-    def lease(self, give_back: Any) -> Imported:
-        """Itself: its memory is kept alive by the tensors made from it, not by a slot."""
-        return self
 
 
 class Stager:
@@ -111,9 +87,9 @@ class Stager:
         key = step.replica_valid or step.num_valid
         if key not in self._masks:
             per_replica = self.layout.split.per_replica
-            real = step.real_rows(len(self.devices), per_replica)
             masks = []
-            for device, part in zip(self.devices, real.reshape(-1, per_replica), strict=True):
+            parts = replica_masks(step, len(self.devices), per_replica)
+            for device, part in zip(self.devices, parts, strict=True):
                 with tf.device(device):
                     masks.append(tf.constant(part))
             self._masks[key] = tuple(masks)
@@ -139,30 +115,3 @@ class Stager:
             self.strategy,
             self.share,
         )
-
-
-class HostStager:
-    """Keeps batches on the host as whole arrays (for `Feeder.as_dataset`): the global batch,
-    or this host's rows of it under a multi-worker strategy.
-
-    With `copy`, the arrays are copied out of the slot, which then returns to the pool at once:
-    for slots shared with worker processes, which cannot be handed to TensorFlow to keep.
-    """
-
-    def __init__(self, layout: SlotLayout, copy: bool = False):
-        self.layout = layout
-        self.copy = copy
-
-    def stage(self, step: Step, leased: np.ndarray | Imported) -> HostBatch:
-        if isinstance(leased, Imported):  # one copy: the replicas' rows joined in fresh memory
-            fields = zip(*leased.replicas, strict=True)
-            arrays = [np.concatenate([host_array(part) for part in field]) for field in fields]
-        else:
-            arrays = self.layout.global_views(leased)
-            if self.copy:
-                arrays = [array.copy() for array in arrays]
-        split = self.layout.split
-        real = None
-        if step.replica_valid is not None or step.first_row:
-            real = step.real_rows(split.num_replicas, split.per_replica)
-        return HostBatch(arrays, step.num_valid, step.epoch, step.index, real)

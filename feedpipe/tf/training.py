@@ -24,9 +24,9 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from feedpipe.tf._internals import collective_timeout, keras_loss, keras_metric
-from feedpipe.tf.batch import Batch
+from feedpipe._internals import collective_timeout, keras_loss, keras_metric
 from feedpipe.feeder import Feeder
+from feedpipe.tf.batch import Batch
 
 
 def per_sample_loss(

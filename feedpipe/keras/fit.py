@@ -13,7 +13,7 @@ from typing import Any
 
 import keras
 
-from feedpipe.tf._internals import unweighted_metrics
+from feedpipe._internals import unweighted_metrics
 
 
 class FitTracker(keras.callbacks.Callback):

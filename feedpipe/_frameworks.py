@@ -1,0 +1,90 @@
+"""Which framework a feeder stages for, told from what the user passed, without importing one.
+
+As Keras does (`data_adapter_utils.is_tf_dataset`), framework objects are recognised by the
+module their class comes from, so a JAX user never loads TensorFlow, nor the reverse.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from typing import Any
+
+FRAMEWORKS = {"tensorflow": "feedpipe.tf.feeder", "jax": "feedpipe.jax.feeder"}
+"""Each framework's name, as `framework=` takes it, and the module of its feeder."""
+
+
+def _library(value: Any) -> str:
+    """The top-level package that `value`'s class comes from ("jaxlib" counts as "jax")."""
+    library = type(value).__module__.split(".")[0]
+    return "jax" if library == "jaxlib" else library
+
+
+def _from_devices(devices: Any) -> str:
+    if _library(devices) == "jax":  # a Mesh or a Sharding
+        return "jax"
+    if isinstance(devices, str):
+        return "tensorflow"  # resolve_devices explains that a list is wanted
+    try:
+        kinds = {"tensorflow" if isinstance(d, str) else _library(d) for d in devices}
+    except TypeError:
+        kinds = set()
+    if len(kinds) == 1 and kinds <= set(FRAMEWORKS):
+        return kinds.pop()
+    raise TypeError(
+        f"`devices`={devices!r} must list TensorFlow device strings (['/gpu:0', '/gpu:1']) or "
+        "JAX devices (jax.devices()), one kind only, or be a jax.sharding.Mesh or Sharding."
+    )
+
+
+def _default() -> str:
+    """Keras's backend where Keras is loaded; else the one framework loaded; else the one
+    installed (TensorFlow first, the choice before JAX was supported)."""
+    keras = sys.modules.get("keras")
+    if keras is not None:
+        backend = keras.backend.backend()
+        if backend in FRAMEWORKS:
+            return backend
+    loaded = [name for name in FRAMEWORKS if name in sys.modules]
+    if len(loaded) == 1:
+        return loaded[0]
+    wanted = os.environ.get("KERAS_BACKEND")
+    if wanted in FRAMEWORKS:
+        return wanted
+    for name in FRAMEWORKS:
+        if importlib.util.find_spec(name) is not None:
+            return name
+    raise ImportError(
+        "fp.Feeder stages batches for TensorFlow or JAX, and neither is installed; install one: "
+        'pip install "feedpipe[tensorflow]" or pip install "feedpipe[jax]".'
+    )
+
+
+def framework_of(framework: str | None, devices: Any, strategy: Any) -> str:
+    """The framework to stage for: `framework`, else the one `strategy` or `devices` belong to,
+    else the default."""
+    if framework is not None:
+        if framework not in FRAMEWORKS:
+            raise ValueError(
+                f"`framework`={framework!r} must be one of {', '.join(map(repr, FRAMEWORKS))}, "
+                "or None to tell it from `devices` and `strategy`."
+            )
+        return framework
+    if strategy is not None:
+        if _library(strategy) != "tensorflow":
+            raise TypeError(
+                f"`strategy`={strategy!r} must be a tf.distribute strategy; for JAX pass "
+                "devices=jax.devices() (or a Mesh) and shard with batch.distributed()."
+            )
+        return "tensorflow"
+    if devices is not None:
+        return _from_devices(devices)
+    return _default()
+
+
+def feeder_class(framework: str | None, devices: Any, strategy: Any) -> type:
+    """The `Feeder` subclass of the framework to stage for."""
+    name = framework_of(framework, devices, strategy)
+    return importlib.import_module(FRAMEWORKS[name]).Feeder

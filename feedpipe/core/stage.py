@@ -1,0 +1,137 @@
+"""Stage: the few operations a framework provides to put batches on its devices, and the host
+stager every framework shares.
+
+A framework layer (`feedpipe.tf`, `feedpipe.jax`) is a `Layer`: it names this host's replica
+devices and its share of each global batch, refuses fields it cannot hold, and makes a `Stager`
+that turns a filled host slot into the batch its training step takes, placed on each device
+asynchronously. Everything before that (source, order, producers, slots, state) is the core's.
+
+A source whose outputs already sit in memory of their own (DALI's, on the host or a GPU) hands
+them over as `Imported` instead of a slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from feedpipe.core.sampler import Step
+from feedpipe.core.slots import SlotLayout
+from feedpipe.core.source import SampleSpec
+from feedpipe.core.split import HostShare
+from feedpipe.core.stats import StatsRecorder
+
+_DLPACK_CPU = 1
+"""DLPack's device type of host memory (kDLCPU)."""
+
+
+class Staged(Protocol):
+    """What a stager makes of one step: the consumer reads these, the hand-off counts them."""
+
+    num_valid: int
+    epoch: int
+    step: int
+
+
+class Stager(Protocol):
+    """Turns a leased host slot (or `Imported` memory) into the batch the consumer takes."""
+
+    def stage(self, step: Step, leased: np.ndarray | Imported) -> Staged:
+        """The batch of `step`, from bytes leased until every array made of them is gone."""
+
+
+class Layer(Protocol):
+    """What a framework provides to stage batches on its devices."""
+
+    name: str
+    """The framework's name, as `fp.Feeder(framework=...)` takes it."""
+    devices: tuple[Any, ...]
+    """This host's replica devices, in replica order."""
+    share: HostShare
+    """This host's rows of each global batch."""
+    page_lock: Any
+    """A `feedpipe.core.pinned` locker for host slots copied to an accelerator, or None."""
+
+    def check_stageable(self, spec: SampleSpec) -> None:
+        """Refuses, at construction, a field the framework cannot hold, naming it and the fix."""
+
+    def stager(self, layout: SlotLayout, stats: StatsRecorder) -> Stager:
+        """A stager that puts each replica's regions of a slot on its device, recording the
+        copies it can time in `stats`."""
+
+
+class Imported:
+    """A batch already in memory another library owns: `replicas[replica][field]`, each an
+    object that speaks DLPack and holds `per_replica` rows. It takes no slot."""
+
+    __slots__ = ("replicas",)
+
+    def __init__(self, replicas: list[list[Any]]):
+        self.replicas = replicas
+
+    def lease(self, give_back: Any) -> Imported:
+        """Itself: its memory is kept alive by the tensors made from it, not by a slot."""
+        return self
+
+
+def host_array(tensor: Any) -> np.ndarray:
+    """The values of an imported tensor as a host array: a view of host memory, or a copy of
+    device memory (DALI's GPU tensors copy themselves out with `as_cpu`)."""
+    if tensor.__dlpack_device__()[0] == _DLPACK_CPU:
+        return np.from_dlpack(tensor)
+    return np.asarray(tensor.as_cpu())
+
+
+class HostBatch:
+    """A global batch on the host: one array per field, padding rows last unless `real` says
+    which rows are real (sources that fill each replica from its own shard)."""
+
+    __slots__ = ("arrays", "epoch", "num_valid", "real", "step")
+
+    def __init__(
+        self,
+        arrays: list[np.ndarray],
+        num_valid: int,
+        epoch: int,
+        step: int,
+        real: np.ndarray | None = None,
+    ):
+        self.arrays = arrays
+        self.num_valid = num_valid
+        self.epoch = epoch
+        self.step = step
+        self.real = real
+
+
+class HostStager:
+    """Keeps batches on the host as whole arrays (for a framework's own input pipeline): the
+    global batch, or this host's rows of it under a multi-host setup.
+
+    With `copy`, the arrays are copied out of the slot, which then returns to the pool at once:
+    for slots shared with worker processes, which cannot be handed to a framework to keep.
+    """
+
+    def __init__(self, layout: SlotLayout, copy: bool = False):
+        self.layout = layout
+        self.copy = copy
+
+    def stage(self, step: Step, leased: np.ndarray | Imported) -> HostBatch:
+        if isinstance(leased, Imported):  # one copy: the replicas' rows joined in fresh memory
+            fields = zip(*leased.replicas, strict=True)
+            arrays = [np.concatenate([host_array(part) for part in field]) for field in fields]
+        else:
+            arrays = self.layout.global_views(leased)
+            if self.copy:
+                arrays = [array.copy() for array in arrays]
+        split = self.layout.split
+        real = None
+        if step.replica_valid is not None or step.first_row:
+            real = step.real_rows(split.num_replicas, split.per_replica)
+        return HostBatch(arrays, step.num_valid, step.epoch, step.index, real)
+
+
+def replica_masks(step: Step, num_replicas: int, per_replica: int) -> Sequence[np.ndarray]:
+    """Each replica's boolean mask of real rows at `step`, for a stager to place."""
+    return step.real_rows(num_replicas, per_replica).reshape(-1, per_replica)

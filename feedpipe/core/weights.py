@@ -1,0 +1,52 @@
+"""Weights: how padding rows are kept out of a Keras loss, for every framework.
+
+Keras weighs each row of `(x, y)` or `(x, y, w)` by its sample weight. A padded batch gets a
+weight of 0 on its padding rows and `global_batch_size / num_valid` on its real ones, so the
+batch's mean loss is the mean over its real samples (an `(x, y, w)` source has its own weights
+scaled the same way).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import optree
+
+from feedpipe.core.source import SampleSpec
+
+
+def weighting(spec: SampleSpec, remainder: str) -> str | None:
+    """How padding is weighted: "add" a sample weight to `(x, y)`, "scale" the `w` of
+    `(x, y, w)`, or None (nothing to weigh, or no padding)."""
+    treespec = spec.treespec
+    if remainder != "pad" or treespec.kind != optree.PyTreeKind.TUPLE:
+        return None
+    return {2: "add", 3: "scale"}.get(treespec.num_children)
+
+
+def row_weights(num_rows: int, real: Any, num_valid: int, global_batch_size: int) -> np.ndarray:
+    """One float32 weight per row: `global_batch_size / num_valid` on the `real` rows (a slice,
+    indices or a boolean mask), 0 on the others. Fresh memory every call: a framework may take
+    an array over without a copy and later write into it."""
+    rows = np.zeros(num_rows, np.float32)
+    rows[real] = global_batch_size / num_valid
+    return rows
+
+
+def broadcastable(rows: np.ndarray, ndim: int) -> np.ndarray:
+    """One weight per row, shaped `[batch, 1, ..., 1]` to the rank `ndim` of a label field, so
+    it broadcasts against per-element losses (per pixel, per timestep) as well."""
+    return rows.reshape(rows.shape + (1,) * (ndim - 1))
+
+
+def with_weights(sample: Any, rows: np.ndarray, how: str | None) -> Any:
+    """`sample` (host arrays) with its padding weighted by `rows`, as `weighting` said."""
+    if how is None:
+        return sample
+    if how == "add":
+        labels = sample[1]
+        return (*sample, optree.tree_map(lambda y: broadcastable(rows, y.ndim).copy(), labels))
+    x, y, given = sample
+    factor = broadcastable(rows, given.ndim)
+    return x, y, (np.asarray(given, np.float32) * factor).astype(given.dtype, copy=False)

@@ -1,0 +1,162 @@
+"""The JAX layer: what the core needs from JAX to stage batches.
+
+Each replica's regions of a host slot go to its device with one `jax.device_put` per replica:
+on a GPU that is the one host-to-device copy, from a page-locked slot where the CUDA runtime
+allows it (`feedpipe.core.pinned`); on a CPU device JAX wraps the slot's memory without a copy.
+Either way JAX holds the slot's bytes until the copy is done (or the array is gone), so the slot
+returns to the pool only then. The staging thread waits for the copy before handing the batch
+over: the consumer never takes a batch still in transit, and the wait is measured.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from feedpipe.core.pinned import page_locker
+from feedpipe.core.sampler import Step
+from feedpipe.core.slots import SlotLayout
+from feedpipe.core.source import SampleSpec
+from feedpipe.core.split import HostShare
+from feedpipe.core.stage import Imported, replica_masks
+from feedpipe.core.stats import StatsRecorder
+from feedpipe.jax.batch import Batch
+
+BATCH_AXIS = "batch"
+"""The mesh axis name of the default 1-D mesh, as `keras.distribution.DataParallel` names it."""
+
+
+def _process_major(devices: Sequence[jax.Device]) -> list[jax.Device]:
+    """Devices ordered by process, then id: process `p`'s replicas are then contiguous, and so
+    are its rows of each global batch (`feedpipe.core.split`)."""
+    return sorted(devices, key=lambda d: (d.process_index, d.id))
+
+
+def _mesh(devices: Any) -> Mesh:
+    """The mesh to shard global batches over: the one given, or a 1-D mesh over `devices`
+    (None: every device of every process)."""
+    if isinstance(devices, Mesh):
+        return devices
+    if devices is None:
+        devices = _process_major(jax.devices())
+    else:
+        devices = list(devices)
+        if not devices:
+            raise ValueError("`devices` is empty; pass jax.devices() or a list of them.")
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"`devices`={devices} names a device twice; list each once.")
+        if jax.process_count() > 1:
+            devices = _process_major(devices)
+    return Mesh(np.array(devices), (BATCH_AXIS,))
+
+
+def _share(global_batch_size: int, mesh: Mesh) -> tuple[tuple[jax.Device, ...], HostShare]:
+    """This process's devices, in mesh order, and its rows of each global batch."""
+    flat = list(mesh.devices.flat)
+    mine = jax.process_index()
+    local = tuple(d for d in flat if d.process_index == mine)
+    processes = sorted({d.process_index for d in flat})
+    if not local:
+        raise ValueError(
+            f"`devices` holds no device of this process ({mine}); pass jax.devices(), whose "
+            "devices include this process's."
+        )
+    if len(processes) == 1:
+        return local, HostShare(global_batch_size, local_replicas=len(local))
+    counts = {p: sum(d.process_index == p for d in flat) for p in processes}
+    host = processes.index(mine)
+    contiguous = flat[host * len(local) : (host + 1) * len(local)] == list(local)
+    if len(set(counts.values())) != 1 or not contiguous:
+        raise ValueError(
+            f"The mesh's devices per process are {counts}, in the order "
+            f"{[d.process_index for d in flat]}: each process must hold as many devices, "
+            "contiguous along the batch axis, so that it makes a contiguous share of each "
+            "global batch; use the default (devices=None) or order them by process."
+        )
+    return local, HostShare(global_batch_size, len(processes), host, len(local))
+
+
+class JaxLayer:
+    """Stages on JAX devices: this process's devices of a 1-D mesh (or the mesh given)."""
+
+    name = "jax"
+
+    def __init__(self, devices: Any, strategy: Any, global_batch_size: int):
+        if strategy is not None:
+            raise TypeError(
+                f"`strategy`={strategy!r} is TensorFlow's; a JAX feeder shards by device: pass "
+                "devices=jax.devices() (or a jax.sharding.Mesh) and no strategy."
+            )
+        self.mesh = _mesh(devices)
+        self.sharding = NamedSharding(self.mesh, PartitionSpec(self.mesh.axis_names))
+        """The global batch's sharding: axis 0 split over every device of the mesh in order."""
+        self.devices, self.share = _share(global_batch_size, self.mesh)
+        self.accelerated = any(d.platform != "cpu" for d in self.devices)
+        """Whether staging copies: on CPU devices JAX wraps the slot's memory instead."""
+        self.page_lock = page_locker() if self.accelerated else None
+
+    def check_stageable(self, spec: SampleSpec) -> None:
+        for leaf in spec.leaves:
+            try:
+                jax.device_put(np.zeros(1, leaf.dtype), self.devices[0]).block_until_ready()
+            except Exception as error:
+                raise TypeError(
+                    f"Field {leaf.name} has dtype {leaf.dtype}, which JAX cannot place on "
+                    f"{self.devices[0]} ({type(error).__name__}: "
+                    f"{str(error).splitlines()[0][:120]}); cast it in `transform` or beforehand, "
+                    "e.g. to float16, bfloat16 or int8."
+                ) from error
+
+    def stager(self, layout: SlotLayout, stats: StatsRecorder) -> Stager:
+        return Stager(self, layout, stats)
+
+
+class Stager:
+    """Turns filled host slots into `Batch`es whose arrays sit on each replica's device."""
+
+    def __init__(self, layer: JaxLayer, layout: SlotLayout, stats: StatsRecorder):
+        self.layer = layer
+        self.layout = layout
+        self.stats = stats
+        self._masks: dict[Any, tuple[jax.Array, ...]] = {}
+
+    def masks(self, step: Step) -> tuple[jax.Array, ...]:
+        """Per-device masks of the step's real rows; cached, since arrays are immutable."""
+        key = step.replica_valid or step.num_valid
+        if key not in self._masks:
+            devices = self.layer.devices
+            parts = replica_masks(step, len(devices), self.layout.split.per_replica)
+            self._masks[key] = tuple(
+                jax.device_put(part.copy(), device)
+                for part, device in zip(parts, devices, strict=True)
+            )
+        return self._masks[key]
+
+    def stage(self, step: Step, leased: np.ndarray | Imported) -> Batch:
+        """The batch in the `leased` bytes of a slot, placed on the devices; returns once the
+        copies are done."""
+        if isinstance(leased, Imported):
+            raise TypeError("A JAX feeder stages from host slots; DALI outputs go to TensorFlow.")
+        unflatten = self.layout.spec.unflatten
+        started = time.perf_counter()
+        placed = [
+            jax.device_put(regions, device)
+            for device, regions in zip(self.layer.devices, self.layout.views(leased), strict=True)
+        ]
+        if self.layer.accelerated:
+            jax.block_until_ready(placed)
+            self.stats.copied(self.layout.batch_bytes, time.perf_counter() - started)
+        replicas = tuple(unflatten(arrays) for arrays in placed)
+        return Batch(
+            replicas,
+            self.masks(step),
+            step.num_valid,
+            step.epoch,
+            step.index,
+            self.layer,
+        )

@@ -1,0 +1,157 @@
+"""The TensorFlow feeder: staging on TensorFlow devices, `as_dataset()` for `model.fit`, and
+the feeder inside a `tf.train.Checkpoint`.
+
+`fp.Feeder(...)` is this class where `devices` are TensorFlow device strings, `strategy` is a
+`tf.distribute` strategy, or TensorFlow is the framework in use (see `feedpipe._frameworks`).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+import weakref
+from typing import Any
+
+import optree
+import tensorflow as tf
+
+from feedpipe import feeder as core
+from feedpipe.core.stage import HostBatch
+from feedpipe.core.weights import row_weights, weighting, with_weights
+from feedpipe.tf.layer import TensorFlowLayer
+
+
+class Feeder(core.Feeder, tf.train.experimental.PythonState):
+    """A feeder whose batches are `tf.Tensor`s on TensorFlow devices (see `feedpipe.Feeder`).
+
+    Being a `PythonState`, it can sit in a `tf.train.Checkpoint` beside the model: the
+    checkpoint holds its state, `get_state()`, as JSON.
+    """
+
+    def _layer(self, devices: Any, strategy: Any, global_batch_size: int) -> TensorFlowLayer:
+        return TensorFlowLayer(devices, strategy, global_batch_size)
+
+    def as_dataset(self) -> tf.data.Dataset | tf.distribute.DistributedDataset:
+        """A `tf.data.Dataset` of global batches for `model.fit` and other wrappers.
+
+        Each complete pass over the dataset is the feeder's next epoch; a pass left early does
+        not count (see `_iterate`). Under `model.fit`, pass `callbacks=[feeder.fit_callback()]`
+        so that the feeder's state (and a checkpoint holding it) is the batches the step
+        trained on. With `remainder="pad"` an `(x, y)` source gets a third element,
+        `sample_weight`: 0 on padding rows, and real rows scaled by `global_batch_size /
+        num_valid` so the batch's mean loss is the mean over its real samples (an `(x, y, w)`
+        source has its weights scaled the same way). The weight of a label field of shape `s`
+        has shape `[batch, 1, ..., 1]` with `len(s)` ones, so that it broadcasts against
+        per-element losses (per pixel, per timestep) as well as per-sample ones.
+
+        Under a MultiWorkerMirroredStrategy it is a `tf.distribute.DistributedDataset` made by
+        `distribute_datasets_from_function`: each host makes only its replicas' rows, and the
+        stream runs on from epoch to epoch without end (so no step pays TensorFlow's
+        all-reduce asking whether every host still has data): take `len(feeder)` steps per
+        epoch from one iterator.
+
+        The dataset holds the feeder; the feeder does not hold the dataset, so dropping both
+        frees the workers and memory.
+        """
+        self._end_interrupted_fit()
+        hosts = self.share.num_hosts > 1
+        rows = self.split.per_replica if hosts else self.options.global_batch_size
+        signature = self.spec.unflatten(
+            [
+                tf.TensorSpec((rows, *leaf.shape), tf.as_dtype(leaf.dtype))
+                for leaf in self.spec.leaves
+            ]
+        )
+        how = weighting(self.spec, self.options.remainder)
+        if how == "add":
+            signature = (*signature, optree.tree_map(_weight_spec, signature[1]))
+        steps = None
+        if self._plan is not None and not hosts:
+            # A feeder left or restored mid-epoch first serves the rest of that epoch: shorter.
+            steps = len(self._plan) - self._position_state(self._position)["step"]
+        feeder = weakref.ref(self)  # TensorFlow keeps `generate` for the life of the process
+
+        def generate():
+            this = feeder()
+            if this is None:
+                raise RuntimeError(
+                    "The fp.Feeder of this dataset was closed and collected; keep the feeder "
+                    "while its dataset is read."
+                )
+            if not hosts:
+                for batch in this._iterate(host=True, steps=steps):
+                    yield _weighted(this, batch, how)
+                return
+            per_replica = this.split.per_replica
+            while True:  # every epoch, one replica's rows at a time, as the strategy takes them
+                for batch in this._iterate(host=True):
+                    sample = _weighted(this, batch, how)
+                    for lo in range(0, len(batch.arrays[0]), per_replica):
+                        yield optree.tree_map(lambda a, lo=lo: a[lo : lo + per_replica], sample)
+
+        dataset = tf.data.Dataset.from_generator(generate, output_signature=signature)
+        if steps is not None:
+            dataset = dataset.apply(tf.data.experimental.assert_cardinality(steps))
+        if hosts:
+            dataset = dataset.apply(
+                tf.data.experimental.assert_cardinality(tf.data.INFINITE_CARDINALITY)
+            )
+        options = tf.data.Options()
+        # On one host elements are global batches: a strategy splits each among its replicas.
+        # (Under a multi-worker strategy the dataset is this host's alone: nothing to shard.)
+        policy = tf.data.experimental.AutoShardPolicy.DATA
+        options.experimental_distribute.auto_shard_policy = policy
+        # The feeder stages `depth` batches ahead in its own thread: a prefetch that TensorFlow
+        # would add only takes more batches before the step asks.
+        options.experimental_optimization.inject_prefetch = False
+        dataset = dataset.with_options(options)
+        dataset._feedpipe_feeder = self  # the feeder lives as long as its dataset
+        # Keras's fit(shuffle=True), its default, cannot shuffle a dataset and says so on every
+        # fit; the feeder shuffles (fp.Feeder(shuffle=True)), so the warning says nothing here.
+        warnings.filterwarnings(
+            "ignore",
+            message="`shuffle=True` was passed, but will be ignored since the data `x` was "
+            "provided as a tf.data.Dataset",
+            category=UserWarning,
+        )
+        if hosts:
+            return self._per_host(dataset)
+        return dataset
+
+    def _per_host(self, dataset: tf.data.Dataset) -> tf.distribute.DistributedDataset:
+        """`dataset`, this host's replicas' rows, as the strategy's input on this host."""
+        host = self.share.host
+
+        def this_host(context: tf.distribute.InputContext) -> tf.data.Dataset:
+            if context.input_pipeline_id != host:  # the feeder was built for another strategy
+                raise ValueError(
+                    f"The strategy asks this host for input pipeline {context.input_pipeline_id} "
+                    f"but the feeder makes host {host}'s rows; build the feeder with the "
+                    "strategy that reads its dataset."
+                )
+            return dataset
+
+        return self.strategy.distribute_datasets_from_function(this_host)
+
+    def serialize(self) -> bytes:
+        """For `tf.train.Checkpoint`: the state as JSON."""
+        return json.dumps(self.get_state()).encode()
+
+    def deserialize(self, string_value: bytes) -> None:
+        """For `tf.train.Checkpoint`: restores a state written by `serialize`."""
+        self.set_state(json.loads(string_value))
+
+
+def _weighted(feeder: Feeder, batch: HostBatch, how: str | None) -> Any:
+    """The batch's sample, its padding weighted as `how` says."""
+    sample = feeder.spec.unflatten(batch.arrays)
+    if how is None:
+        return sample
+    real = slice(batch.num_valid) if batch.real is None else batch.real
+    size = feeder.options.global_batch_size
+    return with_weights(sample, row_weights(len(batch.arrays[0]), real, batch.num_valid, size), how)
+
+
+def _weight_spec(label: tf.TensorSpec) -> tf.TensorSpec:
+    """The sample weight of a label field: `[batch, 1, ..., 1]`, of the label's rank."""
+    return tf.TensorSpec((label.shape[0],) + (1,) * (label.shape.rank - 1), tf.float32)

@@ -1,0 +1,36 @@
+"""The TensorFlow layer: what the core needs from TensorFlow to stage batches.
+
+Devices are TensorFlow device strings (or a `tf.distribute` strategy's replicas); each
+replica's rows are wrapped through DLPack and placed on its device (`feedpipe.tf.stage`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from feedpipe.core.slots import SlotLayout
+from feedpipe.core.source import SampleSpec
+from feedpipe.core.stats import StatsRecorder
+from feedpipe.tf.devices import host_share, resolve_devices
+from feedpipe.tf.stage import Stager, check_stageable
+
+
+class TensorFlowLayer:
+    """Stages on TensorFlow devices, for a strategy's replicas or a list of device strings."""
+
+    name = "tensorflow"
+
+    def __init__(self, devices: Sequence[str] | None, strategy: Any, global_batch_size: int):
+        self.devices = resolve_devices(devices, strategy)
+        self.strategy = strategy
+        self.share = host_share(global_batch_size, strategy, len(self.devices))
+        self.page_lock = None
+        """Slots stay pageable: TensorFlow's GPU runtime is not asked to page-lock them."""
+
+    def check_stageable(self, spec: SampleSpec) -> None:
+        check_stageable(spec, self.devices[0])
+
+    def stager(self, layout: SlotLayout, stats: StatsRecorder) -> Stager:
+        """TensorFlow's copies run inside its own runtime, untimed: `stats` is not used."""
+        return Stager(self.devices, layout, self.strategy, self.share)
