@@ -119,7 +119,6 @@ class _Driver:
     call = "cuMemHostRegister"
 
     def __init__(self, lib: ctypes.CDLL):
-        self._lib = lib
         self._text = getattr(lib, "cuGetErrorString", None)
         self._register = lib.cuMemHostRegister_v2
         self._register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
@@ -181,7 +180,8 @@ class PageLocker:
     def __init__(self, api: _Runtime | _Driver | None, reason: str | None, library: str | None):
         self._api = api
         self._pid = os.getpid()
-        self._lock = threading.Lock()
+        # Re-entrant: a collection inside a locked section can run a finalizer that unregisters.
+        self._lock = threading.RLock()
         self._registered: dict[int, int] = {}
         """Bytes registered at each address."""
         self._claimed: set[int] = set()
@@ -223,8 +223,8 @@ class PageLocker:
 
     @property
     def reason(self) -> str | None:
-        """Why page-locking is unavailable, or why the latest registration failed; None while
-        every registration has succeeded."""
+        """Why page-locking is unavailable, or why the latest call to CUDA failed; None while
+        every call has succeeded."""
         return self._reason
 
     @property
@@ -296,8 +296,8 @@ class PageLocker:
 
 
 def _release(locker: PageLocker, address: int, buffer: object) -> None:
-    """Unregisters the memory at `address`; `buffer`, its owner, rides along so that the
-    finalizer holding these arguments keeps it alive until then."""
+    """Unregisters the memory at `address`; `buffer`, the memory itself, rides along so that the
+    finalizer holding these arguments keeps it from being freed until then."""
     locker.unregister(address)
 
 
@@ -308,8 +308,8 @@ _locker_lock = threading.Lock()
 def page_locker() -> PageLocker:
     """This process's locker, found on first use.
 
-    A locker that found no CUDA is not kept: a framework may load CUDA later (JAX does when it
-    first lists its devices), so the next call looks again.
+    A locker that found no CUDA is not kept: a framework may load CUDA later (JAX does when its
+    GPU backend first starts), so the next call looks again.
     """
     global _locker
     with _locker_lock:

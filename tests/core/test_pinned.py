@@ -390,9 +390,7 @@ def test_the_switch_turns_page_locking_off(tmp_path, fake_cuda):
     assert rows == []
 
 
-def test_the_driver_registers_in_the_primary_context_when_no_runtime_is_loaded(
-    tmp_path, fake_cuda
-):
+def test_the_driver_registers_in_the_primary_context_when_no_runtime_is_loaded(tmp_path, fake_cuda):
     facts, rows = run_scenario(tmp_path, [fake_cuda["driver"]])
     assert facts["locker"][2] == fake_cuda["driver"]
     assert facts["pool"][0] is True
@@ -413,9 +411,7 @@ def test_the_runtime_is_preferred_to_the_driver(tmp_path, fake_cuda):
 
 def test_a_library_that_is_not_loaded_is_never_loaded(tmp_path, fake_cuda):
     maps = tmp_path / "maps"
-    maps.write_text(
-        f"7f0000000000-7f0000001000 r-xp 00000000 00:00 0    {fake_cuda['runtime']}\n"
-    )
+    maps.write_text(f"7f0000000000-7f0000001000 r-xp 00000000 00:00 0    {fake_cuda['runtime']}\n")
     locker = PageLocker.find(str(maps))
     assert locker.available is False
     assert locker.reason.startswith(f"{fake_cuda['runtime']} cannot page-lock memory")
