@@ -85,6 +85,12 @@ def framework_of(framework: str | None, devices: Any, strategy: Any) -> str:
 
 
 def feeder_class(framework: str | None, devices: Any, strategy: Any) -> type:
-    """The `Feeder` subclass of the framework to stage for."""
+    """The `Feeder` subclass of the framework to stage for; where Keras is loaded, also a
+    Keras data adapter, so that `model.fit(feeder)` works (`feedpipe.keras.adapter`)."""
     name = framework_of(framework, devices, strategy)
-    return importlib.import_module(FRAMEWORKS[name]).Feeder
+    cls = importlib.import_module(FRAMEWORKS[name]).Feeder
+    if "keras" in sys.modules:
+        from feedpipe.keras.adapter import with_keras
+
+        cls = with_keras(cls)
+    return cls

@@ -115,3 +115,11 @@ def unseeded_or_reshuffling(dataset: Any) -> str | None:
         if int(node._seed) == 0 and int(node._seed2) == 0:
             return "without a seed"
     return None
+
+
+def keras_data_adapter() -> type:
+    """Keras 3's `DataAdapter` base class: `model.fit` takes an instance of it as it is (its
+    `get_data_adapter` returns "a custom data adapter" unchanged). No public name exports it."""
+    from keras.src.trainers.data_adapters.data_adapter import DataAdapter
+
+    return DataAdapter

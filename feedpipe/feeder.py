@@ -105,7 +105,8 @@ class FeedOptions:
 class _Pass:
     """One loop over the feeder: its mode, where it started, and the stats it started from."""
 
-    host: bool
+    fit: bool
+    """A pass a framework's `fit` reads (`as_dataset`, Keras's adapter), not the user's loop."""
     start: Position
     counters: dict
     number: int
@@ -277,7 +278,7 @@ class Feeder:
         self._active: _Pass | None = None
         """The pass being iterated, if any."""
         self._passes = 0
-        self._last_host: _Pass | None = None
+        self._last_fit: _Pass | None = None
         """The latest pass of `as_dataset`, ended or not: what a `fit` has been reading."""
         self._settled = (self._position, 0)
         """The position and pass count when the position was last known to be the consumer's
@@ -338,7 +339,7 @@ class Feeder:
 
     def __iter__(self) -> Iterator[Any]:
         """The batches of the next epoch (or of the rest of an epoch left early)."""
-        return self._iterate(host=False)
+        return self._iterate(fit=False, host=False)
 
     def _pool(self, host: bool) -> SlotPool:
         if host not in self._pools:
@@ -363,9 +364,10 @@ class Feeder:
         self._stop_pipeline()
         self._stats.stream_started()
         pool = self._pool(host)
-        stager = (
-            HostStager(pool.layout, copy=self._shared) if host else self.layer.stager(pool.layout, self._stats)
-        )
+        if host:
+            stager = HostStager(pool.layout, copy=self._shared)
+        else:
+            stager = self.layer.stager(pool.layout, self._stats)
         self._pipeline = Pipeline(
             self._producer,
             stager,
@@ -384,13 +386,15 @@ class Feeder:
         if pipeline is not None:
             pipeline.close()
 
-    def _iterate(self, host: bool, steps: int | None = None) -> Iterator[Any]:
-        """One pass over the rest of the current epoch (`steps` batches, where given).
+    def _iterate(self, *, fit: bool, host: bool, steps: int | None = None) -> Iterator[Any]:
+        """One pass over the rest of the current epoch (`steps` batches, where given), staged
+        on the devices or, with `host`, kept on the host.
 
-        A loop left early keeps its position (the next loop resumes there). A pass of
-        `as_dataset` left early does not count unless a `FitTracker` says which of its batches
-        the step used, because TensorFlow prefetches batches the step never takes and Keras
-        peeks at a batch to build the model: the next pass starts again where it began. Such a
+        A loop left early keeps its position (the next loop resumes there). A `fit` pass
+        (`as_dataset`, Keras's adapter) left early does not count unless a `FitTracker` says
+        which of its batches the step used, because TensorFlow prefetches batches the step never
+        takes and Keras peeks at a batch to build the model: the next pass starts again where
+        it began. Such a
         pass, if TensorFlow finalises it late, is superseded, and raises if read again.
         """
         if self._closed:
@@ -398,21 +402,21 @@ class Feeder:
                 raise self._failure
             raise RuntimeError("The feeder is closed; build a new fp.Feeder to read again.")
         if self._active is not None:
-            if not self._active.host:
+            if not self._active.fit:
                 raise RuntimeError(
                     "The feeder is already being iterated; finish or break that loop first "
                     "(one consumer per feeder)."
                 )
             self._supersede()
-        if not host:
+        if not fit:
             self._end_interrupted_fit()
         if steps is not None:
             self._check_pass_steps(steps)
         self._passes += 1
-        this = _Pass(host, self._position, self._stats.consumer_counters(), self._passes)
+        this = _Pass(fit, self._position, self._stats.consumer_counters(), self._passes)
         self._active = this
-        if host:
-            self._last_host = this
+        if fit:
+            self._last_fit = this
             self._untracked = self._untracked or self._tracker is None
         pipeline = self._start(host)
         try:
@@ -423,7 +427,7 @@ class Feeder:
                     return
                 self._position = Position(item.epoch, item.step + 1)
                 this.handed += 1
-                if host and self._plan is not None and item.step + 1 == len(self._plan):
+                if fit and self._plan is not None and item.step + 1 == len(self._plan):
                     # The epoch's end is taken with its last batch: Keras never asks past it.
                     self._end_epoch(this, self._next(pipeline))
                     yield item
@@ -436,7 +440,7 @@ class Feeder:
             # At interpreter exit a suspended loop is finalised after modules are torn down.
             if self._active is this and not sys.is_finalizing():
                 self._stats.loop_ended()
-                if host:
+                if fit:
                     self._supersede()
                 else:
                     self._active = None
@@ -457,7 +461,7 @@ class Feeder:
         if end.dropped and self._plan is None:
             warn_dropped(end.epoch, end.dropped, stacklevel=4)
         self._active = None
-        if not this.host:
+        if not this.fit:
             self._settle()
 
     def _supersede(self) -> None:
@@ -535,7 +539,7 @@ class Feeder:
 
     def _tracked(self) -> Position:
         """The position after the batches the tracked `fit` has trained on."""
-        last, tracker = self._last_host, self._tracker
+        last, tracker = self._last_fit, self._tracker
         if last is None or last.number <= tracker.first_pass:
             return self._position  # this epoch's pass has not begun: it begins there
         return last.after(min(tracker.steps, last.handed))
@@ -567,7 +571,7 @@ class Feeder:
         A loop over `as_dataset()` that is still open is superseded (Keras's look at a batch
         before training, for a restore in a callback's `on_train_begin`).
         """
-        if self._active is not None and not self._active.host:
+        if self._active is not None and not self._active.fit:
             raise RuntimeError(
                 "set_state() was called while a loop over the feeder is running; restore "
                 "before the loop starts (or break out of it first)."

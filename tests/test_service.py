@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 import feedpipe as fp
-from feedpipe.service.client import client as service_module
+from feedpipe.service import client as service_module
 from tests.service_cluster import service_cluster
 from tests.test_fit_checkpoints import InterruptAfter
 

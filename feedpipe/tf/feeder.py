@@ -79,12 +79,12 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
                     "while its dataset is read."
                 )
             if not hosts:
-                for batch in this._iterate(host=True, steps=steps):
+                for batch in this._iterate(fit=True, host=True, steps=steps):
                     yield _weighted(this, batch, how)
                 return
             per_replica = this.split.per_replica
             while True:  # every epoch, one replica's rows at a time, as the strategy takes them
-                for batch in this._iterate(host=True):
+                for batch in this._iterate(fit=True, host=True):
                     sample = _weighted(this, batch, how)
                     for lo in range(0, len(batch.arrays[0]), per_replica):
                         yield optree.tree_map(lambda a, lo=lo: a[lo : lo + per_replica], sample)
