@@ -1,30 +1,44 @@
-"""Shared test setup: four logical CPU devices, a MirroredStrategy over them, a GPU marker, and
-a leak check that fails any test leaving a `feedpipe*` thread, worker process or shared-memory
-segment behind."""
+"""Shared test setup: four logical CPU devices (TensorFlow's, where it is installed, and JAX's),
+a MirroredStrategy over TensorFlow's, a GPU marker, and a leak check that fails any test leaving
+a `feedpipe*` thread, worker process or shared-memory segment behind.
+
+It imports no framework of its own accord: `tests/core` and `tests/jax` run where TensorFlow
+is not installed (the CI's JAX step), and the rest import TensorFlow themselves.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import importlib.util
 import os
 import threading
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-
-import psutil
-import pytest
-import tensorflow as tf
-
-from feedpipe.core._shm import NAME_PATTERN, SHM_DIR
-from tests.fakes import configure_logical_cpus
-
 NUM_CPU_DEVICES = 4
 LEAK_WAIT_S = 2.0
 
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    # JAX reads it when its CPU backend starts, after this.
+    flag = f"--xla_force_host_platform_device_count={NUM_CPU_DEVICES}"
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 
-configure_logical_cpus(NUM_CPU_DEVICES)
-HAS_GPU = bool(tf.config.list_physical_devices("GPU"))
+import psutil
+import pytest
+
+from feedpipe.core._shm import NAME_PATTERN, SHM_DIR
+
+HAS_TENSORFLOW = importlib.util.find_spec("tensorflow") is not None
+if HAS_TENSORFLOW:
+    import tensorflow as tf
+
+    from tests.fakes import configure_logical_cpus
+
+    configure_logical_cpus(NUM_CPU_DEVICES)
+    HAS_GPU = bool(tf.config.list_physical_devices("GPU"))
+else:
+    HAS_GPU = False
 
 
 def pytest_collection_modifyitems(config, items):
@@ -43,7 +57,7 @@ def devices() -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def strategy(devices) -> tf.distribute.MirroredStrategy:
+def strategy(devices):
     """A MirroredStrategy with one replica per logical CPU device."""
     return tf.distribute.MirroredStrategy(devices)
 

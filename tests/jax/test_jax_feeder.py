@@ -1,0 +1,175 @@
+"""The JAX feeder: each replica's rows on its own device, the global batch sharded over them,
+every sample once per epoch in the core's order, and a plain-dict state that resumes exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import feedpipe as fp
+from feedpipe.core.sampler import Sampler
+from tests.processes import REPO_ROOT
+
+
+def counting(length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Samples that carry their own index: `x[i] = [i, i]`, `y[i] = i`."""
+    index = np.arange(length)
+    return np.stack([index, index], 1).astype(np.float32), index.astype(np.int32)
+
+
+def test_the_feeder_of_jax_devices_stages_jax_arrays(devices):
+    with fp.Feeder(counting(16), 8, devices=devices) as feeder:
+        assert feeder.layer.name == "jax"
+        batch = next(iter(feeder))
+        assert len(batch.replicas) == 4
+        for device, (x, y), mask in zip(devices, batch.replicas, batch.masks, strict=True):
+            assert isinstance(x, jax.Array) and x.devices() == {device}
+            assert y.devices() == {device} and mask.devices() == {device}
+            assert x.shape == (2, 2) and mask.shape == (2,)
+
+
+def test_each_replica_gets_its_own_rows(devices):
+    with fp.Feeder(counting(16), 8, devices=devices) as feeder:
+        for batch in feeder:
+            for replica, (_, y) in enumerate(batch.replicas):
+                first = batch.step * 8 + replica * 2
+                assert np.asarray(y).tolist() == [first, first + 1]
+
+
+def test_the_global_batch_is_sharded_along_axis_0_over_the_devices(devices):
+    with fp.Feeder(counting(16), 8, devices=devices) as feeder:
+        batch = next(iter(feeder))
+        (x, y), mask = batch.distributed()
+        assert x.shape == (8, 2) and y.shape == (8,) and mask.shape == (8,)
+        assert x.sharding == feeder.sharding
+        assert [s.device for s in y.addressable_shards] == list(devices)
+        assert np.asarray(y).tolist() == list(range(8))
+        for shard, (_, replica_y) in zip(y.addressable_shards, batch.replicas, strict=True):
+            # The replicas' arrays are the shards: no copy was made.
+            assert shard.data.unsafe_buffer_pointer() == replica_y.unsafe_buffer_pointer()
+
+
+def test_a_mesh_given_is_the_sharding(devices):
+    mesh = jax.sharding.Mesh(np.array(devices[::-1]), ("data",))
+    with fp.Feeder(counting(8), 8, devices=mesh) as feeder:
+        (x, y), _ = next(iter(feeder)).distributed()
+        assert [s.device for s in y.addressable_shards] == list(devices[::-1])
+        assert np.asarray(y).tolist() == list(range(8))
+
+
+def test_another_sharding_moves_the_shards_there(devices):
+    with fp.Feeder(counting(8), 8, devices=devices) as feeder:
+        batch = next(iter(feeder))
+        replicated = jax.sharding.NamedSharding(feeder.layer.mesh, jax.sharding.PartitionSpec())
+        (x, y), mask = batch.distributed(replicated)
+        assert y.sharding == replicated and np.asarray(y).tolist() == list(range(8))
+
+
+def test_pad_masks_exactly_the_padding_and_num_valid_counts_real_samples(devices):
+    with fp.Feeder(counting(10), 8, devices=devices) as feeder:
+        batches = list(feeder)
+        assert [b.num_valid for b in batches] == [8, 2]
+        (_, y), mask = batches[1].distributed()
+        assert np.asarray(mask).tolist() == [True] * 2 + [False] * 6
+        assert np.asarray(y)[:2].tolist() == [8, 9]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_every_sample_once_per_epoch_in_the_cores_order(devices, workers):
+    length, size = 37, 8
+    with fp.Feeder(
+        counting(length), size, devices=devices, shuffle=True, seed=3, workers=workers
+    ) as feeder:
+        plan = Sampler(length, size, shuffle=True, seed=3)
+        for epoch in range(2):
+            got = []
+            for batch in feeder:
+                (_, y), mask = batch.distributed()
+                got += np.asarray(y)[np.asarray(mask)].tolist()
+            expected = plan.order(epoch).tolist()
+            assert got == expected
+            assert sorted(got) == list(range(length))
+
+
+def test_resume_mid_epoch_from_a_json_state_gives_the_same_stream(devices):
+    source = counting(40)
+
+    def labels(batches):
+        return [np.asarray(b.distributed()[0][1]).tolist() for b in batches]
+
+    with fp.Feeder(source, 8, devices=devices, shuffle=True, seed=1) as whole:
+        expected = labels(list(whole))
+    with fp.Feeder(source, 8, devices=devices, shuffle=True, seed=1) as first:
+        loop = iter(first)
+        head = labels([next(loop), next(loop)])
+        loop.close()
+        state = json.loads(json.dumps(first.get_state()))
+    assert state["step"] == 2
+    with fp.Feeder(source, 8, devices=devices, shuffle=True, seed=1) as second:
+        second.set_state(state)
+        assert head + labels(list(second)) == expected
+
+
+def test_a_restore_into_another_seed_names_the_field(devices):
+    with fp.Feeder(counting(16), 8, devices=devices, seed=1) as a:
+        state = a.get_state()
+    with fp.Feeder(counting(16), 8, devices=devices, seed=2) as b:
+        with pytest.raises(ValueError, match="the state has seed=1 but this feeder has seed=2"):
+            b.set_state(state)
+
+
+def test_a_global_batch_that_does_not_divide_among_the_devices_is_refused(devices):
+    with pytest.raises(ValueError, match=r"`global_batch_size`=6 is not divisible by the 4"):
+        fp.Feeder(counting(16), 6, devices=devices)
+
+
+def test_a_tensorflow_strategy_or_mixed_devices_are_refused(devices):
+    with pytest.raises(TypeError, match="one kind only"):
+        fp.Feeder(counting(16), 8, devices=[devices[0], "/cpu:0"])
+    with pytest.raises(ValueError, match="`framework`='torch' must be one of"):
+        fp.Feeder(counting(16), 8, framework="torch")
+
+
+def test_the_jax_path_never_imports_tensorflow():
+    code = (
+        "import sys, numpy as np, jax, feedpipe as fp\n"
+        "assert 'tensorflow' not in sys.modules\n"
+        "x = np.arange(20, dtype=np.float32)\n"
+        "with fp.Feeder(x, 4, devices=jax.devices(), workers=1) as f:\n"
+        "    total = sum(float(b.distributed()[0].sum()) for b in f)\n"
+        "    f.set_state(f.get_state())\n"
+        "    str(f.stats())\n"
+        "assert total == x.sum(), total\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras'))\n"
+        "assert not heavy, heavy[:5]\n"
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+
+
+def test_import_feedpipe_imports_no_framework():
+    code = (
+        "import sys, feedpipe, feedpipe.core.state, feedpipe.core.pinned, feedpipe.feeder\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('tensorflow', 'keras', 'jax', 'jaxlib'))\n"
+        "assert not heavy, heavy[:5]\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+
+
+def test_stats_on_cpu_devices_report_no_copies(devices):
+    with fp.Feeder(counting(16), 8, devices=devices) as feeder:
+        list(feeder)
+        stats = feeder.stats()
+    assert stats.steps == 2 and stats.copies == 0 and stats.page_locked is None
+    assert "copies" not in str(stats)

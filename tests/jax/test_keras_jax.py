@@ -1,0 +1,102 @@
+"""Keras 3 on JAX fed by `model.fit(feeder)`: the same weights as `fit(arrays)` on the same
+order, padding weighted zero, a state that counts what the step trained on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import feedpipe as fp
+from feedpipe.core.sampler import Sampler
+
+LENGTH, BATCH = 100, 32  # the last batch holds 4 real rows and 28 padded ones
+
+
+def data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(LENGTH, 8)).astype("float32")
+    return x, rng.integers(0, 3, LENGTH).astype("int32")
+
+
+def model(keras):
+    keras.utils.set_random_seed(1)
+    net = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(3)])
+    net.compile(
+        keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    return net
+
+
+def assert_same_weights(a, b) -> None:
+    for mine, theirs in zip(a.get_weights(), b.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_fit_on_the_feeder_equals_fit_on_arrays_in_the_same_order(keras, devices, shuffle):
+    x, y = data()
+    with fp.Feeder((x, y), BATCH, devices=devices[:1], shuffle=shuffle, seed=5) as feeder:
+        fed = model(keras)
+        fed.fit(feeder, epochs=2, callbacks=[feeder.fit_callback()], verbose=0)
+        assert feeder.get_state()["epoch"] == 2
+    plan = Sampler(LENGTH, BATCH, shuffle=shuffle, seed=5)
+    plain = model(keras)
+    for epoch in range(2):
+        order = plan.order(epoch)
+        plain.fit(x[order], y[order], batch_size=BATCH, shuffle=False, epochs=1, verbose=0)
+    assert_same_weights(fed, plain)
+
+
+def test_data_parallel_fit_takes_the_sharded_batches_and_equals_one_device(keras, devices):
+    x, y = data()
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    with fp.Feeder((x, y), BATCH, devices=devices) as feeder:
+        assert feeder.sharding.mesh.devices.tolist() == list(devices)
+        fed = model(keras)
+        fed.fit(feeder, epochs=2, callbacks=[feeder.fit_callback()], verbose=0)
+        kernel = fed.layers[0].kernel.value
+        assert kernel.sharding.device_set == set(devices)
+    keras.distribution.set_distribution(None)
+    plain = model(keras)
+    plain.fit(x, y, batch_size=BATCH, shuffle=False, epochs=2, verbose=0)
+    assert_same_weights(fed, plain)
+
+
+def test_padding_rows_weigh_nothing(keras, devices):
+    x, y = data()
+    with fp.Feeder((x, y), BATCH, devices=devices[:1]) as feeder:
+        batches = list(feeder.get_jax_iterator())
+    *_, (bx, by, weight) = batches
+    weight = np.asarray(weight).ravel()
+    assert weight[:4].tolist() == [BATCH / 4] * 4 and not weight[4:].any()
+    assert np.asarray(by)[:4].tolist() == y[96:].tolist()
+
+
+def test_the_state_counts_the_steps_trained(keras, devices):
+    x, y = data()
+
+    class StopAfterTwo(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                self.model.stop_training = True
+
+    with fp.Feeder((x, y), BATCH, devices=devices[:1]) as feeder:
+        model(keras).fit(
+            feeder, epochs=1, callbacks=[feeder.fit_callback(), StopAfterTwo()], verbose=0
+        )
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (0, 2)
+
+
+def test_without_the_callback_the_state_says_why_it_is_unknown(keras, devices):
+    x, y = data()
+    with fp.Feeder((x, y), BATCH, devices=devices[:1]) as feeder:
+        model(keras).fit(feeder, epochs=1, verbose=0)
+        with pytest.raises(RuntimeError, match="fit_callback"):
+            feeder.get_state()
+
+
+def test_a_feeder_on_more_devices_than_keras_trains_on_is_refused(keras, devices):
+    x, y = data()
+    with fp.Feeder((x, y), BATCH, devices=devices) as feeder:
+        with pytest.raises(ValueError, match="Keras has no distribution"):
+            model(keras).fit(feeder, epochs=1, callbacks=[feeder.fit_callback()], verbose=0)
