@@ -24,10 +24,10 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     flag = f"--xla_force_host_platform_device_count={NUM_CPU_DEVICES}"
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 
-import psutil
-import pytest
+import psutil  # noqa: E402  (after XLA_FLAGS is set)
+import pytest  # noqa: E402
 
-from feedpipe.core._shm import NAME_PATTERN, SHM_DIR
+from feedpipe.core._shm import NAME_PATTERN, SHM_DIR  # noqa: E402
 
 HAS_TENSORFLOW = importlib.util.find_spec("tensorflow") is not None
 if HAS_TENSORFLOW:

@@ -58,7 +58,7 @@ def test_the_global_batch_is_sharded_along_axis_0_over_the_devices(devices):
 def test_a_mesh_given_is_the_sharding(devices):
     mesh = jax.sharding.Mesh(np.array(devices[::-1]), ("data",))
     with fp.Feeder(counting(8), 8, devices=mesh) as feeder:
-        (x, y), _ = next(iter(feeder)).distributed()
+        (_x, y), _ = next(iter(feeder)).distributed()
         assert [s.device for s in y.addressable_shards] == list(devices[::-1])
         assert np.asarray(y).tolist() == list(range(8))
 
@@ -67,7 +67,7 @@ def test_another_sharding_moves_the_shards_there(devices):
     with fp.Feeder(counting(8), 8, devices=devices) as feeder:
         batch = next(iter(feeder))
         replicated = jax.sharding.NamedSharding(feeder.layer.mesh, jax.sharding.PartitionSpec())
-        (x, y), mask = batch.distributed(replicated)
+        (_x, y), _mask = batch.distributed(replicated)
         assert y.sharding == replicated and np.asarray(y).tolist() == list(range(8))
 
 

@@ -66,7 +66,7 @@ def test_padding_rows_weigh_nothing(keras, devices):
     x, y = data()
     with fp.Feeder((x, y), BATCH, devices=devices[:1]) as feeder:
         batches = list(feeder.get_jax_iterator())
-    *_, (bx, by, weight) = batches
+    *_, (_bx, by, weight) = batches
     weight = np.asarray(weight).ravel()
     assert weight[:4].tolist() == [BATCH / 4] * 4 and not weight[4:].any()
     assert np.asarray(by)[:4].tolist() == y[96:].tolist()
