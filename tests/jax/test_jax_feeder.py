@@ -119,9 +119,12 @@ def test_resume_mid_epoch_from_a_json_state_gives_the_same_stream(devices):
 def test_a_restore_into_another_seed_names_the_field(devices):
     with fp.Feeder(counting(16), 8, devices=devices, seed=1) as a:
         state = a.get_state()
-    with fp.Feeder(counting(16), 8, devices=devices, seed=2) as b:
-        with pytest.raises(ValueError, match="the state has seed=1 but this feeder has seed=2"):
-            b.set_state(state)
+    message = "the state has seed=1 but this feeder has seed=2"
+    with (
+        fp.Feeder(counting(16), 8, devices=devices, seed=2) as b,
+        pytest.raises(ValueError, match=message),
+    ):
+        b.set_state(state)
 
 
 def test_a_global_batch_that_does_not_divide_among_the_devices_is_refused(devices):

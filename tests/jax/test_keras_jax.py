@@ -97,6 +97,6 @@ def test_without_the_callback_the_state_says_why_it_is_unknown(keras, devices):
 
 def test_a_feeder_on_more_devices_than_keras_trains_on_is_refused(keras, devices):
     x, y = data()
-    with fp.Feeder((x, y), BATCH, devices=devices) as feeder:
-        with pytest.raises(ValueError, match="Keras has no distribution"):
-            model(keras).fit(feeder, epochs=1, callbacks=[feeder.fit_callback()], verbose=0)
+    refused = pytest.raises(ValueError, match="Keras has no distribution")
+    with fp.Feeder((x, y), BATCH, devices=devices) as feeder, refused:
+        model(keras).fit(feeder, epochs=1, callbacks=[feeder.fit_callback()], verbose=0)
