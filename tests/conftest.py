@@ -2,7 +2,7 @@
 a MirroredStrategy over TensorFlow's, a GPU marker, and a leak check that fails any test leaving
 a `feedpipe*` thread, worker process or shared-memory segment behind.
 
-It imports no framework of its own accord: `tests/core` and `tests/jax` run where TensorFlow
+It imports no framework of its own accord: `tests/core` and `tests/jax_layer` run where TensorFlow
 is not installed (the CI's JAX step), and the rest import TensorFlow themselves.
 """
 

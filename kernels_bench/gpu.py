@@ -1,0 +1,995 @@
+"""On a GPU, does feedpipe copy at the link's rate, keep a real step fed, and feed Keras 3 on JAX
+as fast as in-memory arrays?
+
+Three questions, each answered as ratios of peers measured side by side in one run:
+
+* copy: the host-to-device copy rate from feedpipe's own host slots (a `SlotPool` of shared
+  slots, as worker processes fill them), page-locked through `feedpipe.core.pinned` and, for
+  contrast, pageable: `jax.device_put(region, gpu)` + `block_until_ready()`, each copy timed
+  alone, at 2, 16 and 64 MiB. The ceiling: PyTorch's copy of the same bytes from its own pinned
+  memory (`torch.empty(n, pin_memory=True).to("cuda", non_blocking=True)` +
+  `torch.cuda.synchronize()`), and PyTorch's copy from the page-locked slot itself (the link
+  from the same memory, without JAX's path). Target: slot page-locked via JAX / torch pinned
+  >= 0.9 at every size. PyTorch is optional; without it the ratios are not taken.
+* R/S (DESIGN.md): a real jitted training step (an MLP: the flattened 96x96x3 image into
+  `--hidden` units, a weight-tied hidden layer applied `repeat` times in a `lax.scan`, softmax
+  cross-entropy, SGD, parameters donated), `repeat` calibrated so that the step alone takes
+  about `--step-ms` (30 on a GPU), fed by `fp.Feeder((x, y), B, devices=[gpu], depth=2,
+  shuffle=True)` from arrays in host memory, against the same step on batches already on the
+  device (pre-staged, reused). Steps are dispatched without waiting, as a training loop does;
+  the clock stops when the last step's parameters are ready. Target: R/S >= 0.98.
+* fit: Keras 3 on JAX, a convnet (4 stride-2 3x3 convolutions, 32-256 channels, global pooling,
+  dense 10; SGD, sparse cross-entropy from logits) on 256 x 96x96x3 float32 batches, fed from a
+  Python map-style source whose `__getitem__` costs about `--batch-ms` / 256 of CPU (34 ms per
+  batch: a GIL-holding loop plus building the image, calibrated when the source is built).
+  Peers, one `fit` each of `--epochs` epochs of `--steps` steps, in rotating order per
+  repetition, one model (compiled once per input structure, before the repetitions):
+  `fit(x, y)` on the same images in memory (the reference: no source cost at all),
+  `fit(feeder, callbacks=[feeder.fit_callback()])` over `fp.Feeder(source, 256, workers=8)`,
+  `fit(PyDataset)` (`keras.utils.PyDataset(workers=8, use_multiprocessing=True)`, each
+  `__getitem__` stacking 256 samples), and Grain (`grain.MapDataset.source(source).batch(256)
+  .to_iter_dataset().mp_prefetch(grain.MultiprocessingOptions(num_workers=8))`, which `fit`
+  takes through Keras's Grain adapter). Each peer's input is built inside the timed call; the
+  first epoch (start-up included) and the steady state (the epochs after the first, each with
+  its input's restart) are reported apart. Target: fit(feeder) / fit(x, y) >= 0.9 in the
+  steady state. Grain is optional; without it its peer is left out.
+
+What runs where: feedpipe's worker processes unpickle `ImageSource` from this module, which
+imports only numpy and the standard library at the top, so they never import a framework.
+PyDataset's workers are forked from this process (they inherit what it loaded, as Keras does);
+Grain's are spawned, and Grain itself imports JAX.
+
+On a CUDA machine with JAX (and PyTorch, optionally) but no TensorFlow and no package index,
+carry Keras 3 and what it needs that the machine lacks as wheels, and Grain with its own:
+keras, namex, optree (and for Grain: grain, array_record, portpicker). From the repository
+root on a machine with pip, for the machine's Python (3.12 here):
+
+    echo /.whl/ >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \\
+        --platform manylinux2014_x86_64 -d .whl keras==3.15.1 namex optree grain \\
+        array_record portpicker
+
+Then, there, in the repository root (carrying `.whl`), the one command:
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \\
+    PYTHONPATH=/tmp/site:. KERAS_BACKEND=jax python3 -m kernels_bench.gpu
+
+which takes about 5 minutes and writes `kernels_bench/results/gpu.json`. `--smoke` shrinks every
+part (a few small batches, 2 workers, 3 repetitions, under 2 minutes) so that it runs on CPU JAX
+as a check that the script works: its figures are labelled with the platform they came from, and
+on a CPU device `jax.device_put` may wrap host memory instead of copying it, so its "copy rates"
+are not copy rates. The JSON records the device, the versions, whether the slots were
+page-locked and, if not, why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from kernels_bench import harness
+from kernels_bench.gil_source import _typical, spin
+
+SAMPLE_SHAPE = (96, 96, 3)
+NUM_CLASSES = 10
+PARTS = ("copy", "rs", "fit")
+FIT_PEERS = ("arrays", "feedpipe", "pydataset", "grain")
+COPY_PEERS = ("slot_locked", "slot_pageable", "torch_pinned", "torch_slot_locked")
+CONV_WIDTHS = (32, 64, 128, 256)
+
+
+# ---- the source (numpy and the standard library only: worker processes import this) -------
+
+
+class ImageSource:
+    """`length` float32 images with int32 labels, each costing about `sample_s` of CPU in Python.
+
+    The cost is a GIL-holding integer loop (`gil_source.spin`) plus building the image, as a
+    decode and augment written in Python would hold the interpreter. The loop's length is
+    calibrated once, in the process that builds the source, and travels with the pickle, so
+    every process and every peer does the same work per sample. `image(i)` alone is free of
+    the loop: `arrays()` builds the same images in memory for `fit(x, y)`.
+    """
+
+    def __init__(self, length: int, sample_s: float, shape: tuple[int, ...] = SAMPLE_SHAPE):
+        self.length = length
+        self.shape = tuple(shape)
+        self._pattern: np.ndarray | None = None
+        self.iterations = 0
+        self.build_s = _typical(self.__getitem__, 0)
+        """What building one image alone took (the part of a sample that is not the loop)."""
+        if sample_s > self.build_s:
+            self.iterations = 2_000
+            per_iteration_s = _typical(spin, self.iterations) / self.iterations
+            for _ in range(2):  # a first guess from a probe, then refined at about the target
+                self.iterations = max(0, round((sample_s - self.build_s) / per_iteration_s))
+                measured = _typical(self.__getitem__, 0)
+                if self.iterations:
+                    per_iteration_s = max(measured - self.build_s, 1e-9) / self.iterations
+        self.calibrated_s = _typical(self.__getitem__, 0)
+        """What one sample took when calibrated."""
+
+    def prefix(self, length: int) -> ImageSource:
+        """The first `length` samples, each costing what this source's do."""
+        other = copy.copy(self)
+        other.length = length
+        return other
+
+    @property
+    def pattern(self) -> np.ndarray:
+        """The base image, made on first use in each process (not pickled)."""
+        if self._pattern is None:
+            size = math.prod(self.shape)
+            self._pattern = (np.arange(size, dtype=np.float32) / size).reshape(self.shape)
+        return self._pattern
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_pattern": None}
+
+    def __len__(self) -> int:
+        return self.length
+
+    def image(self, index: int) -> np.ndarray:
+        return self.pattern + np.float32((index % 251) / 251.0)
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, np.int32]:
+        index = int(index)
+        spin(self.iterations)
+        return self.image(index), np.int32(index % NUM_CLASSES)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every sample in memory, made without the per-sample cost: `(x, y)`."""
+        count = self.length
+        x = np.empty((count, *self.shape), np.float32)
+        for i in range(count):
+            x[i] = self.image(i)
+        return x, (np.arange(count) % NUM_CLASSES).astype(np.int32)
+
+    def as_dict(self) -> dict:
+        return {
+            "kind": "GIL-holding Python loop + image build per sample",
+            "shape": list(self.shape),
+            "iterations": self.iterations,
+            "build_s": self.build_s,
+            "calibrated_sample_s": self.calibrated_s,
+            "length": self.length,
+        }
+
+
+def make_batch(source: ImageSource, number: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """Batch `number` of `source`: its samples read one by one and stacked (PyDataset's)."""
+    samples = [source[i] for i in range(number * batch, (number + 1) * batch)]
+    return np.stack([x for x, _ in samples]), np.stack([y for _, y in samples])
+
+
+# ---- set-up and environment ------------------------------------------------------------------
+
+
+def configure_environment() -> None:
+    """What every framework reads when it loads: quiet logs, JAX for Keras, and no JAX
+    pre-allocation (PyTorch copies to the same GPU in the copy part)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    backend = os.environ.setdefault("KERAS_BACKEND", "jax")
+    if backend != "jax":
+        raise SystemExit(f"KERAS_BACKEND={backend}: this benchmark runs Keras on JAX; unset it.")
+
+
+def _version(package: str) -> str | None:
+    import importlib.metadata as md
+
+    try:
+        return md.version(package)
+    except md.PackageNotFoundError:
+        return None
+
+
+def _torch():
+    """PyTorch with a CUDA device, or None (it is optional)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def _nvidia_smi() -> list[dict] | None:
+    """What `nvidia-smi` says of each GPU: name, driver, memory and the PCIe link in use."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    fields = "name,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    names = fields.split(",")
+    return [
+        dict(zip(names, (value.strip() for value in line.split(",")), strict=False))
+        for line in out.strip().splitlines()
+    ]
+
+
+def accelerator() -> dict:
+    """The device, the versions around it and the page locker feedpipe found."""
+    import jax
+
+    from feedpipe.core.pinned import page_locker
+
+    device = jax.devices()[0]
+    locker = page_locker()
+    info = {
+        "platform": device.platform,
+        "device_kind": device.device_kind,
+        "devices": [str(d) for d in jax.devices()],
+        "versions": {
+            p: _version(p)
+            for p in (
+                "jax",
+                "jaxlib",
+                "jax-cuda13-plugin",
+                "jax-cuda12-plugin",
+                "keras",
+                "grain",
+                "torch",
+                "optree",
+                "numpy",
+            )
+        },
+        "page_locker": {
+            "available": locker.available,
+            "library": locker.library,
+            "reason": locker.reason,
+        },
+        "nvidia_smi": _nvidia_smi(),
+        "tensorflow_loaded": "tensorflow" in sys.modules,
+    }
+    torch = _torch()
+    if torch is not None:
+        info["torch_cuda"] = torch.version.cuda
+        info["torch_device"] = torch.cuda.get_device_name(0)
+    return info
+
+
+class Report(harness.Report):
+    """The harness's report with the accelerator's description beside the environment."""
+
+    def __init__(self, *args, command: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.command = command
+        self.accelerator: dict = {}
+
+    def as_dict(self) -> dict:
+        return {**super().as_dict(), "accelerator": self.accelerator}
+
+
+# ---- copy: feedpipe's slots against PyTorch's pinned memory ----------------------------------
+
+
+def _slot_region(nbytes: int, page_lock) -> tuple[object, np.ndarray]:
+    """A pooled, shared feedpipe slot of `nbytes` (one float32 field, one row), filled, and its
+    region; page-locked by the pool when `page_lock` is a locker."""
+    from feedpipe.core.slots import SlotLayout, SlotPool
+    from feedpipe.core.source import SampleSpec
+    from feedpipe.core.split import ReplicaSplit
+
+    layout = SlotLayout(SampleSpec.of(np.zeros(nbytes // 4, np.float32)), ReplicaSplit(1, 1))
+    pool = SlotPool(layout, 1, shared=True, page_lock=page_lock)
+    slot = pool.take(threading.Event())
+    region = slot.regions[0][0]
+    region[...] = 1.0  # touch every page before anything is timed
+    return (pool, slot), region
+
+
+def _jax_transfer(jax, region: np.ndarray, device) -> Callable[[], None]:
+    def transfer():
+        jax.device_put(region, device).block_until_ready()
+
+    return transfer
+
+
+def _torch_transfer(torch, tensor) -> Callable[[], None]:
+    def transfer():
+        tensor.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+
+    return transfer
+
+
+def _time_copies(transfer: Callable[[], None], count: int) -> float:
+    """The median time of one copy over `count` copies, each timed alone."""
+    times = []
+    for _ in range(count):
+        started = time.perf_counter()
+        transfer()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def run_copy(report: Report, settings: harness.Settings, device, torch) -> None:
+    import jax
+
+    from feedpipe.core.pinned import page_locker
+
+    locker = page_locker()
+    for mb in settings.args.copy_mb:
+        nbytes = int(mb * 2**20)
+        locked_owner, locked = _slot_region(nbytes, locker)
+        pageable_owner, pageable = _slot_region(nbytes, None)
+        pool = locked_owner[0]
+        copies = settings.pick(8, max(10, min(60, (1024 * 2**20) // nbytes)))
+
+        peers: dict[str, Callable[[], None]] = {
+            "slot_locked": _jax_transfer(jax, locked, device),
+            "slot_pageable": _jax_transfer(jax, pageable, device),
+        }
+        if torch is not None:
+            pinned = torch.ones(nbytes // 4, dtype=torch.float32, pin_memory=True)
+            peers["torch_pinned"] = _torch_transfer(torch, pinned)
+            peers["torch_slot_locked"] = _torch_transfer(torch, torch.from_numpy(locked))
+        for transfer in peers.values():  # warm-up: first allocations, the driver's first use
+            for _ in range(3):
+                transfer()
+        reps = []
+        for rep in range(settings.reps):
+            values = {}
+            for peer in harness.rotate(list(peers), rep):
+                values[f"{peer}_gb_s"] = nbytes / _time_copies(peers[peer], copies) / 1e9
+            for peer in peers:
+                if peer != "torch_pinned" and "torch_pinned_gb_s" in values:
+                    values[f"{peer}_over_torch_pinned"] = (
+                        values[f"{peer}_gb_s"] / values["torch_pinned_gb_s"]
+                    )
+            values["slot_locked_over_pageable"] = (
+                values["slot_locked_gb_s"] / values["slot_pageable_gb_s"]
+            )
+            reps.append(values)
+        case = f"copy {mb:g} MiB"
+        report.add_case(
+            case,
+            {
+                "bytes": nbytes,
+                "copies_per_rep": copies,
+                "platform": device.platform,
+                "slot_page_locked": bool(pool.page_locked),
+                "slot_page_lock_reason": pool.page_lock_reason,
+                "page_lock_s": pool.page_lock_s,
+                "torch": torch is not None,
+            },
+            reps,
+            units={f"{peer}_gb_s": "GB/s (1e9 bytes)" for peer in COPY_PEERS},
+        )
+        if torch is not None:
+            report.target(
+                case,
+                "slot_locked_over_torch_pinned",
+                ">=",
+                0.9,
+                "JAX from a page-locked slot / torch pinned copy",
+                applies=device.platform == "gpu",
+                why_not=f"platform {device.platform}: not a host-to-device copy",
+            )
+        del locked_owner, pageable_owner, locked, pageable, peers
+        gc.collect()
+
+
+# ---- R/S: a real jitted step, fed or on pre-staged batches ---------------------------------
+
+
+def make_train_step(repeat: int):
+    """A jitted SGD step of an MLP whose hidden layer is applied `repeat` times."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss_fn(params, x, y):
+        h = jnp.tanh(x.reshape(x.shape[0], -1) @ params["w_in"])
+
+        def layer(h, _):
+            return jnp.tanh(h @ params["w_hidden"]), None
+
+        h, _ = jax.lax.scan(layer, h, None, length=repeat)
+        logits = h @ params["w_out"]
+        log_p = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(log_p, y[:, None], axis=1))
+
+    def step(params, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        return jax.tree.map(lambda p, g: p - 1e-4 * g, params, grads), loss
+
+    return jax.jit(step, donate_argnums=0)
+
+
+def init_params(features: int, hidden: int, device, seed: int) -> dict:
+    import jax
+
+    rng = np.random.default_rng(seed)
+    params = {
+        "w_in": rng.standard_normal((features, hidden), np.float32) / np.sqrt(features),
+        "w_hidden": rng.standard_normal((hidden, hidden), np.float32) / np.sqrt(hidden),
+        "w_out": rng.standard_normal((hidden, NUM_CLASSES), np.float32) / np.sqrt(hidden),
+    }
+    return jax.device_put(params, device)
+
+
+def _run_steps(step, params, batches: Iterator, count: int) -> tuple[dict, float]:
+    """Dispatches `count` steps on `batches`; seconds until the last one's parameters are ready."""
+    import jax
+
+    started = time.perf_counter()
+    for _ in range(count):
+        x, y = next(batches)
+        params, _ = step(params, x, y)
+    jax.block_until_ready(params)
+    return params, time.perf_counter() - started
+
+
+def calibrate_step(features, hidden, batch, device, seed, target_s) -> tuple[Callable, int, float]:
+    """A step whose `repeat` makes it take about `target_s` alone on `batch`: a probe, then a
+    refinement at about the target."""
+    import jax
+
+    x, y = jax.device_put(batch, device)
+    repeat = 4
+    for _ in range(3):
+        step = make_train_step(repeat)
+        params = init_params(features, hidden, device, seed)
+        params, _ = _run_steps(step, params, _forever((x, y)), 3)  # compile, warm
+        count = max(3, min(20, round(0.5 / max(target_s, 1e-3))))
+        params, elapsed = _run_steps(step, params, _forever((x, y)), count)
+        step_s = elapsed / count
+        wanted = max(1, round(repeat * target_s / step_s))
+        if abs(wanted - repeat) <= max(1, 0.1 * repeat):
+            return step, repeat, step_s
+        repeat = wanted
+    return make_train_step(repeat), repeat, step_s
+
+
+def _forever(item):
+    while True:
+        yield item
+
+
+def _cycle(items: list) -> Iterator:
+    while True:
+        yield from items
+
+
+def run_rs(report: Report, settings: harness.Settings, device) -> None:
+    import jax
+
+    import feedpipe as fp
+
+    args = settings.args
+    batch = args.rs_batch
+    x, y = ImageSource(batch * args.rs_batches, 0.0).arrays()
+    features = math.prod(SAMPLE_SHAPE)
+    step, repeat, step_s = calibrate_step(
+        features, args.hidden, (x[:batch], y[:batch]), device, settings.seed, args.step_ms / 1e3
+    )
+    print(
+        f"R/S: step of {repeat} hidden layers ({args.hidden} units) takes {step_s * 1e3:.1f} ms "
+        f"alone on {batch} x {SAMPLE_SHAPE} ({x[:batch].nbytes / 2**20:.1f} MiB a batch)",
+        flush=True,
+    )
+    staged = [
+        tuple(jax.device_put((x[i : i + batch], y[i : i + batch]), device))
+        for i in range(0, 4 * batch, batch)
+    ]
+    feeder = fp.Feeder((x, y), batch, devices=[device], depth=2, shuffle=True, seed=settings.seed)
+    fed = (b.replicas[0] for b in harness.endless(feeder))
+    peers = {"real": fed, "synthetic": _cycle(staged)}
+    params = init_params(features, args.hidden, device, settings.seed)
+    for batches in peers.values():
+        params, _ = _run_steps(step, params, batches, 3)
+    steps = settings.pick(args.rs_steps // 4, args.rs_steps)
+    reps = []
+    before = feeder.stats()
+    for rep in range(settings.reps):
+        values = {}
+        for peer in harness.rotate(list(peers), rep):
+            params, elapsed = _run_steps(step, params, peers[peer], steps)
+            values[f"{peer}_steps_s"] = steps / elapsed
+        values["real_over_synthetic"] = values["real_steps_s"] / values["synthetic_steps_s"]
+        values["synthetic_step_ms"] = 1e3 / values["synthetic_steps_s"]
+        reps.append(values)
+    stats = feeder.stats()
+    copies = stats.copies - before.copies
+    copy_s = stats.copy_s - before.copy_s
+    feeder.close()
+    case = "real over synthetic"
+    report.add_case(
+        case,
+        {
+            "platform": device.platform,
+            "global_batch": batch,
+            "batch_bytes": x[:batch].nbytes + y[:batch].nbytes,
+            "depth": 2,
+            "hidden": args.hidden,
+            "repeat": repeat,
+            "calibrated_step_ms": step_s * 1e3,
+            "steps_per_peer": steps,
+            "page_locked": stats.page_locked,
+            "page_lock_reason": stats.page_lock_reason,
+        },
+        reps,
+        units={"real_steps_s": "steps/s", "synthetic_steps_s": "steps/s"},
+        extra={
+            "feeder_stats": {
+                "copy_gb_per_s": (
+                    (stats.copied_bytes - before.copied_bytes) / copy_s / 1e9 if copy_s else None
+                ),
+                "copy_ms_per_step": copy_s / copies * 1e3 if copies else None,
+                "copies": copies,
+                "input_bound_fraction": stats.input_bound_fraction,
+                "mean_occupancy": stats.mean_occupancy,
+                "summary": str(stats),
+            }
+        },
+    )
+    report.target(
+        case,
+        "real_over_synthetic",
+        ">=",
+        0.98,
+        "R/S at depth 2",
+        applies=device.platform == "gpu",
+        why_not=f"platform {device.platform}: the step and the feeder share the CPU",
+    )
+
+
+# ---- fit: Keras 3 on JAX from a Python source --------------------------------------------------
+
+
+def convnet(shape: tuple[int, ...], seed: int):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input(shape)
+    h = inputs
+    for width in CONV_WIDTHS:
+        h = keras.layers.Conv2D(width, 3, strides=2, padding="same", activation="relu")(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    model = keras.Model(inputs, keras.layers.Dense(NUM_CLASSES)(h))
+    model.compile(
+        optimizer=keras.optimizers.SGD(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def pydataset(source: ImageSource, batch: int, workers: int):
+    """A `keras.utils.PyDataset` whose batch `i` stacks samples `i*batch ...` of `source`."""
+    import keras
+
+    class SourceBatches(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__(workers=max(workers, 1), use_multiprocessing=workers > 0)
+
+        def __len__(self):
+            return len(source) // batch
+
+        def __getitem__(self, number):
+            return make_batch(source, number, batch)
+
+    return SourceBatches()
+
+
+def grain_dataset(source: ImageSource, batch: int, workers: int):
+    import grain
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        # Grain reads its absl flags when it starts workers; outside `absl.app.run` (and
+        # without TensorFlow, whose import parses them) nobody has: take their defaults.
+        flags.FLAGS.mark_as_parsed()
+
+    dataset = grain.MapDataset.source(source).batch(batch, drop_remainder=True).to_iter_dataset()
+    if workers:
+        dataset = dataset.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+    return dataset
+
+
+def have_grain() -> bool:
+    try:
+        import grain  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def feeder_input(source: ImageSource, batch: int, workers: int, seed: int):
+    import jax
+
+    import feedpipe as fp
+
+    return fp.Feeder(source, batch, devices=jax.devices()[:1], workers=workers, seed=seed)
+
+
+def make_clock():
+    """A callback that reads the wall clock at the end of every step and every epoch."""
+    import keras
+
+    class Clock(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.epoch_ends: list[float] = []
+            self.steps: list[int] = []
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.steps.append(0)
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.steps[-1] += 1
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.epoch_ends.append(time.perf_counter())
+
+    return Clock()
+
+
+class FitPeers:
+    """Builds each peer's input, fits the model on it, and tears it down."""
+
+    def __init__(self, model, source: ImageSource, arrays, batch: int, workers: int, seed: int):
+        self.model = model
+        self.source = source
+        self.arrays = arrays
+        self.batch = batch
+        self.workers = workers
+        self.seed = seed
+        self.feeder_stats: list = []
+
+    def fit(self, peer: str, epochs: int, source: ImageSource | None = None, workers=None):
+        """One `fit` of `epochs` on `peer`'s input built now; (start, Clock)."""
+        source = self.source if source is None else source
+        workers = self.workers if workers is None else workers
+        clock = make_clock()
+        callbacks = [clock]
+        started = time.perf_counter()
+        closing = None
+        if peer == "arrays":
+            count = len(source) // self.batch * self.batch
+            x, y = self.arrays
+            self.model.fit(
+                x[:count],
+                y[:count],
+                batch_size=self.batch,
+                epochs=epochs,
+                shuffle=False,
+                verbose=0,
+                callbacks=callbacks,
+            )
+        else:
+            if peer == "feedpipe":
+                data = feeder_input(source, self.batch, workers, self.seed)
+                callbacks.insert(0, data.fit_callback())
+                closing = data.close
+            elif peer == "pydataset":
+                data = pydataset(source, self.batch, workers)
+            elif peer == "grain":
+                data = grain_dataset(source, self.batch, workers)
+            else:
+                raise ValueError(peer)
+            try:
+                self.model.fit(data, epochs=epochs, verbose=0, callbacks=callbacks)
+            finally:
+                if peer == "feedpipe":
+                    self.feeder_stats.append(data.stats())
+                if closing is not None:
+                    closing()
+                del data
+                gc.collect()
+        return started, clock
+
+    def warm_up(self, peers) -> None:
+        """One untimed fit per peer over 2 batches: compiles the step for each input structure
+        and pays each kind of input's one-off imports."""
+        small = self.source.prefix(2 * self.batch)
+        for peer in peers:
+            self.fit(peer, 1, source=small, workers=min(self.workers, 1))
+
+
+def session_metrics(peer: str, started: float, clock, steps: int, epochs: int) -> dict:
+    ends = clock.epoch_ends
+    if len(ends) != epochs or any(s != steps for s in clock.steps):
+        raise RuntimeError(
+            f"{peer}: expected {epochs} epochs of {steps} steps, saw steps {clock.steps}"
+        )
+    return {
+        f"{peer}_epoch1_s": ends[0] - started,
+        f"{peer}_epoch1_steps_s": steps / (ends[0] - started),
+        f"{peer}_steady_steps_s": steps * (epochs - 1) / (ends[-1] - ends[0]),
+    }
+
+
+def fit_ratios(values: dict, peers: list[str]) -> None:
+    for phase in ("steady", "epoch1"):
+        for peer in peers:
+            if peer != "arrays":
+                values[f"{peer}_over_arrays_{phase}"] = (
+                    values[f"{peer}_{phase}_steps_s"] / values[f"arrays_{phase}_steps_s"]
+                )
+            if peer not in ("arrays", "feedpipe") and "feedpipe" in peers:
+                values[f"feedpipe_over_{peer}_{phase}"] = (
+                    values[f"feedpipe_{phase}_steps_s"] / values[f"{peer}_{phase}_steps_s"]
+                )
+
+
+def run_fit_comparison(
+    report: harness.Report,
+    settings: harness.Settings,
+    *,
+    case: str,
+    shape: tuple[int, ...],
+    batch: int,
+    steps: int,
+    epochs: int,
+    workers: int,
+    sample_s: float | Callable[[float], float],
+    peers: list[str] | None = None,
+) -> dict:
+    """Keras 3 on JAX: `fit` of one model on each peer's input, in rotating order per
+    repetition; adds `case` to `report` and returns its params. `sample_s` may be a function of
+    the step's own time on arrays (seconds), measured after warm-up."""
+    import keras
+
+    if epochs < 2:
+        raise SystemExit(f"--epochs={epochs}: the steady state is the epochs after the first.")
+    peers = [p for p in peers or FIT_PEERS if p != "grain" or have_grain()]
+    model = convnet(shape, settings.seed)
+    length = batch * steps
+    images = ImageSource(length, 0.0, shape)
+    arrays = images.arrays()
+    fitting = FitPeers(model, images, arrays, batch, workers, settings.seed)
+    fitting.warm_up(["arrays"])
+    started, clock = fitting.fit("arrays", 2)
+    step_s = (clock.epoch_ends[1] - clock.epoch_ends[0]) / steps
+    per_sample = sample_s(step_s) if callable(sample_s) else sample_s
+    source = ImageSource(length, per_sample, shape)
+    fitting.source = source
+    print(
+        f"fit: step on arrays {step_s * 1e3:.1f} ms; source {source.calibrated_s * batch * 1e3:.1f}"
+        f" ms of CPU per batch of {batch} x {shape}, {workers} workers, {steps} steps x {epochs}"
+        f" epochs; peers {', '.join(peers)}",
+        flush=True,
+    )
+    fitting.warm_up(peers)
+    reps = []
+    for rep in range(settings.reps):
+        values = {}
+        with harness.OtherLoad() as other:
+            for peer in harness.rotate(peers, rep):
+                started, clock = fitting.fit(peer, epochs)
+                values.update(session_metrics(peer, started, clock, steps, epochs))
+                print(
+                    f"  rep {rep} {peer}: epoch 1 {values[f'{peer}_epoch1_s']:.2f} s, steady "
+                    f"{values[f'{peer}_steady_steps_s']:.1f} steps/s",
+                    flush=True,
+                )
+        fit_ratios(values, peers)
+        values["other_cores"] = other.cores
+        reps.append(values)
+    stats = fitting.feeder_stats[-1] if fitting.feeder_stats else None
+    params = {
+        "keras": keras.__version__,
+        "backend": keras.backend.backend(),
+        "model": f"convnet {list(CONV_WIDTHS)} stride 2, global pool, dense {NUM_CLASSES}",
+        "global_batch": batch,
+        "sample_shape": list(shape),
+        "batch_bytes": batch * math.prod(shape) * 4,
+        "steps_per_epoch": steps,
+        "epochs_per_session": epochs,
+        "workers": workers,
+        "arrays_step_ms": step_s * 1e3,
+        "source": source.as_dict(),
+        "source_batch_ms": source.calibrated_s * batch * 1e3,
+        "source_serial_over_step": source.calibrated_s * batch / step_s,
+        "peers": {
+            "arrays": "model.fit(x, y, batch_size=B, shuffle=False)",
+            "feedpipe": (
+                f"model.fit(fp.Feeder(source, B, devices=jax.devices()[:1], workers={workers}),"
+                " callbacks=[feeder.fit_callback()])"
+            ),
+            "pydataset": f"keras.utils.PyDataset(workers={workers}, use_multiprocessing=True)",
+            "grain": (
+                "grain.MapDataset.source(source).batch(B).to_iter_dataset().mp_prefetch("
+                f"grain.MultiprocessingOptions(num_workers={workers}))"
+                if "grain" in peers
+                else "not installed: left out"
+            ),
+        },
+        "feeder_page_locked": None if stats is None else stats.page_locked,
+        "feeder_page_lock_reason": None if stats is None else stats.page_lock_reason,
+        "feeder_input_bound_fraction": None if stats is None else stats.input_bound_fraction,
+    }
+    report.add_case(
+        case,
+        params,
+        reps,
+        units={
+            **{f"{p}_epoch1_s": "s" for p in peers},
+            **{f"{p}_{m}_steps_s": "steps/s" for p in peers for m in ("epoch1", "steady")},
+        },
+    )
+    return params
+
+
+def fit_peers(text: str) -> list[str]:
+    """The peers named in `text` ("arrays,feedpipe,..."), checked; `arrays` always runs."""
+    named = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = set(named) - set(FIT_PEERS)
+    if unknown:
+        raise SystemExit(f"--fit-peers={text}: unknown {sorted(unknown)}; use {FIT_PEERS}.")
+    return [p for p in FIT_PEERS if p in named or p == "arrays"]
+
+
+def run_fit(report: Report, settings: harness.Settings) -> None:
+    args = settings.args
+    case = "keras jax fit"
+    run_fit_comparison(
+        report,
+        settings,
+        case=case,
+        shape=SAMPLE_SHAPE,
+        batch=args.batch,
+        steps=args.steps,
+        epochs=args.epochs,
+        workers=args.workers,
+        sample_s=args.batch_ms / 1e3 / args.batch,
+        peers=fit_peers(args.fit_peers),
+    )
+    import jax
+
+    platform = jax.devices()[0].platform
+    report.target(
+        case,
+        "feedpipe_over_arrays_steady",
+        ">=",
+        0.9,
+        "fit(feeder) / fit(x, y), steady state",
+        applies=platform == "gpu" and not args.smoke,
+        why_not=f"platform {platform}{' (--smoke)' if args.smoke else ''}: reported only",
+    )
+
+
+# ---- the command ------------------------------------------------------------------------------
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny everything, CPU JAX, < 2 minutes (a check)"
+    )
+    parser.add_argument("--parts", default=",".join(PARTS), help="any of copy,rs,fit")
+    parser.add_argument("--copy-mb", default="2,16,64", help="copy sizes, MiB")
+    parser.add_argument("--step-ms", type=float, default=30.0, help="R/S: the step's own time")
+    parser.add_argument("--hidden", type=int, default=4096, help="R/S: hidden units")
+    parser.add_argument("--rs-batch", type=int, default=256, help="R/S: global batch")
+    parser.add_argument("--rs-batches", type=int, default=8, help="R/S: batches in memory")
+    parser.add_argument("--rs-steps", type=int, default=100, help="R/S: timed steps per peer")
+    parser.add_argument("--batch", type=int, default=256, help="fit: global batch")
+    parser.add_argument("--steps", type=int, default=48, help="fit: steps per epoch")
+    parser.add_argument("--epochs", type=int, default=3, help="fit: epochs per session")
+    parser.add_argument("--workers", type=int, default=8, help="fit: worker processes")
+    parser.add_argument(
+        "--fit-peers", default=",".join(FIT_PEERS), help="fit: the peers beside fit(x, y)"
+    )
+    parser.add_argument(
+        "--batch-ms", type=float, default=34.0, help="fit: the source's CPU per batch"
+    )
+
+
+def smoke(args: argparse.Namespace) -> None:
+    """Shrinks every part to run on CPU JAX in under 2 minutes."""
+    args.quick = True
+    args.copy_mb = "2,16"
+    args.step_ms = 20.0
+    args.hidden = 256
+    args.rs_batch = 32
+    args.rs_batches = 4
+    args.rs_steps = 60
+    args.batch = 32
+    args.steps = 6
+    args.epochs = 2
+    args.workers = 2
+
+
+def main(argv=None) -> None:
+    configure_environment()
+
+    settings = harness.parse_settings(__doc__, add_args, argv)
+    args = settings.args
+    if args.smoke:
+        smoke(args)
+        settings = harness.Settings(args)
+    args.copy_mb = [float(v) for v in str(args.copy_mb).split(",")]
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise SystemExit(f"--parts={args.parts}: unknown {sorted(unknown)}; use {PARTS}.")
+
+    import jax
+
+    device = jax.devices()[0]
+    report = Report(
+        "gpu",
+        "copy rate from feedpipe's slots / torch pinned, R/S of a jitted step at depth 2, and "
+        "Keras 3 JAX fit(feeder) / fit(arrays) beside PyDataset and Grain, on one accelerator",
+        settings,
+        "kernels_bench.gpu",
+        command="KERAS_BACKEND=jax python -m kernels_bench.gpu"
+        + (" --smoke" if args.smoke else "")
+        + (f" --parts {args.parts}" if args.parts != ",".join(PARTS) else ""),
+    )
+    print(f"device: {device.device_kind} ({device.platform}); parts: {', '.join(parts)}")
+    if device.platform != "gpu":
+        report.note(
+            f"Run on {device.platform} ({device.device_kind}), not a GPU: every figure checks "
+            "that the script works; none is a GPU figure. On a CPU device jax.device_put may "
+            "wrap host memory instead of copying it, so the copy case's GB/s are not copy rates."
+        )
+    if "copy" in parts and _torch() is None:
+        report.note(
+            "copy: no PyTorch with CUDA in this environment, so no pinned-copy ceiling was "
+            "measured and the target (JAX from a page-locked slot / torch pinned >= 0.9) was "
+            "not taken."
+        )
+    if "copy" in parts:
+        # The slots are made (and page-locked by feedpipe's own locker) before PyTorch loads,
+        # so the locker is the one a JAX-only process finds.
+        from feedpipe.core.pinned import page_locker
+
+        page_locker()
+        run_copy(report, settings, device, _torch())
+    report.accelerator = accelerator()
+    if "rs" in parts:
+        run_rs(report, settings, device)
+    if "fit" in parts:
+        run_fit(report, settings)
+    report.note(
+        "Each ratio is taken within one repetition (peers in rotating order), then the median "
+        "over repetitions. copy: each copy timed alone to block_until_ready / synchronize, the "
+        "median per repetition; GB/s are 1e9 bytes. R/S: steps dispatched without waiting, the "
+        "clock stopped when the last parameters are ready; the feeder's stats are over the "
+        "timed steps. fit: one model, compiled for each input structure before the "
+        "repetitions; each peer's input built inside the timed call; epoch 1 includes its "
+        "start-up; steady = the epochs after the first."
+    )
+    report.finish(
+        columns=[
+            "slot_locked_gb_s",
+            "slot_pageable_gb_s",
+            "torch_pinned_gb_s",
+            "slot_locked_over_torch_pinned",
+            "slot_locked_over_pageable",
+            "real_over_synthetic",
+            "synthetic_step_ms",
+            "feedpipe_over_arrays_steady",
+            "feedpipe_over_pydataset_steady",
+            "feedpipe_over_grain_steady",
+            "feedpipe_over_arrays_epoch1",
+            "feedpipe_over_pydataset_epoch1",
+            "feedpipe_over_grain_epoch1",
+        ]
+    )
+
+
+if __name__ == "__main__":
+    main()
