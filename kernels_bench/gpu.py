@@ -40,27 +40,30 @@ PyDataset's workers are forked from this process (they inherit what it loaded, a
 Grain's are spawned, and Grain itself imports JAX.
 
 On a CUDA machine with JAX (and PyTorch, optionally) but no TensorFlow and no package index,
-carry Keras 3 and what it needs that the machine lacks as wheels, and Grain with its own:
-keras, namex, optree (and for Grain: grain, array_record, portpicker). From the repository
-root on a machine with pip, for the machine's Python (3.12 here):
+carry as wheels what it lacks: Keras 3 (keras, namex, optree; its other needs, absl-py, rich,
+h5py, ml-dtypes and packaging, are usually there) and Grain (grain, array_record, portpicker;
+it also needs absl-py, cloudpickle, etils, protobuf and psutil). feedpipe itself runs from the
+checkout (it needs numpy, optree and cloudpickle). From the repository root on a machine with
+pip, for the GPU machine's Python (3.12 here; ~7 MB):
 
     echo /.whl/ >> .git/info/exclude
-    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
-        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \\
-        --platform manylinux2014_x86_64 -d .whl keras==3.15.1 namex optree grain \\
-        array_record portpicker
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d .whl keras==3.15.1 namex==0.1.0 optree==0.20.0 \
+        grain==0.2.18 array_record==0.8.6 portpicker==1.6.0
 
-Then, there, in the repository root (carrying `.whl`), the one command:
+Then, on the GPU machine, in the repository root with `.whl` carried beside the checkout, the
+one command:
 
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \\
-    PYTHONPATH=/tmp/site:. KERAS_BACKEND=jax python3 -m kernels_bench.gpu
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+        && PYTHONPATH=/tmp/site KERAS_BACKEND=jax python3 -m kernels_bench.gpu
 
 which takes about 5 minutes and writes `kernels_bench/results/gpu.json`. `--smoke` shrinks every
 part (a few small batches, 2 workers, 3 repetitions, under 2 minutes) so that it runs on CPU JAX
-as a check that the script works: its figures are labelled with the platform they came from, and
-on a CPU device `jax.device_put` may wrap host memory instead of copying it, so its "copy rates"
-are not copy rates. The JSON records the device, the versions, whether the slots were
-page-locked and, if not, why.
+as a check that the script works, and writes `gpu_smoke.json` instead: its figures are labelled
+with the platform they came from, and on a CPU device `jax.device_put` may wrap host memory
+instead of copying it, so its "copy rates" are not copy rates. The JSON records the device, the
+versions, whether the slots were page-locked and, if not, why.
 """
 
 from __future__ import annotations
@@ -559,15 +562,22 @@ def run_rs(report: Report, settings: harness.Settings, device) -> None:
 
 
 def convnet(shape: tuple[int, ...], seed: int):
+    """The fit part's model, the same initial weights for a given seed. (Seeded per layer:
+    `keras.utils.set_random_seed` would import TensorFlow wherever it is installed.)"""
     import keras
 
-    keras.utils.set_random_seed(seed)
+    def init(layer: int):
+        return keras.initializers.GlorotUniform(seed=seed * 100 + layer)
+
     inputs = keras.Input(shape)
     h = inputs
-    for width in CONV_WIDTHS:
-        h = keras.layers.Conv2D(width, 3, strides=2, padding="same", activation="relu")(h)
+    for layer, width in enumerate(CONV_WIDTHS):
+        h = keras.layers.Conv2D(
+            width, 3, strides=2, padding="same", activation="relu", kernel_initializer=init(layer)
+        )(h)
     h = keras.layers.GlobalAveragePooling2D()(h)
-    model = keras.Model(inputs, keras.layers.Dense(NUM_CLASSES)(h))
+    outputs = keras.layers.Dense(NUM_CLASSES, kernel_initializer=init(len(CONV_WIDTHS)))(h)
+    model = keras.Model(inputs, outputs)
     model.compile(
         optimizer=keras.optimizers.SGD(1e-3),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -753,7 +763,10 @@ def run_fit_comparison(
 
     if epochs < 2:
         raise SystemExit(f"--epochs={epochs}: the steady state is the epochs after the first.")
-    peers = [p for p in peers or FIT_PEERS if p != "grain" or have_grain()]
+    peers = list(peers or FIT_PEERS)
+    if "grain" in peers and not have_grain():
+        peers.remove("grain")
+        report.note(f"{case}: Grain is not installed here; its peer was left out.")
     model = convnet(shape, settings.seed)
     length = batch * steps
     images = ImageSource(length, 0.0, shape)
@@ -913,7 +926,6 @@ def smoke(args: argparse.Namespace) -> None:
 
 def main(argv=None) -> None:
     configure_environment()
-
     settings = harness.parse_settings(__doc__, add_args, argv)
     args = settings.args
     if args.smoke:
@@ -929,7 +941,7 @@ def main(argv=None) -> None:
 
     device = jax.devices()[0]
     report = Report(
-        "gpu",
+        "gpu_smoke" if args.smoke else "gpu",
         "copy rate from feedpipe's slots / torch pinned, R/S of a jitted step at depth 2, and "
         "Keras 3 JAX fit(feeder) / fit(arrays) beside PyDataset and Grain, on one accelerator",
         settings,
@@ -945,19 +957,20 @@ def main(argv=None) -> None:
             "that the script works; none is a GPU figure. On a CPU device jax.device_put may "
             "wrap host memory instead of copying it, so the copy case's GB/s are not copy rates."
         )
-    if "copy" in parts and _torch() is None:
-        report.note(
-            "copy: no PyTorch with CUDA in this environment, so no pinned-copy ceiling was "
-            "measured and the target (JAX from a page-locked slot / torch pinned >= 0.9) was "
-            "not taken."
-        )
     if "copy" in parts:
-        # The slots are made (and page-locked by feedpipe's own locker) before PyTorch loads,
-        # so the locker is the one a JAX-only process finds.
+        # The slots are page-locked by the locker a JAX-only process finds: looked for before
+        # PyTorch (optional) loads its own CUDA runtime.
         from feedpipe.core.pinned import page_locker
 
         page_locker()
-        run_copy(report, settings, device, _torch())
+        torch = _torch()
+        if torch is None:
+            report.note(
+                "copy: no PyTorch with CUDA in this environment, so no pinned-copy ceiling was "
+                "measured and the target (JAX from a page-locked slot / torch pinned >= 0.9) "
+                "was not taken."
+            )
+        run_copy(report, settings, device, torch)
     report.accelerator = accelerator()
     if "rs" in parts:
         run_rs(report, settings, device)
