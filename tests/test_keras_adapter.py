@@ -1,0 +1,53 @@
+"""`model.fit(feeder)` on the TensorFlow backend: the feeder is Keras's data adapter, and fit
+reads exactly what `fit(feeder.as_dataset())` reads."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import feedpipe as fp
+
+
+def data() -> tuple[np.ndarray, np.ndarray]:
+    x = np.random.default_rng(0).normal(size=(100, 8)).astype("float32")
+    return x, (np.arange(100) % 3).astype("int32")
+
+
+def model() -> keras.Model:
+    keras.utils.set_random_seed(1)
+    net = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+    net.compile(
+        keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    return net
+
+
+def test_fit_on_the_feeder_equals_fit_on_its_dataset():
+    with fp.Feeder(data(), 32, shuffle=True) as feeder:
+        direct = model()
+        direct.fit(feeder, epochs=2, callbacks=[feeder.fit_callback()], verbose=0)
+        assert feeder.get_state()["epoch"] == 2
+    with fp.Feeder(data(), 32, shuffle=True) as feeder:
+        through = model()
+        through.fit(feeder.as_dataset(), epochs=2, callbacks=[feeder.fit_callback()], verbose=0)
+    for mine, theirs in zip(direct.get_weights(), through.get_weights(), strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+
+
+def test_the_adapter_reports_the_epochs_batches_and_no_partial_batch():
+    with fp.Feeder(data(), 32) as feeder:
+        assert feeder.num_batches == 4 and feeder.batch_size == 32
+        assert not feeder.has_partial_batch and feeder.partial_batch_size is None
+        loop = iter(feeder)
+        next(loop)
+        loop.close()
+        assert feeder.num_batches == 3  # the rest of the epoch
+
+
+def test_a_tensorflow_feeder_asked_for_jax_batches_says_how_to_build_one():
+    with fp.Feeder(data(), 32) as feeder:
+        assert feeder.layer.name == "tensorflow"
+        with pytest.raises(TypeError, match="Keras's backend is JAX"):
+            feeder.get_jax_iterator()
