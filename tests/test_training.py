@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 import feedpipe as fp
+from feedpipe.tf import training
 from tests.fakes import regression_data
 
 LENGTH = 37
@@ -225,7 +226,7 @@ def test_a_loss_that_is_already_reduced_is_refused(strategy):
 
 def test_a_keras_loss_object_has_its_reduction_turned_off(devices):
     loss = keras.losses.MeanSquaredError()  # reduces by default
-    assert fp.training.per_sample_loss(loss)(np.zeros((3, 1)), np.ones((3, 1))).shape == (3,)
+    assert training.per_sample_loss(loss)(np.zeros((3, 1)), np.ones((3, 1))).shape == (3,)
 
 
 def test_a_strategy_with_another_replica_count_is_refused(devices):
