@@ -12,7 +12,7 @@ them over as `Imported` instead of a slot.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -132,6 +132,50 @@ class HostStager:
         return HostBatch(arrays, step.num_valid, step.epoch, step.index, real)
 
 
-def replica_masks(step: Step, num_replicas: int, per_replica: int) -> Sequence[np.ndarray]:
-    """Each replica's boolean mask of real rows at `step`, for a stager to place."""
-    return step.real_rows(num_replicas, per_replica).reshape(-1, per_replica)
+class MaskCache:
+    """A step's masks of real rows, made by `make` once per pattern of real rows and reused:
+    masks are immutable, and all but an epoch's last step share one pattern. `make` takes one
+    boolean array per replica and returns what the framework's batch holds."""
+
+    def __init__(self, num_replicas: int, per_replica: int, make: Callable[[np.ndarray], Any]):
+        self.num_replicas = num_replicas
+        self.per_replica = per_replica
+        self._make = make
+        self._made: dict[Any, Any] = {}
+
+    def __call__(self, step: Step) -> Any:
+        key = step.replica_valid or step.num_valid
+        if key not in self._made:
+            real = step.real_rows(self.num_replicas, self.per_replica)
+            self._made[key] = self._make(real.reshape(-1, self.per_replica))
+        return self._made[key]
+
+
+class DeviceBatch:
+    """One global batch whose rows already sit on the devices: what a framework's step takes.
+
+    Attributes:
+      replicas: one entry per device of this host, in replica order: the sample's structure
+        with every field an array of the framework on that device, whose leading dimension is
+        the per-replica batch.
+      masks: one boolean array `[per_replica_batch]` per device; True marks a real sample,
+        False a padding row (only the last batch of an epoch has any).
+      num_valid: real samples in the global batch (of every host: the same number on each, so
+        each normalises its loss by it).
+      epoch, step: where the batch sits in the stream.
+    """
+
+    __slots__ = ("epoch", "masks", "num_valid", "replicas", "step")
+
+    def __init__(self, replicas: tuple, masks: tuple, num_valid: int, epoch: int, step: int):
+        self.replicas = replicas
+        self.masks = masks
+        self.num_valid = num_valid
+        self.epoch = epoch
+        self.step = step
+
+    def __repr__(self) -> str:
+        return (
+            f"Batch(epoch={self.epoch}, step={self.step}, replicas={len(self.replicas)}, "
+            f"num_valid={self.num_valid})"
+        )

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import optree
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from feedpipe.core.pinned import page_locker
@@ -23,7 +24,7 @@ from feedpipe.core.sampler import Step
 from feedpipe.core.slots import SlotLayout
 from feedpipe.core.source import SampleSpec
 from feedpipe.core.split import HostShare
-from feedpipe.core.stage import Imported, replica_masks
+from feedpipe.core.stage import Imported, MaskCache
 from feedpipe.core.stats import StatsRecorder
 from feedpipe.jax.batch import Batch
 
@@ -115,6 +116,19 @@ class JaxLayer:
     def stager(self, layout: SlotLayout, stats: StatsRecorder) -> Stager:
         return Stager(self, layout, stats)
 
+    def global_arrays(self, per_device: Sequence[Any]) -> Any:
+        """The global arrays, axis 0 sharded over the mesh, whose shards are `per_device`'s
+        leaves (one structure per device of this process): no copy is made."""
+        size = self.share.global_batch_size
+        treespec = optree.tree_structure(per_device[0])
+        fields = [
+            jax.make_array_from_single_device_arrays(
+                (size, *shards[0].shape[1:]), self.sharding, list(shards)
+            )
+            for shards in zip(*(optree.tree_leaves(one) for one in per_device), strict=True)
+        ]
+        return optree.tree_unflatten(treespec, fields)
+
 
 class Stager:
     """Turns filled host slots into `Batch`es whose arrays sit on each replica's device."""
@@ -123,19 +137,15 @@ class Stager:
         self.layer = layer
         self.layout = layout
         self.stats = stats
-        self._masks: dict[Any, tuple[jax.Array, ...]] = {}
+        self.masks = MaskCache(len(layer.devices), layout.split.per_replica, self._place_masks)
+        """A step's masks: per device, and as one global array (made once per pattern)."""
 
-    def masks(self, step: Step) -> tuple[jax.Array, ...]:
-        """Per-device masks of the step's real rows; cached, since arrays are immutable."""
-        key = step.replica_valid or step.num_valid
-        if key not in self._masks:
-            devices = self.layer.devices
-            parts = replica_masks(step, len(devices), self.layout.split.per_replica)
-            self._masks[key] = tuple(
-                jax.device_put(part.copy(), device)
-                for part, device in zip(parts, devices, strict=True)
-            )
-        return self._masks[key]
+    def _place_masks(self, parts: np.ndarray) -> tuple[tuple[jax.Array, ...], jax.Array]:
+        per_device = tuple(
+            jax.device_put(part.copy(), device)
+            for part, device in zip(parts, self.layer.devices, strict=True)
+        )
+        return per_device, self.layer.global_arrays(per_device)
 
     def stage(self, step: Step, leased: np.ndarray | Imported) -> Batch:
         """The batch in the `leased` bytes of a slot, placed on the devices; returns once the
@@ -152,11 +162,5 @@ class Stager:
             jax.block_until_ready(placed)
             self.stats.copied(self.layout.batch_bytes, time.perf_counter() - started)
         replicas = tuple(unflatten(arrays) for arrays in placed)
-        return Batch(
-            replicas,
-            self.masks(step),
-            step.num_valid,
-            step.epoch,
-            step.index,
-            self.layer,
-        )
+        masks, mask = self.masks(step)
+        return Batch(replicas, masks, step.num_valid, step.epoch, step.index, mask, self.layer)

@@ -1,4 +1,4 @@
-"""Batch: one global batch as the consumer takes it, on the devices or on the host."""
+"""Batch: one global batch as a TensorFlow step takes it, each replica's rows on its device."""
 
 from __future__ import annotations
 
@@ -7,24 +7,17 @@ from typing import Any
 import tensorflow as tf
 
 from feedpipe.core.split import HostShare
+from feedpipe.core.stage import DeviceBatch
 
 
-class Batch:
-    """One global batch, already on the devices: what the training step takes.
-
-    Attributes:
-      replicas: one entry per device, in device order: the sample's structure with every field
-        a `tf.Tensor` on that device whose leading dimension is the per-replica batch.
-      masks: one boolean `tf.Tensor` `[per_replica_batch]` per device; True marks a real
-        sample, False a padding row (only the last batch of an epoch has any).
-      num_valid: real samples in the global batch (of every host, under a multi-worker
-        strategy: the same number on each, so each normalises its loss by it).
-      epoch, step: where the batch sits in the stream.
+class Batch(DeviceBatch):
+    """One global batch, already on the devices: what the training step takes (the fields are
+    `DeviceBatch`'s, every array a `tf.Tensor`).
 
     Under a MultiWorkerMirroredStrategy, `replicas` and `masks` are this host's replicas only.
     """
 
-    __slots__ = ("_share", "_strategy", "epoch", "masks", "num_valid", "replicas", "step")
+    __slots__ = ("_share", "_strategy")
 
     def __init__(
         self,
@@ -36,11 +29,7 @@ class Batch:
         strategy=None,
         share: HostShare | None = None,
     ):
-        self.replicas = replicas
-        self.masks = masks
-        self.num_valid = num_valid
-        self.epoch = epoch
-        self.step = step
+        super().__init__(replicas, masks, num_valid, epoch, step)
         self._strategy = strategy
         self._share = share
 
@@ -72,9 +61,3 @@ class Batch:
             return self.replicas[replica], self.masks[replica]
 
         return strategy.experimental_distribute_values_from_function(local)
-
-    def __repr__(self) -> str:
-        return (
-            f"Batch(epoch={self.epoch}, step={self.step}, replicas={len(self.replicas)}, "
-            f"num_valid={self.num_valid})"
-        )

@@ -23,7 +23,7 @@ from feedpipe.core.sampler import Step
 from feedpipe.core.slots import SlotLayout
 from feedpipe.core.source import SampleSpec
 from feedpipe.core.split import HostShare
-from feedpipe.core.stage import Imported, replica_masks
+from feedpipe.core.stage import Imported, MaskCache
 from feedpipe.tf.batch import Batch
 
 _DLPACK_KINDS = frozenset("biufc")
@@ -80,20 +80,15 @@ class Stager:
         self.layout = layout
         self.strategy = strategy
         self.share = share or HostShare(layout.split.global_batch_size, 1, 0, len(self.devices))
-        self._masks: dict[int, tuple[tf.Tensor, ...]] = {}
+        self.masks = MaskCache(len(self.devices), layout.split.per_replica, self._place_masks)
+        """Per-device masks of a step's real rows."""
 
-    def masks(self, step: Step) -> tuple[tf.Tensor, ...]:
-        """Per-device masks of the step's real rows; cached, since tensors are immutable."""
-        key = step.replica_valid or step.num_valid
-        if key not in self._masks:
-            per_replica = self.layout.split.per_replica
-            masks = []
-            parts = replica_masks(step, len(self.devices), per_replica)
-            for device, part in zip(self.devices, parts, strict=True):
-                with tf.device(device):
-                    masks.append(tf.constant(part))
-            self._masks[key] = tuple(masks)
-        return self._masks[key]
+    def _place_masks(self, parts: np.ndarray) -> tuple[tf.Tensor, ...]:
+        masks = []
+        for device, part in zip(self.devices, parts, strict=True):
+            with tf.device(device):
+                masks.append(tf.constant(part))
+        return tuple(masks)
 
     def stage(self, step: Step, leased: np.ndarray | Imported) -> Batch:
         """The batch in the `leased` bytes of a slot (or `Imported`), placed on the devices."""
