@@ -616,6 +616,13 @@ class Feeder:
         if self._tracker is not None:
             self._untrack(self._tracker)
 
+    def _steps_left(self) -> int | None:
+        """Batches left in the current epoch (None where the length is unknown): a feeder left
+        or restored mid-epoch serves the rest of that epoch in a fit's first pass."""
+        if self._plan is None:
+            return None
+        return len(self._plan) - self._position_state(self._position)["step"]
+
     def _check_pass_steps(self, steps: int | None, epochs: int | None = None) -> None:
         """Refuses passes of `steps` batches (`epochs` of them) that are not the feeder's next.
 

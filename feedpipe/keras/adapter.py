@@ -24,12 +24,10 @@ class KerasInput:
 
     @property
     def num_batches(self) -> int | None:
-        """Batches left in this pass: the rest of the current epoch (None: length unknown)."""
-        if self._plan is None:
-            return None
-        if self.share.num_hosts > 1:
+        """Batches Keras takes per epoch: the rest of the current one (None: length unknown)."""
+        if self.share.num_hosts > 1 and self._plan is not None:  # endless: whole epochs
             return len(self._plan)
-        return len(self._plan) - self._position_state(self._position)["step"]
+        return self._steps_left()
 
     @property
     def batch_size(self) -> int:

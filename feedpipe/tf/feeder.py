@@ -65,10 +65,7 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
         how = weighting(self.spec, self.options.remainder)
         if how == "add":
             signature = (*signature, optree.tree_map(_weight_spec, signature[1]))
-        steps = None
-        if self._plan is not None and not hosts:
-            # A feeder left or restored mid-epoch first serves the rest of that epoch: shorter.
-            steps = len(self._plan) - self._position_state(self._position)["step"]
+        steps = None if hosts else self._steps_left()
         feeder = weakref.ref(self)  # TensorFlow keeps `generate` for the life of the process
 
         def generate():
