@@ -40,13 +40,23 @@ def broadcastable(rows: np.ndarray, ndim: int) -> np.ndarray:
     return rows.reshape(rows.shape + (1,) * (ndim - 1))
 
 
-def with_weights(sample: Any, rows: np.ndarray, how: str | None) -> Any:
-    """`sample` (host arrays) with its padding weighted by `rows`, as `weighting` said."""
+def added_weights(labels: Any, rows: Any) -> Any:
+    """The sample weights for `labels` (one per label field, of its rank): each its own copy
+    of `rows`, since a framework may take an array over and later write into its memory."""
+    return optree.tree_map(lambda y: broadcastable(rows, y.ndim).copy(), labels)
+
+
+def scaled_weights(given: Any, rows: Any) -> Any:
+    """The weights `given` by an `(x, y, w)` source, scaled by `rows`, in their own dtype."""
+    return (given.astype(np.float32) * broadcastable(rows, given.ndim)).astype(given.dtype)
+
+
+def with_weights(sample: Any, rows: Any, how: str | None) -> Any:
+    """`sample` with its padding weighted by `rows` (numpy or a framework's arrays, as long as
+    they are the sample's), as `weighting` said."""
     if how is None:
         return sample
     if how == "add":
-        labels = sample[1]
-        return (*sample, optree.tree_map(lambda y: broadcastable(rows, y.ndim).copy(), labels))
+        return (*sample, added_weights(sample[1], rows))
     x, y, given = sample
-    factor = broadcastable(rows, given.ndim)
-    return x, y, (np.asarray(given, np.float32) * factor).astype(given.dtype, copy=False)
+    return x, y, scaled_weights(given, rows)

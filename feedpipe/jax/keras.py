@@ -13,11 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import jax
 import jax.numpy as jnp
-import optree
 
-from feedpipe.core.weights import weighting
+from feedpipe.core.weights import added_weights, scaled_weights, weighting
 
 
 def _check_distribution(feeder: Any) -> None:
@@ -46,26 +44,27 @@ def _check_distribution(feeder: Any) -> None:
 
 def keras_batches(feeder: Any) -> Iterator[Any]:
     """The rest of the feeder's current epoch as Keras takes it: `x`, `(x, y)` or
-    `(x, y, sample_weight)` of global arrays; the feeder's next epoch on the next call."""
+    `(x, y, sample_weight)` of global arrays; the feeder's next epoch on the next call.
+
+    A batch's row weights depend only on its pattern of real rows, so they are made on the
+    devices once per pattern (the stager's masks are made once per pattern too) and reused.
+    """
     _check_distribution(feeder)
     how = weighting(feeder.spec, feeder.options.remainder)
     size = feeder.options.global_batch_size
+    made: dict[int, tuple[Any, Any]] = {}
+    """Per pattern, keyed by its masks (kept, so that the key stays theirs): rows or weights."""
     for batch in feeder._iterate(fit=True, host=False, steps=feeder.num_batches):
         inputs, mask = batch.distributed()
-        yield _weighted(inputs, mask, batch.num_valid, size, how)
-
-
-def _weighted(sample: Any, mask: jax.Array, num_valid: int, size: int, how: str | None) -> Any:
-    """`sample` with padding weighted zero and real rows `size / num_valid` (see
-    `feedpipe.core.weights`), computed on the devices where the rows are."""
-    if how is None:
-        return sample
-    rows = jnp.where(mask, jnp.float32(size / num_valid), jnp.float32(0))
-
-    def shaped(ndim: int) -> jax.Array:
-        return rows.reshape(rows.shape + (1,) * (ndim - 1))
-
-    if how == "add":
-        return (*sample, optree.tree_map(lambda y: shaped(y.ndim), sample[1]))
-    x, y, given = sample
-    return x, y, (given.astype(jnp.float32) * shaped(given.ndim)).astype(given.dtype)
+        if how is None:
+            yield inputs
+            continue
+        key = id(batch.masks)
+        if key not in made:
+            rows = jnp.where(mask, jnp.float32(size / batch.num_valid), jnp.float32(0))
+            made[key] = (batch.masks, added_weights(inputs[1], rows) if how == "add" else rows)
+        weights = made[key][1]
+        if how == "add":
+            yield (*inputs, weights)
+        else:
+            yield inputs[0], inputs[1], scaled_weights(inputs[2], weights)

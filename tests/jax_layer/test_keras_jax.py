@@ -72,6 +72,18 @@ def test_padding_rows_weigh_nothing(keras, devices):
     assert np.asarray(by)[:4].tolist() == y[96:].tolist()
 
 
+def test_a_sources_own_weights_are_scaled_and_zero_on_padding(keras, devices):
+    x, y = data()
+    given = np.linspace(0.5, 2.0, LENGTH).astype("float32")
+    with fp.Feeder((x, y, given), BATCH, devices=devices[:1]) as feeder:
+        batches = list(feeder.get_jax_iterator())
+    assert len(batches[0]) == 3  # no weight added beside the source's
+    np.testing.assert_allclose(np.asarray(batches[0][2]), given[:BATCH], rtol=1e-6)
+    last = np.asarray(batches[-1][2])
+    np.testing.assert_allclose(last[:4], given[96:] * BATCH / 4, rtol=1e-6)
+    assert not last[4:].any()
+
+
 def test_the_state_counts_the_steps_trained(keras, devices):
     x, y = data()
 
