@@ -2,10 +2,15 @@
 
 Each replica's regions of a host slot go to its device with one `jax.device_put` per replica:
 on a GPU that is the one host-to-device copy, from a page-locked slot where the CUDA runtime
-allows it (`feedpipe.core.pinned`); on a CPU device JAX wraps the slot's memory without a copy.
-Either way JAX holds the slot's bytes until the copy is done (or the array is gone), so the slot
-returns to the pool only then. The staging thread waits for the copy before handing the batch
-over: the consumer never takes a batch still in transit, and the wait is measured.
+allows it (`feedpipe.core.pinned`). JAX holds the slot's bytes until the copy is done, so the
+slot returns to the pool only then; the staging thread waits for the copy before handing the
+batch over, so the consumer never takes a batch still in transit, and the wait is measured.
+
+On a CPU device JAX would wrap the slot's memory instead, and let it go only at its next call
+after the array dies: a producer waiting for that slot makes no such call, so the slot came back
+only with the consumer's next step (one batch of look-ahead lost, and a one-off slot whenever
+the consumer starved). There the regions are copied out, one memcpy, and the slot returns as
+soon as the batch is staged.
 """
 
 from __future__ import annotations
@@ -98,7 +103,7 @@ class JaxLayer:
         """The global batch's sharding: axis 0 split over every device of the mesh in order."""
         self.devices, self.share = _share(global_batch_size, self.mesh)
         self.accelerated = any(d.platform != "cpu" for d in self.devices)
-        """Whether staging copies: on CPU devices JAX wraps the slot's memory instead."""
+        """Whether the devices are accelerators: copies to them are timed and page-locked."""
         self.page_lock = page_locker() if self.accelerated else None
 
     def check_stageable(self, spec: SampleSpec) -> None:
@@ -154,11 +159,12 @@ class Stager:
             raise TypeError("A JAX feeder stages from host slots; DALI outputs go to TensorFlow.")
         unflatten = self.layout.spec.unflatten
         started = time.perf_counter()
+        accelerated = self.layer.accelerated
         placed = [
-            jax.device_put(regions, device)
+            jax.device_put(regions if accelerated else [r.copy() for r in regions], device)
             for device, regions in zip(self.layer.devices, self.layout.views(leased), strict=True)
         ]
-        if self.layer.accelerated:
+        if accelerated:
             jax.block_until_ready(placed)
             self.stats.copied(self.layout.batch_bytes, time.perf_counter() - started)
         replicas = tuple(unflatten(arrays) for arrays in placed)

@@ -7,6 +7,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import numpy as np
@@ -132,7 +134,9 @@ def test_a_global_batch_that_does_not_divide_among_the_devices_is_refused(device
         fp.Feeder(counting(16), 6, devices=devices)
 
 
-def test_a_tensorflow_strategy_or_mixed_devices_are_refused(devices):
+def test_a_strategy_mixed_devices_or_an_unknown_framework_are_refused(devices):
+    with pytest.raises(TypeError, match=r"must be a tf\.distribute strategy"):
+        fp.Feeder(counting(16), 8, strategy=object())
     with pytest.raises(TypeError, match="one kind only"):
         fp.Feeder(counting(16), 8, devices=[devices[0], "/cpu:0"])
     with pytest.raises(ValueError, match="`framework`='torch' must be one of"):
@@ -176,3 +180,50 @@ def test_stats_on_cpu_devices_report_no_copies(devices):
         stats = feeder.stats()
     assert stats.steps == 2 and stats.copies == 0 and stats.page_locked is None
     assert "copies" not in str(stats)
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_at_most_depth_batches_wait_and_depth_plus_two_slots_hold_them(devices, depth):
+    with fp.Feeder(counting(48), 8, devices=devices, depth=depth) as feeder:
+        seen = []
+        for _ in range(2):
+            for _batch in feeder:
+                time.sleep(0.01)  # the producer runs ahead until the staged batches fill up
+                seen.append(feeder._pipeline.handoff.staged)
+        assert max(seen) == depth
+        assert feeder.stats().slots_allocated <= depth + 2
+        assert feeder.stats().overflow_slots == 0
+
+
+def test_a_kept_batch_keeps_its_values_while_its_slot_would_be_reused(devices):
+    # Slots are written again while earlier batches are kept: those must keep their values.
+    with fp.Feeder(counting(64), 8, devices=devices, depth=1) as feeder:
+        kept = []
+        for _ in range(2):
+            for batch in feeder:
+                if batch.step % 2 == 0:
+                    kept.append((batch.step, batch.replicas[2][1], batch.distributed()[0][1]))
+        assert len(kept) == 8
+        for step, replica_labels, global_labels in kept:
+            assert np.asarray(replica_labels).tolist() == [step * 8 + 4, step * 8 + 5]
+            assert np.asarray(global_labels).tolist() == list(range(step * 8, step * 8 + 8))
+
+
+def test_a_loop_on_another_thread_while_one_runs_is_refused(devices):
+    with fp.Feeder(counting(32), 8, devices=devices) as feeder:
+        loop = iter(feeder)
+        next(loop)
+        errors = []
+        other = threading.Thread(target=lambda: errors.append(_first_error(feeder)))
+        other.start()
+        other.join(10)
+        assert errors and "already being iterated" in errors[0]
+        loop.close()
+
+
+def _first_error(feeder) -> str:
+    try:
+        next(iter(feeder))
+    except RuntimeError as error:
+        return str(error)
+    return ""
