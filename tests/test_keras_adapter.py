@@ -51,3 +51,23 @@ def test_a_tensorflow_feeder_asked_for_jax_batches_says_how_to_build_one():
         assert feeder.layer.name == "tensorflow"
         with pytest.raises(TypeError, match="Keras's backend is JAX"):
             feeder.get_jax_iterator()
+
+
+def test_a_fit_interrupted_and_run_again_goes_on_from_what_was_trained():
+    class CtrlC(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                raise KeyboardInterrupt
+
+    with fp.Feeder(data(), 32) as feeder:
+        fed = model()
+        with pytest.raises(KeyboardInterrupt):
+            fed.fit(feeder, epochs=1, callbacks=[feeder.fit_callback(), CtrlC()], verbose=0)
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (0, 2)
+        fed.fit(feeder, epochs=1, callbacks=[feeder.fit_callback()], verbose=0)  # the same cell
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (1, 0)
+    with fp.Feeder(data(), 32) as feeder:
+        whole = model()
+        whole.fit(feeder, epochs=1, callbacks=[feeder.fit_callback()], verbose=0)
+    for mine, theirs in zip(fed.get_weights(), whole.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-6, atol=1e-6)

@@ -54,7 +54,8 @@ def keras_batches(feeder: Any) -> Iterator[Any]:
     size = feeder.options.global_batch_size
     made: dict[int, tuple[Any, Any]] = {}
     """Per pattern, keyed by its masks (kept, so that the key stays theirs): rows or weights."""
-    for batch in feeder._iterate(fit=True, host=False, steps=feeder.num_batches):
+    steps = feeder._steps_left() if feeder.share.num_hosts == 1 else None
+    for batch in feeder._iterate(fit=True, host=False, steps=steps):
         inputs, mask = batch.distributed()
         if how is None:
             yield inputs

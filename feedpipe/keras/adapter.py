@@ -24,7 +24,13 @@ class KerasInput:
 
     @property
     def num_batches(self) -> int | None:
-        """Batches Keras takes per epoch: the rest of the current one (None: length unknown)."""
+        """Batches Keras takes per epoch: the rest of the current one (None: length unknown).
+
+        Keras reads it first in every `fit`, before any callback: a fit that raised (an error,
+        Ctrl-C) ends here, so the next one goes on from what that one trained on, as a new
+        `as_dataset()` does.
+        """
+        self._end_interrupted_fit()
         if self.share.num_hosts > 1 and self._plan is not None:  # endless: whole epochs
             return len(self._plan)
         return self._steps_left()

@@ -3,6 +3,8 @@ order, padding weighted zero, a state that counts what the step trained on."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -97,6 +99,59 @@ def test_the_state_counts_the_steps_trained(keras, devices):
             feeder, epochs=1, callbacks=[feeder.fit_callback(), StopAfterTwo()], verbose=0
         )
         assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (0, 2)
+
+
+def test_a_fit_interrupted_and_run_again_goes_on_from_what_was_trained(keras, devices):
+    x, y = data()
+
+    class CtrlC(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                raise KeyboardInterrupt
+
+    with fp.Feeder((x, y), BATCH, devices=devices[:1]) as feeder:
+        fed = model(keras)
+        with pytest.raises(KeyboardInterrupt):
+            fed.fit(feeder, epochs=1, callbacks=[feeder.fit_callback(), CtrlC()], verbose=0)
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (0, 2)
+        # The notebook pattern: the same cell again trains the rest of the epoch, once.
+        fed.fit(feeder, epochs=1, callbacks=[feeder.fit_callback()], verbose=0)
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (1, 0)
+    plain = model(keras)
+    plain.fit(x, y, batch_size=BATCH, shuffle=False, epochs=1, verbose=0)
+    assert_same_weights(fed, plain)
+
+
+def test_a_state_saved_mid_fit_resumes_in_a_new_feeder_to_the_same_weights(keras, devices):
+    x, y = data()
+    saved = {}
+
+    class SaveAtStepTwo(keras.callbacks.Callback):
+        def __init__(self, feeder):
+            super().__init__()
+            self.feeder = feeder
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                saved["state"] = json.loads(json.dumps(self.feeder.get_state()))
+                saved["weights"] = self.model.get_weights()
+                self.model.stop_training = True
+
+    with fp.Feeder((x, y), BATCH, devices=devices[:1], shuffle=True, seed=2) as feeder:
+        model(keras).fit(
+            feeder, epochs=1, callbacks=[feeder.fit_callback(), SaveAtStepTwo(feeder)], verbose=0
+        )
+    assert saved["state"]["step"] == 2
+    with fp.Feeder((x, y), BATCH, devices=devices[:1], shuffle=True, seed=2) as feeder:
+        feeder.set_state(saved["state"])
+        resumed = model(keras)
+        resumed.set_weights(saved["weights"])
+        resumed.fit(feeder, epochs=1, callbacks=[feeder.fit_callback()], verbose=0)  # the rest
+        resumed.fit(feeder, epochs=2, initial_epoch=1, callbacks=[feeder.fit_callback()], verbose=0)
+    with fp.Feeder((x, y), BATCH, devices=devices[:1], shuffle=True, seed=2) as feeder:
+        whole = model(keras)
+        whole.fit(feeder, epochs=2, callbacks=[feeder.fit_callback()], verbose=0)
+    assert_same_weights(resumed, whole)
 
 
 def test_without_the_callback_the_state_says_why_it_is_unknown(keras, devices):
