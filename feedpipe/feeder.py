@@ -637,17 +637,18 @@ class Feeder:
         left = len(self._plan) - step
         if steps == left and (step == 0 or epochs is None or epochs <= 1):
             return
+        entry = "feeder.as_dataset()" if self.layer.name == "tensorflow" else "feeder"
         if step == 0:
             fix = (
                 f"this dataset was made mid-epoch and serves only the rest of that epoch; for "
-                f"the next epochs make a new one, model.fit(feeder.as_dataset(), "
+                f"the next epochs make a new one, model.fit({entry}, "
                 f"initial_epoch={epoch}, epochs=...)"
             )
         else:
             fix = (
                 f"after a restore mid-epoch, finish that epoch in a fit of its own on a dataset "
-                f"made after the restore, model.fit(feeder.as_dataset(), initial_epoch={epoch}, "
-                f"epochs={epoch + 1}), then go on with model.fit(feeder.as_dataset(), "
+                f"made after the restore, model.fit({entry}, initial_epoch={epoch}, "
+                f"epochs={epoch + 1}), then go on with model.fit({entry}, "
                 f"initial_epoch={epoch + 1}, epochs=...)"
             )
         runs = "" if epochs is None else f" (model.fit runs {epochs} such epochs)"

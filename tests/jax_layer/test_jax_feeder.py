@@ -227,3 +227,19 @@ def _first_error(feeder) -> str:
     except RuntimeError as error:
         return str(error)
     return ""
+
+
+def test_a_source_error_reaches_the_loop_with_its_type_and_the_sample(devices):
+    class Broken:
+        def __len__(self):
+            return 40
+
+        def __getitem__(self, index):
+            if index == 21:
+                raise KeyError(f"no record {index}")
+            return np.full(3, index, np.float32)
+
+    with fp.Feeder(Broken(), 8, devices=devices) as feeder, pytest.raises(KeyError) as caught:
+        list(feeder)
+    assert "no record 21" in str(caught.value)
+    assert any("sample index 21" in note for note in caught.value.__notes__)

@@ -154,6 +154,15 @@ def test_a_state_saved_mid_fit_resumes_in_a_new_feeder_to_the_same_weights(keras
     assert_same_weights(resumed, whole)
 
 
+def test_a_fit_of_several_epochs_after_a_restore_mid_epoch_says_how_to_finish_it(keras, devices):
+    x, y = data()
+    with fp.Feeder((x, y), BATCH, devices=devices[:1]) as feeder:
+        feeder.set_state({**feeder.get_state(), "step": 2})
+        fix = r"model\.fit\(feeder, initial_epoch=0, epochs=1\)"
+        with pytest.raises(ValueError, match=fix):
+            model(keras).fit(feeder, epochs=3, callbacks=[feeder.fit_callback()], verbose=0)
+
+
 def test_without_the_callback_the_state_says_why_it_is_unknown(keras, devices):
     x, y = data()
     with fp.Feeder((x, y), BATCH, devices=devices[:1]) as feeder:
