@@ -1,17 +1,18 @@
 """The `feedpipe` command: one subcommand per job, each in its own module, imported on use.
 
-TensorFlow is imported only by the subcommand that runs, so `feedpipe --help` and
-`feedpipe --version` answer at once. Unless the user set `TF_CPP_MIN_LOG_LEVEL`, it is set to 2
-before TensorFlow is imported, and the lines TensorFlow's C++ start-up writes before that
-setting takes effect (no CUDA driver, a failed cuInit, on a machine without a GPU) are caught
-at the descriptor and left out; any other line is written back. The demo says itself which
-devices it runs on.
+TensorFlow is imported only by the subcommand that runs, where it is installed (never by
+`feedpipe demo --framework jax`), so `feedpipe --help` and `feedpipe --version` answer at once.
+Unless the user set `TF_CPP_MIN_LOG_LEVEL`, it is set to 2 before TensorFlow is imported, and
+the lines TensorFlow's C++ start-up writes before that setting takes effect (no CUDA driver, a
+failed cuInit, on a machine without a GPU) are caught at the descriptor and left out; any other
+line is written back. The demo says itself which devices it runs on.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import shlex
 import sys
@@ -47,11 +48,17 @@ def _add_demo(subcommands: argparse._SubParsersAction) -> None:
         "demo",
         help="train a small model fed synchronously, then through fp.Feeder, and compare",
         description=(
-            "Trains a small Keras model under MirroredStrategy twice on synthetic data whose "
-            "reads take storage time: once fed synchronously step by step (the feed_dict "
-            "pattern), once through fp.Feeder. Prints steps/s, input-bound fractions and the "
-            "speedup. Uses the GPUs if there are any, else logical CPU devices."
+            "Trains a small model twice on synthetic data whose reads take storage time: once "
+            "fed synchronously step by step (the feed_dict pattern), once through fp.Feeder. "
+            "Prints steps/s, input-bound fractions and the speedup. On TensorFlow a Keras MLP "
+            "under MirroredStrategy, on JAX a jitted MLP sharded over the devices. Uses the "
+            "GPUs if there are any, else logical CPU devices."
         ),
+    )
+    parser.add_argument(
+        "--framework",
+        choices=("tensorflow", "jax"),
+        help="the framework to train with (default: tensorflow where installed, else jax)",
     )
     parser.add_argument(
         "--steps", type=_positive_int, help="training steps per run (default 150; 20 with --quick)"
@@ -88,12 +95,13 @@ def _start_up_lines_left_out() -> Iterator[None]:
 
 
 def _start_tensorflow() -> None:
-    """Imports TensorFlow and lets it probe for GPUs, quietly unless the user chose a log level.
+    """Imports TensorFlow, where it is installed, and lets it probe for GPUs, quietly unless
+    the user chose a log level.
 
     Listing the physical devices runs the CUDA probe without starting TensorFlow's runtime, so
     the demo can still make its logical CPU devices afterwards.
     """
-    if "TF_CPP_MIN_LOG_LEVEL" in os.environ:
+    if "TF_CPP_MIN_LOG_LEVEL" in os.environ or importlib.util.find_spec("tensorflow") is None:
         return
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
     with _start_up_lines_left_out():
@@ -105,7 +113,14 @@ def _start_tensorflow() -> None:
 def _run_demo(args: argparse.Namespace) -> int:
     from feedpipe import demo
 
-    demo.run(steps=args.steps, devices=args.devices, quick=args.quick)
+    try:
+        framework = demo.choose_framework(args.framework)
+    except ImportError as error:
+        print(f"feedpipe demo: error: {error}", file=sys.stderr)
+        return 2
+    if framework == "tensorflow":
+        _start_tensorflow()
+    demo.run(steps=args.steps, devices=args.devices, quick=args.quick, framework=framework)
     return 0
 
 
@@ -138,6 +153,7 @@ def _add_diagnose(subcommands: argparse._SubParsersAction) -> None:
 def _run_diagnose(args: argparse.Namespace) -> int:
     import json
 
+    _start_tensorflow()
     from feedpipe.diagnostics.diagnosis import TargetError, diagnose, load_target
 
     try:
@@ -230,6 +246,7 @@ def _add_service(subcommands: argparse._SubParsersAction) -> None:
 
 
 def _run_service(args: argparse.Namespace) -> int:
+    _start_tensorflow()
     from feedpipe.service.servers import LaunchError, serve_dispatcher, serve_worker
 
     try:
@@ -263,5 +280,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.command = shlex.join(["feedpipe", *argv])
-    _start_tensorflow()
     return args.run(args)

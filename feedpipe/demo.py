@@ -1,7 +1,9 @@
 """`feedpipe demo`: the same training, fed synchronously and then through `fp.Feeder`.
 
-A small Keras model trains twice under `tf.distribute.MirroredStrategy`, from the same weights,
-on the same batches, with the same compiled step and the same number of steps:
+A small MLP trains twice on the replicas of one framework (TensorFlow: a Keras model under
+`tf.distribute.MirroredStrategy`, `feedpipe.tf.demo`; JAX: a jitted step sharded over the
+devices, `feedpipe.jax.demo`), from the same weights, on the same batches, with the same
+compiled step and the same number of steps:
 
 1. *synchronous feeding*, the `feed_dict` pattern: every step the host reads the batch's
    samples, stacks them, places each replica's rows on its device, and only then runs the step;
@@ -13,25 +15,31 @@ The source is a map-style dataset whose samples take real time to read (a GIL-fr
 storage or network reads are), so the overlap the feeder buys is the one a user would see. The
 wait is sized on the machine the demo runs on, so that reading a global batch takes half as
 long as its step: slow enough that synchronous feeding pays for it every step, fast enough
-that a feeder can hide it entirely. Without GPUs the replicas are logical CPU devices, made
-before TensorFlow initialises.
+that a feeder can hide it entirely. Without an accelerator the replicas are logical CPU
+devices, made before the framework initialises.
+
+This module is the story and the report, and knows no framework; each framework's module
+supplies a `Training`: its devices, model, step and placement. The framework is imported only
+once chosen, so the JAX demo never loads TensorFlow.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import importlib
+import importlib.util
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
-import keras
 import numpy as np
-import tensorflow as tf
 
-import feedpipe as fp
-from feedpipe.core.stats import verdict
+from feedpipe.core.stats import FeedStats, verdict
+
+if TYPE_CHECKING:
+    from feedpipe.feeder import Feeder
 
 FEATURES = 256
 """Floats per sample: 1 KiB records, small enough that reading, not copying, dominates."""
@@ -49,10 +57,16 @@ by about as much again, so per-sample sleeps would not add up to the wait asked 
 TIMED_STEPS = 5
 HIDDEN_UNITS = 1024
 """Width of the MLP's two hidden layers: its step outlasts reading a batch, on 2 cores too."""
+LEARNING_RATE = 0.05
+MOMENTUM = 0.9
+"""SGD with momentum, as Keras's `SGD` applies it: velocity = momentum * velocity - rate *
+gradient, then weights += velocity."""
 NOISE_BANK = 4096
 """Distinct noise vectors the samples draw from, so building a sample is one cheap add."""
 DEFAULT_STEPS = 150
 QUICK_STEPS = 20
+FRAMEWORKS = {"tensorflow": "feedpipe.tf.demo", "jax": "feedpipe.jax.demo"}
+"""Each framework the demo runs on, in the order the default looks for them, and its module."""
 
 
 class SyntheticRecords:
@@ -113,82 +127,59 @@ class RunResult:
         return self.steps / self.wall_s
 
 
-def configure_devices(count: int) -> list[str]:
-    """The replica devices: the first `count` GPUs if there are any, else `count` CPU devices.
+class Training(Protocol):
+    """What a framework's module supplies: one model, its compiled step, and its replicas.
 
-    Logical CPU devices can only be made before TensorFlow initialises its runtime, so this
-    must run before any op; a machine without GPUs then still trains on several replicas.
+    `Training(devices)` makes `devices` replicas (logical CPU devices where there is no
+    accelerator) and a seeded MLP of `HIDDEN_UNITS` units trained with SGD at
+    `LEARNING_RATE` and `MOMENTUM`.
     """
-    if count < 1:
-        raise ValueError(f"`--devices`={count} must be at least 1.")
-    gpus = tf.config.list_physical_devices("GPU")
-    if gpus:
-        return [f"/gpu:{i}" for i in range(min(count, len(gpus)))]
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    # Raises once TensorFlow is running; then the CPU devices it has are checked below.
-    with contextlib.suppress(RuntimeError):
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * count
-        )
-    available = len(tf.config.list_logical_devices("CPU"))
-    if available < count:
-        raise RuntimeError(
-            f"TensorFlow was initialised with {available} CPU device(s) before the demo could "
-            f"make {count}; run the demo in a fresh process or pass --devices {available}."
-        )
-    return [f"/cpu:{i}" for i in range(count)]
+
+    devices: list[str]
+    """The replicas' devices, as the report names them."""
+    on: str
+    """What the replicas are: "GPUs", or "logical CPU devices: no GPU found"."""
+    model: str
+    """The model, as the report's first line names it."""
+
+    def place(self, features: np.ndarray, labels: np.ndarray, real: np.ndarray) -> tuple:
+        """`(inputs, mask)` of one global batch, each replica's rows on its device, as
+        `batch.distributed()` gives them; returns once they are there."""
+
+    def step(self, inputs: Any, mask: Any, num_valid: int) -> float:
+        """One training step: the mean loss over the `num_valid` real samples, once computed."""
+
+    def snapshot(self) -> Callable[[], None]:
+        """A function that puts the weights and optimizer state back to their current values."""
+
+    def feeder(self, dataset: SyntheticRecords, global_batch_size: int) -> Feeder:
+        """A feeder of `dataset` onto the replicas, in order."""
+
+    def progress_bar(self, steps: int) -> Callable[[int, float], None]:
+        """`update(done, loss)`: shows a run's progress."""
 
 
-def build_model() -> keras.Model:
-    """A three-layer MLP whose step outlasts reading its batch, so the input can be hidden."""
-    return keras.Sequential(
-        [
-            keras.Input((FEATURES,)),
-            keras.layers.Dense(HIDDEN_UNITS, activation="relu"),
-            keras.layers.Dense(HIDDEN_UNITS, activation="relu"),
-            keras.layers.Dense(CLASSES),
-        ]
-    )
+def progress_line(steps: int) -> Callable[[int, float], None]:
+    """`update(done, loss)`: redrawn in place on a terminal; one line at the end otherwise."""
+    started = time.perf_counter()
 
+    def update(done: int, loss: float) -> None:
+        if done == steps or sys.stdout.isatty():
+            elapsed_s = time.perf_counter() - started
+            line = f"\r{done}/{steps} - {elapsed_s:.0f}s - loss: {loss:.4f}"
+            print(line, end="\n" if done == steps else "", flush=True)
 
-def make_train_step(
-    strategy: tf.distribute.Strategy, model: keras.Model, optimizer: keras.Optimizer
-) -> Callable:
-    """One compiled step, `step(inputs, mask, num_valid) -> loss`, shared by both runs.
-
-    Each replica sums the loss of its real rows (the mask zeroes padding) and divides by the
-    real samples of the whole global batch; the optimizer sums the replicas' gradients, so a
-    padded last batch weighs exactly its real samples.
-    """
-    per_sample_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-
-    def replica_step(inputs, mask, num_valid):
-        features, labels = inputs
-        with tf.GradientTape() as tape:
-            losses = per_sample_loss(labels, model(features, training=True))
-            loss = tf.reduce_sum(tf.where(mask, losses, 0.0)) / num_valid
-        gradients = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(gradients, model.trainable_variables, strict=True))
-        return loss
-
-    @tf.function
-    def step(inputs, mask, num_valid):
-        losses = strategy.run(replica_step, args=(inputs, mask, num_valid))
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
-
-    return step
+    return update
 
 
 def build_batch_synchronously(
-    dataset: SyntheticRecords,
-    step: int,
-    global_batch_size: int,
-    strategy: tf.distribute.Strategy,
-) -> tuple[object, object, int]:
-    """The feed_dict pattern: read, stack, pad and place step `step`'s batch, in the caller.
+    dataset: SyntheticRecords, step: int, global_batch_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """The feed_dict pattern's host half: read, stack and pad step `step`'s batch, in the caller.
 
-    Batches follow the feeder's unshuffled order (epoch after epoch, the last batch of each
-    padded and masked), so both runs train on the same samples.
+    Returns `(features, labels, real, num_valid)`, `real` marking the real rows. Batches follow
+    the feeder's unshuffled order (epoch after epoch, the last batch of each padded and masked),
+    so both runs train on the same samples.
     """
     steps_per_epoch = -(-len(dataset) // global_batch_size)
     first = (step % steps_per_epoch) * global_batch_size
@@ -199,58 +190,40 @@ def build_batch_synchronously(
     features = np.stack([s[0] for s in samples])[rows_taken]
     labels = np.array([s[1] for s in samples], np.int32)[rows_taken]
     real = np.arange(global_batch_size) < num_valid
-    rows = global_batch_size // strategy.num_replicas_in_sync
-    devices = strategy.extended.worker_devices
-
-    def place(context):
-        i = context.replica_id_in_sync_group
-        part = slice(i * rows, (i + 1) * rows)
-        with tf.device(devices[i]):
-            return (tf.constant(features[part]), tf.constant(labels[part])), tf.constant(real[part])
-
-    inputs, mask = strategy.experimental_distribute_values_from_function(place)
-    return inputs, mask, num_valid
-
-
-def progress_bar(steps: int) -> keras.utils.Progbar:
-    """A live bar on a terminal; one summary line when the output is a file or a pipe."""
-    return keras.utils.Progbar(steps, verbose=1 if sys.stdout.isatty() else 2)
+    return features, labels, real, num_valid
 
 
 def train_synchronously(
-    step_fn: Callable,
-    dataset: SyntheticRecords,
-    global_batch_size: int,
-    strategy: tf.distribute.Strategy,
-    steps: int,
+    training: Training, dataset: SyntheticRecords, global_batch_size: int, steps: int
 ) -> RunResult:
-    """Trains `steps` steps, building each batch on the host right before its step."""
-    bar = progress_bar(steps)
+    """Trains `steps` steps, building and placing each batch on the host right before its step."""
+    update = training.progress_bar(steps)
     input_s = 0.0
     started = time.perf_counter()
     for i in range(steps):
         asked = time.perf_counter()
-        inputs, mask, num_valid = build_batch_synchronously(dataset, i, global_batch_size, strategy)
+        features, labels, real, num_valid = build_batch_synchronously(dataset, i, global_batch_size)
+        inputs, mask = training.place(features, labels, real)
         input_s += time.perf_counter() - asked
-        loss = float(step_fn(inputs, mask, tf.constant(num_valid, tf.float32)))
-        bar.update(i + 1, [("loss", loss)])
+        loss = training.step(inputs, mask, num_valid)
+        update(i + 1, loss)
     wall_s = time.perf_counter() - started
     return RunResult("synchronous feeding", steps, wall_s, input_s / wall_s, loss)
 
 
 def train_with_feeder(
-    step_fn: Callable, feeder: fp.Feeder, steps: int
-) -> tuple[RunResult, fp.FeedStats]:
+    training: Training, feeder: Feeder, steps: int
+) -> tuple[RunResult, FeedStats]:
     """Trains `steps` steps on batches the feeder has already staged on the devices."""
-    bar = progress_bar(steps)
+    update = training.progress_bar(steps)
     done = 0
     started = time.perf_counter()
     while done < steps:
         for batch in feeder:  # each pass is one epoch
             inputs, mask = batch.distributed()
-            loss = float(step_fn(inputs, mask, tf.constant(batch.num_valid, tf.float32)))
+            loss = training.step(inputs, mask, batch.num_valid)
             done += 1
-            bar.update(done, [("loss", loss)])
+            update(done, loss)
             if done == steps:
                 break
     wall_s = time.perf_counter() - started
@@ -258,22 +231,11 @@ def train_with_feeder(
     return RunResult("fp.Feeder", steps, wall_s, stats.input_bound_fraction, loss), stats
 
 
-def snapshot(variables: Sequence[tf.Variable]) -> Callable[[], None]:
-    """A function that puts `variables` back to their current values (weights and optimizer)."""
-    values = [v.numpy() for v in variables]
-
-    def restore() -> None:
-        for variable, value in zip(variables, values, strict=True):
-            variable.assign(value)
-
-    return restore
-
-
 def _replicas(count: int) -> str:
     return f"{count} replica{'' if count == 1 else 's'}"
 
 
-def print_report(devices: Sequence[str], runs: Sequence[RunResult], stats: fp.FeedStats) -> None:
+def print_report(devices: Sequence[str], runs: Sequence[RunResult], stats: FeedStats) -> None:
     """Both runs side by side, the speedup, and the feeder's own verdict."""
     print(f"\n{'':22}{'steps/s':>9}{'input-bound':>13}  {'verdict':<24}{'final loss':>10}")
     for run in runs:
@@ -302,52 +264,65 @@ def measure_read_s(dataset: SyntheticRecords, samples: int = 256) -> float:
     return (time.perf_counter() - started) / samples
 
 
-def measure_step_s(step_fn: Callable, inputs, mask, num_valid: int) -> float:
+def measure_step_s(training: Training, inputs: Any, mask: Any, num_valid: int) -> float:
     """The median time of the compiled step on a batch already on its devices."""
     times = []
     for _ in range(TIMED_STEPS):
         started = time.perf_counter()
-        float(step_fn(inputs, mask, tf.constant(num_valid, tf.float32)))
+        training.step(inputs, mask, num_valid)
         times.append(time.perf_counter() - started)
     return float(np.median(times))
 
 
-def build_training(strategy: tf.distribute.Strategy) -> tuple[Callable, list[tf.Variable]]:
-    """The model's compiled step and every variable it trains (weights and optimizer state)."""
-    with strategy.scope():
-        model = build_model()
-        optimizer = keras.optimizers.SGD(learning_rate=0.05, momentum=0.9)
-        # The slots must exist before the step is traced: variables made inside
-        # `strategy.run` in a tf.function are not mirrored.
-        optimizer.build(model.trainable_variables)
-    return make_train_step(strategy, model, optimizer), [*model.variables, *optimizer.variables]
+def choose_framework(framework: str | None = None) -> str:
+    """`framework` ("tensorflow" or "jax") once checked to be installed; None: TensorFlow where
+    it is installed, else JAX."""
+    if framework is None:
+        for name in FRAMEWORKS:
+            if importlib.util.find_spec(name) is not None:
+                return name
+        raise ImportError(
+            "The demo trains on TensorFlow or JAX, and neither is installed; install one: "
+            'pip install "feedpipe[tensorflow]" or pip install "feedpipe[jax]".'
+        )
+    if framework not in FRAMEWORKS:
+        raise ValueError(
+            f"`--framework`={framework!r} must be one of {', '.join(map(repr, FRAMEWORKS))}."
+        )
+    if importlib.util.find_spec(framework) is None:
+        raise ImportError(
+            f"`--framework`={framework!r} is not installed here; install it: "
+            f'pip install "feedpipe[{framework}]".'
+        )
+    return framework
 
 
-def run(steps: int | None = None, devices: int = 4, quick: bool = False) -> list[RunResult]:
-    """Runs the demo and prints its report; returns both runs' results."""
+def run(
+    steps: int | None = None, devices: int = 4, quick: bool = False, framework: str | None = None
+) -> list[RunResult]:
+    """Runs the demo on `framework` (see `choose_framework`) and prints its report; returns
+    both runs' results."""
     if steps is None:
         steps = QUICK_STEPS if quick else DEFAULT_STEPS
     if steps < 1:
         raise ValueError(f"`--steps`={steps} must be at least 1.")
-    replica_devices = configure_devices(devices)
-    strategy = tf.distribute.MirroredStrategy(replica_devices)
-    global_batch_size = PER_REPLICA_BATCH * strategy.num_replicas_in_sync
+    module = importlib.import_module(FRAMEWORKS[choose_framework(framework)])
+    training: Training = module.Training(devices)
+    global_batch_size = PER_REPLICA_BATCH * len(training.devices)
     dataset = SyntheticRecords()
-    keras.utils.set_random_seed(0)  # the same initial weights, and final loss, every run
-    step_fn, variables = build_training(strategy)
-    # One step outside the timing traces the step; both runs then start from its weights.
-    inputs, mask, num_valid = build_batch_synchronously(dataset, 0, global_batch_size, strategy)
-    step_fn(inputs, mask, tf.constant(num_valid, tf.float32))
-    restore = snapshot(variables)
-    step_s = measure_step_s(step_fn, inputs, mask, num_valid)
+    # One step outside the timing compiles the step; both runs then start from its weights.
+    features, labels, real, num_valid = build_batch_synchronously(dataset, 0, global_batch_size)
+    inputs, mask = training.place(features, labels, real)
+    training.step(inputs, mask, num_valid)
+    restore = training.snapshot()
+    step_s = measure_step_s(training, inputs, mask, num_valid)
     restore()
     per_sample_s = READ_SHARE * step_s / global_batch_size
     dataset.read_latency_s = max(0.0, per_sample_s - measure_read_s(dataset))
     read_s = measure_read_s(dataset) * global_batch_size
-    on = "GPUs" if replica_devices[0].startswith("/gpu") else "logical CPU devices: no GPU found"
     print(
-        f"feedpipe demo: {steps} steps of a {HIDDEN_UNITS}-unit MLP on "
-        f"{_replicas(strategy.num_replicas_in_sync)} ({on}), global batch {global_batch_size}\n"
+        f"feedpipe demo: {steps} steps of a {training.model} on "
+        f"{_replicas(len(training.devices))} ({training.on}), global batch {global_batch_size}\n"
         f"source: {len(dataset):,} synthetic samples of {FEATURES} floats; each read waits "
         f"{dataset.read_latency_s * 1e6:.0f} µs (GIL-free, like storage), so that reading a "
         f"batch takes about half a step here ({read_s * 1e3:.1f} ms; the step alone "
@@ -355,10 +330,10 @@ def run(steps: int | None = None, devices: int = 4, quick: bool = False) -> list
     )
 
     print("\n1/2 synchronous feeding (feed_dict pattern): build the batch, then run the step")
-    sync = train_synchronously(step_fn, dataset, global_batch_size, strategy, steps)
+    sync = train_synchronously(training, dataset, global_batch_size, steps)
     restore()
     print("2/2 fp.Feeder: the next batches are read and staged while the step runs")
-    with fp.Feeder(dataset, global_batch_size, strategy=strategy) as feeder:
-        fed, stats = train_with_feeder(step_fn, feeder, steps)
-    print_report(replica_devices, [sync, fed], stats)
+    with training.feeder(dataset, global_batch_size) as feeder:
+        fed, stats = train_with_feeder(training, feeder, steps)
+    print_report(training.devices, [sync, fed], stats)
     return [sync, fed]

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from feedpipe import cli, demo
+from feedpipe.tf import demo as tf_demo
 
 
 def test_the_demo_trains_the_same_model_both_ways_and_reports_both():
@@ -48,4 +49,4 @@ def test_demo_refuses_fewer_than_one_step_or_device():
     with pytest.raises(ValueError, match="--steps"):
         demo.run(steps=0)
     with pytest.raises(ValueError, match="--devices"):
-        demo.configure_devices(0)
+        tf_demo.configure_devices(0)

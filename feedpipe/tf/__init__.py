@@ -3,5 +3,5 @@
 `layer` (the devices, this host's share, staging: `devices`, `stage`), `batch` (what a custom
 loop's step takes, `Batch.distributed()` for `strategy.run`), `feeder` (`as_dataset()` for
 `model.fit`, the feeder in a `tf.train.Checkpoint`), `training` (`fp.train`, `fp.Trainer`,
-`fp.TowerStep`).
+`fp.TowerStep`), `demo` (`feedpipe demo`'s Keras model and step).
 """
