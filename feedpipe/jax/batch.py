@@ -36,7 +36,10 @@ class Batch(DeviceBatch):
         """`(inputs, mask)` as global `jax.Array`s, axis 0 sharded over the feeder's devices.
 
         The replicas' arrays become the shards as they are (no copy), across every process
-        under `jax.distributed`. With `sharding` (one of the same devices) JAX moves the
+        under `jax.distributed`: there each process holds its share of the rows, a contiguous
+        block in process order, and the array is the one that
+        `jax.make_array_from_process_local_data(feeder.sharding, rows)` makes from those rows,
+        without copying them again. With `sharding` (one of the same devices) JAX moves the
         shards there; without it, the feeder's: a 1-D mesh over its devices, or its mesh.
         """
         if self._inputs is None:
