@@ -7,6 +7,7 @@ inside the functions: worker processes import modules that use this one and neve
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,12 +53,45 @@ def keras_dataset(*data: Any, **options: Any) -> Any:
 def build_for_batch(model: Any, batch: Any) -> None:
     """Builds `model`, its loss, metrics and optimizer from `batch`, as `fit` does before its
     first step (a batch of per-replica values goes through Keras's distributed path)."""
-    import tensorflow as tf
-
-    if any(isinstance(v, tf.distribute.DistributedValues) for v in tf.nest.flatten(batch)):
+    tf = sys.modules.get("tensorflow")
+    if tf is not None and any(
+        isinstance(v, tf.distribute.DistributedValues) for v in tf.nest.flatten(batch)
+    ):
         model._maybe_symbolic_build(iterator=[(0, 0, iter([batch]))])
     else:
         model._symbolic_build(data_batch=batch)
+
+
+def keras_jax_batches(*data: Any, **options: Any) -> Iterator[Any]:
+    """The batches Keras's JAX `fit` hands its train function for `data`, epoch after epoch
+    until one is empty: its own epoch iterator, which places each batch as `fit` does (over a
+    `DataParallel` distribution's devices)."""
+    from keras.src.backend.jax.trainer import JAXEpochIterator
+
+    epochs = JAXEpochIterator(*data, **options)
+    while True:
+        taken = 0
+        for _, _, iterator in epochs:
+            try:
+                yield next(iterator)
+            except StopIteration:
+                break
+            taken += 1
+        if not taken:
+            return
+        epochs.reset()
+
+
+def jax_train_state(model: Any) -> tuple:
+    """The state Keras's JAX train function takes and returns: the trainable, non-trainable,
+    optimizer and metrics variables' arrays (the JAX trainer's own helper builds it; inside a
+    fit the variables hold it at each epoch's end)."""
+    return model._get_jax_state(
+        trainable_variables=True,
+        non_trainable_variables=True,
+        optimizer_variables=True,
+        metrics_variables=True,
+    )
 
 
 def keras_loss(loss: Any, y_true: Any, y_pred: Any) -> Any:

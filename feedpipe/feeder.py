@@ -10,6 +10,7 @@ sharded global batch, a checkpoint adapter).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 from collections.abc import Callable, Iterator
@@ -615,6 +616,30 @@ class Feeder:
         trained on becomes the position before anything else reads the feeder."""
         if self._tracker is not None:
             self._untrack(self._tracker)
+
+    def _end_open_pass(self) -> None:
+        """Ends a fit pass left open (Keras's look at a batch, a pass read in part), so that
+        the rest of the epoch is counted from what the step trained on."""
+        if self._active is not None and self._active.fit:
+            self._supersede()
+
+    @contextlib.contextmanager
+    def _set_aside(self) -> Iterator[None]:
+        """Reads that train nothing (a diagnosis): they read whole epochs from the next one
+        begun (`as_dataset().repeat()` can then repeat), and the position is put back after."""
+        self._end_interrupted_fit()
+        self._end_open_pass()
+        position = self._position
+        if position.step > 0 and self._plan is not None:
+            self._stop_pipeline()
+            self._position = Position(position.epoch + 1, 0)
+        try:
+            yield
+        finally:
+            self._active = None
+            self._stop_pipeline()
+            self._position = position
+            self._settle()
 
     def _steps_left(self) -> int | None:
         """Batches left in the current epoch (None where the length is unknown): a feeder left

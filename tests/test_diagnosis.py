@@ -323,6 +323,25 @@ def test_diagnosing_an_unbuilt_keras_model_leaves_it_untrained():
         np.testing.assert_array_equal(old.numpy(), new.numpy())
 
 
+@pytest.mark.parametrize("step", ["keras", "callable"])
+def test_a_diagnosis_leaves_the_feeder_where_it_was_for_the_fit_after_it(step):
+    x = np.arange(96 * 3, dtype=np.float32).reshape(96, 3)
+    y = np.ones((96, 1), np.float32)
+    model = sleeping_model(0.0)
+    with fp.Feeder((x, y), BATCH, devices=["/cpu:0"]) as feeder:
+        for index, _batch in enumerate(feeder):
+            if index == 4:
+                break
+        del _batch
+        start = feeder.get_state()
+        fp.diagnose(
+            feeder, model if step == "keras" else sleeping_step, steps=3, warmup=1, progress=False
+        )
+        assert feeder.get_state() == start
+        model.fit(feeder.as_dataset(), epochs=1, verbose=0, callbacks=[feeder.fit_callback()])
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (1, 0)
+
+
 def test_a_keras_model_under_mirrored_strategy_is_diagnosed_on_every_replica(strategy):
     with strategy.scope():
         model = sleeping_model(0.0)

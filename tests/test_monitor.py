@@ -530,8 +530,11 @@ def test_log_dir_gets_the_figures_as_tensorboard_scalars(tmp_path):
 
 
 def test_other_backends_are_refused_with_the_fix(monkeypatch):
-    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
-    fix = r"needs the TensorFlow backend, but Keras runs on 'jax'; set KERAS_BACKEND=tensorflow"
+    monkeypatch.setattr(keras.backend, "backend", lambda: "torch")
+    fix = (
+        r"StarvationMonitor needs Keras on TensorFlow or JAX, but Keras runs on 'torch'; set "
+        r"KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax"
+    )
     with pytest.raises(RuntimeError, match=fix):
         fp.StarvationMonitor()
 

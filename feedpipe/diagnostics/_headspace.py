@@ -1,22 +1,24 @@
 """The same compiled Keras step on one batch already on its device, leaving training as it was.
 
 `StarvationMonitor` and `diagnose` time a model's own compiled train step on one batch taken
-from the real stream: the headspace measurement. These helpers put that batch on the step's
-device or serve it again and again from memory, save every variable a step changes and put it
-back afterwards, and wait for a step's outputs.
+from the real stream: the headspace measurement. This module times it and bounds what it
+measured; each backend's `KerasSteps` (`feedpipe.tf.keras_step`, `feedpipe.jax.keras_step`)
+serves the batch again and again from memory through the step's own input path and leaves
+training as it was.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import keras
-import numpy as np
-import tensorflow as tf
+import optree
 
 from feedpipe.core.stats import verdict
 from feedpipe.diagnostics._contention import OtherLoadSpan
@@ -72,104 +74,6 @@ def bracket(
     return min(max(statistics.fmean(loaded), low), high), max(0.0, low), high
 
 
-def save_state(model: keras.Model) -> Callable[[], None]:
-    """Copies every variable a training step may change to host memory; returns the function
-    that puts them back (weights, optimizer slots and counters, metrics, seed states)."""
-    variables = _state_variables(model)
-    saved = [np.array(variable.numpy(), copy=True) for variable in variables]
-
-    def restore() -> None:
-        for variable, value in zip(variables, saved, strict=True):
-            variable.assign(value)
-
-    return restore
-
-
-def _state_variables(model: keras.Model) -> list[tf.Variable]:
-    """Every variable a training step may change, as per-device components, each once."""
-    optimizer = model.optimizer
-    found = [
-        *model.variables,
-        *(optimizer.variables if optimizer is not None else ()),
-        *model.metrics_variables,
-    ]
-    strategy = model.distribute_strategy
-    seen: set[int] = set()
-    components = []
-    for variable in found:
-        backing = variable.value if isinstance(variable, keras.Variable) else variable
-        # A mirrored or sync-on-read variable is restored replica by replica, as it was.
-        for component in strategy.experimental_local_results(backing):
-            if id(component) not in seen:
-                seen.add(id(component))
-                components.append(component)
-    return components
-
-
-def on_step_device(element: Any, strategy: tf.distribute.Strategy | None = None) -> Any:
-    """The element's tensors on the device the step runs on, so that timing it copies nothing.
-
-    Distributed values already sit on their replicas' devices and are kept as they are; so is
-    an element for several replicas, which the strategy splits. Without a strategy, or with
-    the default one, the step runs on the first GPU if there is one.
-    """
-    leaves = tf.nest.flatten(element)
-    if any(isinstance(leaf, tf.distribute.DistributedValues) for leaf in leaves):
-        return element
-    try:
-        replica_devices = strategy.extended.worker_devices if strategy is not None else ()
-    except RuntimeError:  # the default strategy has no worker devices
-        replica_devices = ()
-    if replica_devices:
-        device = replica_devices[0] if len(replica_devices) == 1 else None
-    else:
-        gpus = tf.config.list_logical_devices("GPU")
-        device = gpus[0].name if gpus else None
-    if device is None:
-        return element
-    with tf.device(device):
-        return tf.nest.map_structure(
-            lambda leaf: tf.identity(leaf) if isinstance(leaf, tf.Tensor) else leaf, element
-        )
-
-
-_INLINE = tf.data.Options()
-_INLINE.experimental_optimization.inject_prefetch = False
-"""No prefetch thread behind the resident element: handing it over costs the step nothing, on
-a busy machine too, where waking a thread can wait for a CPU."""
-
-
-def resident_iterator(element: Any, strategy: tf.distribute.Strategy) -> Any:
-    """An iterator of the kind `model.fit` hands its train function, serving `element` forever.
-
-    The train function then runs exactly the path it runs on the real input (the `get_next`
-    inside the compiled step, the outputs wrapped in an Optional), on an input that costs
-    nothing to make: one element held in memory. A step timed on it is the step alone as
-    `fit` runs it; timed on a plain list instead, a step under a millisecond reads up to a
-    quarter faster, and that difference would pass for input wait. A distributed element
-    (one part per replica) is served to each replica as its own part.
-    """
-    leaves = tf.nest.flatten(element)
-    if not any(isinstance(leaf, tf.distribute.DistributedValues) for leaf in leaves):
-        dataset = tf.data.Dataset.from_tensors(element).repeat().with_options(_INLINE)
-        return iter(strategy.experimental_distribute_dataset(dataset))
-    parts = [
-        tf.nest.map_structure(
-            lambda leaf, i=i: strategy.experimental_local_results(leaf)[i], element
-        )
-        for i in range(len(strategy.experimental_local_results(leaves[0])))
-    ]
-
-    def replica_batches(_context: tf.distribute.InputContext) -> tf.data.Dataset:
-        # Each replica takes the next element in turn: replica i gets part i.
-        dataset = tf.data.Dataset.from_tensors(parts[0])
-        for part in parts[1:]:
-            dataset = dataset.concatenate(tf.data.Dataset.from_tensors(part))
-        return dataset.repeat().with_options(_INLINE)
-
-    return iter(strategy.distribute_datasets_from_function(replica_batches))
-
-
 def time_step_alone(run: Callable[[], Any], calls: int, steps_per_call: int = 1) -> StepAlone:
     """The step alone by `run()`: at least `calls` calls and at least `HEADSPACE_MIN_S`, after
     one untimed call that warms up (the first may trace)."""
@@ -184,11 +88,56 @@ def time_step_alone(run: Callable[[], Any], calls: int, steps_per_call: int = 1)
 
 
 def finish(outputs: Any) -> None:
-    """Waits until the device has computed a step's small outputs (its loss, its metrics).
+    """Waits until the device has computed a step's outputs, whichever framework made them.
 
-    Reading a value waits for the ops it depends on; large outputs are left unread, as a
-    copy of them would be timed too.
+    A JAX array waits for itself. A TensorFlow tensor is read, which waits for the ops it
+    depends on: only small ones (the loss, the metrics), as a copy of a large output would be
+    timed too.
     """
-    for leaf in tf.nest.flatten(outputs):
-        if isinstance(leaf, tf.Tensor | tf.Variable) and leaf.shape.num_elements() <= 1024:
+    for leaf in optree.tree_leaves(outputs):
+        if hasattr(leaf, "block_until_ready"):
+            leaf.block_until_ready()
+        elif hasattr(leaf, "numpy") and math.prod(leaf.shape) <= 1024:
             leaf.numpy()
+
+
+class KerasSteps(Protocol):
+    """Keras's compiled train function on one backend, as the headspace runs it."""
+
+    def inputs(self, *data: Any, **options: Any) -> Iterator:
+        """What `fit` hands the train function for `data` (an input, or `x, y` arrays with
+        `batch_size=`), epoch after epoch."""
+
+    def build(self, element: Any) -> None:
+        """Builds the model, its loss, metrics and optimizer as `fit` does from `element`."""
+
+    def take(self, iterator: Any, count: int) -> list:
+        """Up to `count` elements of an input `fit` made."""
+
+    def feed(self, elements: list) -> Any:
+        """`elements` as the train function takes them in place of its input."""
+
+    def resident(self, element: Any) -> Any:
+        """An input serving `element` forever, from memory."""
+
+    def detached(self, function: Callable) -> AbstractContextManager[Callable[[Any], Any]]:
+        """A call of the train function `function` on an input, training left as it was
+        when the context ends."""
+
+
+def backend_steps(user: str) -> type[KerasSteps]:
+    """`KerasSteps` for the backend Keras runs on; `user` names the caller in the error for
+    any other backend."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        from feedpipe.tf.keras_step import TensorFlowSteps
+
+        return TensorFlowSteps
+    if backend == "jax":
+        from feedpipe.jax.keras_step import JaxSteps
+
+        return JaxSteps
+    raise RuntimeError(
+        f"{user} needs Keras on TensorFlow or JAX, but Keras runs on {backend!r}; set "
+        "KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax before importing keras."
+    )

@@ -20,6 +20,7 @@ ends. Writing the HTML report is `feedpipe.diagnostics.report`'s job, which read
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import importlib
@@ -35,24 +36,20 @@ from typing import Any
 
 import numpy as np
 import optree
-import tensorflow as tf
 
-from feedpipe._internals import build_for_batch, keras_dataset
 from feedpipe.core.source import ArraySource, TFDatasetSource
+from feedpipe.core.stage import DeviceBatch
 from feedpipe.core.stats import verdict
 from feedpipe.diagnostics._contention import OtherLoadSpan
 from feedpipe.diagnostics._headspace import (
     CANNOT_TELL,
     StepAlone,
+    backend_steps,
     bounded_verdict,
     bracket,
     finish,
-    on_step_device,
-    resident_iterator,
-    save_state,
 )
 from feedpipe.feeder import Feeder
-from feedpipe.service.client import ServiceProducer
 
 DEFAULT_STEPS = 50
 """Steps timed per measurement: enough for a median that one slow step does not move."""
@@ -287,7 +284,7 @@ def _is_keras_model(step: Any) -> bool:
 def _input_kind(source: Any) -> str:
     if isinstance(source, Feeder):
         return f"fp.Feeder(workers={source.options.workers}, depth={source.options.depth})"
-    if isinstance(source, tf.data.Dataset):
+    if _is_tf_dataset(source):
         return "tf.data.Dataset"
     keras = sys.modules.get("keras")
     if keras is not None and isinstance(source, keras.utils.PyDataset):
@@ -306,31 +303,60 @@ def _endless(source: Any) -> Iterator:
             return
 
 
-def _keras_dataset(source: Any) -> tf.data.Dataset:
-    """The input as the `tf.data.Dataset` that `model.fit` would read, epoch after epoch.
+def _is_tf_dataset(source: Any) -> bool:
+    tf = sys.modules.get("tensorflow")
+    return tf is not None and isinstance(source, tf.data.Dataset)
 
-    A generator or `PyDataset` goes through Keras's own adapter, as in `fit`; it is read for
-    one pass (Keras would replay the batches it peeked at if it were repeated).
-    """
-    if isinstance(source, Feeder):
-        return source.as_dataset().repeat()
-    if isinstance(source, tf.data.Dataset):
-        return source.repeat()
-    return keras_dataset(source)
+
+def _arrays(batch: Any) -> Iterator[Any]:
+    """The batch's arrays, whichever framework holds them: a feeder's batch by its replicas'
+    rows, a TensorFlow distributed value (one batch under a strategy) by its replicas' parts."""
+    if isinstance(batch, DeviceBatch):
+        batch = batch.replicas
+    tf = sys.modules.get("tensorflow")
+    for leaf in optree.tree_leaves(batch):
+        if tf is not None and isinstance(leaf, tf.distribute.DistributedValues):
+            yield from leaf.values
+        elif hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            yield leaf
 
 
 def _nbytes(batch: Any) -> int:
-    from feedpipe.tf.batch import Batch
+    return sum(math.prod(leaf.shape) * _itemsize(leaf.dtype) for leaf in _arrays(batch))
 
-    if isinstance(batch, Batch):
-        batch = batch.replicas
-    total = 0
-    for leaf in tf.nest.flatten(batch):
-        # A distributed leaf (one batch under a strategy) holds one part per replica.
-        for part in leaf.values if isinstance(leaf, tf.distribute.DistributedValues) else [leaf]:
-            if isinstance(part, tf.Tensor | np.ndarray):
-                total += int(np.prod(part.shape)) * tf.as_dtype(part.dtype).size
-    return total
+
+def _itemsize(dtype: Any) -> int:
+    """Bytes per element of a numpy, JAX (`itemsize`) or TensorFlow (`size`) dtype."""
+    return getattr(dtype, "itemsize", None) or dtype.size
+
+
+def _on_step_device(batch: Any) -> Any:
+    """TensorFlow tensors moved to the step's device (`feedpipe.tf.keras_step`); any other
+    batch as it is (JAX arrays already sit on theirs)."""
+    tf = sys.modules.get("tensorflow")
+    if tf is None or not any(isinstance(leaf, tf.Tensor) for leaf in tf.nest.flatten(batch)):
+        return batch
+    from feedpipe.tf.keras_step import on_step_device
+
+    return on_step_device(batch)
+
+
+def _is_cpu(device: Any) -> bool:
+    """A TensorFlow device name or a JAX device on a CPU."""
+    platform = getattr(device, "platform", None)
+    return platform == "cpu" if platform is not None else "CPU" in str(device).upper()
+
+
+def _on_service(feeder: Feeder) -> bool:
+    """Whether the feeder reads tf.data service (its client module is loaded only then)."""
+    client = sys.modules.get("feedpipe.service.client")
+    return client is not None and isinstance(feeder._producer, client.ServiceProducer)
+
+
+def _ran_out() -> tuple[type[Exception], ...]:
+    """What an exhausted input raises: TensorFlow's iterators raise `OutOfRangeError`."""
+    tf = sys.modules.get("tensorflow")
+    return (StopIteration,) if tf is None else (StopIteration, tf.errors.OutOfRangeError)
 
 
 def _steps(count: int) -> str:
@@ -378,7 +404,7 @@ class _CallableRun:
             batch = next(self.batches)
             finish(self.step(batch))
             progress.step()
-        self.kept = batch if isinstance(self.source, Feeder) else on_step_device(batch)
+        self.kept = batch if isinstance(self.source, Feeder) else _on_step_device(batch)
         return batch
 
     def consumer_alone(self, count: int, progress: _Progress) -> StepAlone:
@@ -430,7 +456,9 @@ class _CallableRun:
         return timings
 
     def restore(self) -> None:
-        """Puts back what the measurement changed: nothing of a callable step's."""
+        """Ends the measurement's reading of the input; a callable step has nothing to put
+        back."""
+        self.batches.close()
 
 
 class _KerasRun(_CallableRun):
@@ -454,14 +482,12 @@ class _KerasRun(_CallableRun):
             )
         self.source = source
         self.model = model
-        dataset = _keras_dataset(source)
-        strategy = model.distribute_strategy
-        self.batches = iter(strategy.experimental_distribute_dataset(dataset))
-        model.make_train_function()
-        self.train = model.train_function
+        self.steps = backend_steps("diagnose")(model)
+        self.batches = self.steps.inputs(source)
+        self.train: Callable[[Any], Any] = model.train_function
         self.spe = int(model.steps_per_execution)
         """Steps each call runs: times are per call, divided by it."""
-        self._restore: Callable[[], None] = lambda: None
+        self._detached = contextlib.ExitStack()
         self.kept = None
         self.together_other_load_s = 0.0
         """Per step, the delay other processes caused the together measurement's timed steps
@@ -470,13 +496,15 @@ class _KerasRun(_CallableRun):
     def warm_up(self, count: int, progress: _Progress) -> Any:
         progress.start("warm-up", count)
         batch = next(self.batches)
-        # Every variable must exist before it is saved.
-        build_for_batch(self.model, batch)
-        self._restore = save_state(self.model)
+        # Every variable must exist before training is set aside, and before the train
+        # function is made (on JAX it is compiled for the variables' shardings).
+        self.steps.build(batch)
+        self.model.make_train_function()
+        self.train = self._detached.enter_context(self.steps.detached(self.model.train_function))
         for _ in range(count):
             finish(self.train(self.batches))
             progress.step()
-        self.kept = resident_iterator(batch, self.model.distribute_strategy)
+        self.kept = self.steps.resident(batch)
         return batch
 
     def consumer_alone(self, count: int, progress: _Progress) -> StepAlone:
@@ -497,9 +525,7 @@ class _KerasRun(_CallableRun):
         data = _small_arrays_on_cpu(self.source)
         if data is None:
             return [], []
-        size = self.source.options.global_batch_size
-        dataset = keras_dataset(*data, batch_size=size).repeat()
-        batches = iter(self.model.distribute_strategy.experimental_distribute_dataset(dataset))
+        batches = self.steps.inputs(*data, batch_size=self.source.options.global_batch_size)
         progress.start(
             "model.fit(x, y) on the same arrays, in turn with the feeder (the first untimed)",
             warmup + count,
@@ -544,8 +570,10 @@ class _KerasRun(_CallableRun):
         return timings
 
     def restore(self) -> None:
-        """Puts every variable back as it was before the warm-up."""
-        self._restore()
+        """Leaves training as it was before the warm-up."""
+        self._detached.close()
+        # Dropped, so that no thread of TensorFlow's reads the feeder on behind this point.
+        self.batches = self.kept = None
 
 
 def _split_waits(together: list[StepTiming], alone_s: float) -> list[StepTiming]:
@@ -579,13 +607,10 @@ def _memcpy_s(nbytes: int) -> float:
 
 def _image_like(batch: Any) -> bool:
     """Whether the batch holds uint8 images (rank 4 with 1, 3 or 4 channels first or last)."""
-    from feedpipe.tf.batch import Batch
-
-    leaves = tf.nest.flatten(batch.replicas if isinstance(batch, Batch) else batch)
-    for leaf in leaves:
-        shape = getattr(leaf, "shape", ())
+    for leaf in _arrays(batch):
+        shape = leaf.shape
         if (
-            getattr(leaf, "dtype", None) in (np.uint8, tf.uint8)
+            getattr(leaf.dtype, "name", None) == "uint8"
             and len(shape) == 4
             and (shape[-1] in (1, 3, 4) or shape[1] in (1, 3, 4))
         ):
@@ -635,7 +660,7 @@ def _handoff_bound(diagnosis: Diagnosis, feeder: Feeder | None) -> str | None:
 def _small_arrays_on_cpu(source: Any) -> tuple | None:
     """`(x, y)` or `(x, y, sample_weight)`, where `source` is a Feeder reading a tuple of that
     many numpy arrays, `SMALL_ARRAYS_BYTES` at most, onto CPUs only; else None."""
-    if not isinstance(source, Feeder) or not all("CPU" in d.upper() for d in source.devices):
+    if not isinstance(source, Feeder) or not all(_is_cpu(d) for d in source.devices):
         return None
     arrays = getattr(source._source, "arrays", None)  # an ArraySource: arrays in memory
     if arrays is None or sum(a.nbytes for a in arrays) > SMALL_ARRAYS_BYTES:
@@ -663,7 +688,7 @@ def _service_remedy(diagnosis: Diagnosis, feeder: Feeder, cores: int) -> tuple[s
         f"each sample then crosses the network once: {network / 2**20:,.1f} MiB/s "
         f"({network * 8e-9:,.2f} Gbit/s)"
     )
-    if isinstance(feeder._producer, ServiceProducer):
+    if _on_service(feeder):
         scale = math.ceil(consumer / producer * 10) / 10
         return (
             f"more tf.data service workers: {scale:.1f}x the worker cores now (feedpipe "
@@ -804,13 +829,15 @@ def rank_remedies(
                 )
         elif feeder is not None:
             used = max(feeder.options.workers, 1)
-            if used < cores and not isinstance(feeder._producer, ServiceProducer):
+            if used < cores and not _on_service(feeder):
                 add(
                     f"more workers: workers={cores} (now {feeder.options.workers})",
                     why + f"; {cores} cores can run the per-sample work in parallel",
                     min(consumer, producer * cores / used),
                 )
-            offload = _service_remedy(diagnosis, feeder, cores)
+            # tf.data service feeds TensorFlow's layer alone.
+            tensorflow = feeder.layer.name == "tensorflow"
+            offload = _service_remedy(diagnosis, feeder, cores) if tensorflow else None
             if offload is not None:
                 action, beyond = offload
                 add(action, f"{why}; {beyond}", consumer)
@@ -893,8 +920,9 @@ def diagnose(
     """Measures the producer alone, the consumer alone and both together; ranks remedies.
 
     Args:
-        source: the input: an `fp.Feeder`, a `tf.data.Dataset`, a `keras.utils.PyDataset`, or
-            any iterable of batches (a generator is read on, never restarted).
+        source: the input: an `fp.Feeder` (which goes on afterwards from where it was), a
+            `tf.data.Dataset`, a `keras.utils.PyDataset`, or any iterable of batches (a
+            generator is read on, never restarted).
         step: a callable taking one batch (a `Batch` for a Feeder), or a compiled Keras model,
             which is trained as `model.fit` trains it; its variables are put back afterwards.
         steps: steps timed in each measurement.
@@ -909,10 +937,8 @@ def diagnose(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"`{name}`={value!r} must be an integer >= 1.")
     if _is_keras_model(step):
-        run: _CallableRun = _KerasRun(source, step)
         step_kind = f"Keras model {step.name!r} (its compiled train function)"
     elif callable(step):
-        run = _CallableRun(source, step)
         step_kind = f"step {getattr(step, '__name__', type(step).__name__)}"
     else:
         raise TypeError(
@@ -922,24 +948,27 @@ def diagnose(
     measured_at = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     needed = 2 * warmup + 2 * steps
     bar = _Progress(progress)
-    try:
-        first = run.warm_up(warmup, bar)
-        batch_bytes = _nbytes(first)
-        image_like = _image_like(first)
-        del first
-        consumer = run.consumer_alone(steps, bar)
-        producer = run.producer_alone(steps, bar)
-        together = run.together(warmup, steps, bar)
-        again = run.consumer_again(steps, bar)
-        arrays, beside = run.keras_arrays(warmup, steps, bar)
-    except (StopIteration, tf.errors.OutOfRangeError) as error:
-        raise ValueError(
-            f"The input ({_input_kind(source)}) ran out of batches: diagnose takes {needed} "
-            f"(2 x warmup={warmup} + 2 x steps={steps}); give an input that repeats or is "
-            "longer, or pass fewer steps."
-        ) from error
-    finally:
-        run.restore()
+    # A feeder goes on from where it was: the diagnosis trains nothing.
+    with source._set_aside() if isinstance(source, Feeder) else contextlib.nullcontext():
+        run = _KerasRun(source, step) if _is_keras_model(step) else _CallableRun(source, step)
+        try:
+            first = run.warm_up(warmup, bar)
+            batch_bytes = _nbytes(first)
+            image_like = _image_like(first)
+            del first
+            consumer = run.consumer_alone(steps, bar)
+            producer = run.producer_alone(steps, bar)
+            together = run.together(warmup, steps, bar)
+            again = run.consumer_again(steps, bar)
+            arrays, beside = run.keras_arrays(warmup, steps, bar)
+        except _ran_out() as error:
+            raise ValueError(
+                f"The input ({_input_kind(source)}) ran out of batches: diagnose takes "
+                f"{needed} (2 x warmup={warmup} + 2 x steps={steps}); give an input that "
+                "repeats or is longer, or pass fewer steps."
+            ) from error
+        finally:
+            run.restore()
     alone_range = None
     if again is not None:
         alone_s, low_s, high_s = bracket(

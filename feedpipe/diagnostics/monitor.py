@@ -1,17 +1,19 @@
 """StarvationMonitor: is `model.fit` input-bound, whatever feeds it?
 
-Keras runs a step by calling `model.train_function(iterator)`; for a `tf.data` iterator (every
-input `fit` accepts becomes one) that call is a compiled function which takes the batch with
-`iterator.get_next()` *inside* the graph. The wait for input is hidden inside the step, so no
-callback can read it directly. It is derived instead, by a headspace A/B:
+Keras runs a step by calling `model.train_function`, which takes the batch from its input
+*inside* the call: on TensorFlow a compiled function whose `iterator.get_next()` sits in the
+graph (every input `fit` accepts becomes a `tf.data` iterator); on JAX a function of the
+training state and an iterator, which it reads with `next` before the jitted step. The wait
+for input is hidden inside the step, so no callback can read it directly. It is derived
+instead, by a headspace A/B:
 
 - A, the real step: the time from each call of `train_function` until Keras hands its logs to
   the callbacks (they are numbers by then, so the device has finished the step);
 - B, the step alone: the same compiled function on an input that costs nothing, one real batch
   served again and again from memory, timed `headspace_steps` times at the end of every
-  epoch, with every variable it changes saved before and put back after, so training is not
-  changed. (Not in the middle of an epoch: the input would fill its buffers meanwhile, and
-  the steps after would read as fed.)
+  epoch, training left as it was (on TensorFlow every variable it changes is saved before and
+  put back after; on JAX it runs on a copy of the state). (Not in the middle of an epoch: the
+  input would fill its buffers meanwhile, and the steps after would read as fed.)
 
 The input-wait fraction is `1 - B / A`: the share of the real step that was not the step
 itself. B is measured after every epoch, because other load on the machine changes the step's
@@ -25,29 +27,25 @@ within the epoch escapes both measurements; the delay it caused the process's th
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import importlib.util
 import os
 import time
 from typing import TYPE_CHECKING, Any
 
 import keras
-import tensorflow as tf
 
 from feedpipe._internals import scalar_summary_metadata
 from feedpipe.core.stats import MODERATE_FRACTION, verdict
 from feedpipe.diagnostics._contention import OtherLoadSpan
 from feedpipe.diagnostics._headspace import (
     CANNOT_TELL,
+    KerasSteps,
     StepAlone,
+    backend_steps,
     bounded_verdict,
     bracket,
-    resident_iterator,
-    save_state,
     time_step_alone,
 )
-
-_SCALAR = scalar_summary_metadata()
-"""Marks the monitor's summaries as scalars for TensorBoard (see `feedpipe._internals`)."""
 
 if TYPE_CHECKING:
     from feedpipe.core.stats import FeedStats
@@ -93,11 +91,13 @@ class EpochStarvation:
     feeder_wait_fraction: float | None = None
     """The share of this epoch the monitored `Feeder`'s consumer waited for a staged batch,
     as `feeder.stats()` counts it; None without a feeder. Under `fit` that consumer is the
-    step's own `get_next` reading `as_dataset()`, so it sees the same wait as the monitor,
-    less what only the monitor sees: TensorFlow taking the batch from the feeder, and the
-    input's threads competing with the step for the CPU. A `prefetch` added after
-    `as_dataset()` moves the consumer to tf.data's thread, which waits while the step
-    computes too: then it reads higher than the step's wait."""
+    train function taking its batch, so it sees the same wait as the monitor, less what only
+    the monitor sees: the framework taking the batch from the feeder, and the input's
+    threads competing with the step for the CPU. A `prefetch` added after `as_dataset()`
+    moves the consumer to tf.data's thread, which waits while the step computes too: then it
+    reads higher than the step's wait."""
+    backend: str = "tensorflow"
+    """Keras's backend: it names what takes each batch from the feeder."""
 
     @property
     def input_wait_fraction(self) -> float:
@@ -183,11 +183,16 @@ class EpochStarvation:
             f"makes {self.producer_samples_per_s:,.0f} samples/s)"
         )
         if low - seen >= MODERATE_FRACTION:
+            taking = (
+                "TensorFlow taking each batch from it (as_dataset's generator, Python and a "
+                "copy per batch)"
+                if self.backend == "tensorflow"
+                else "Keras taking each batch from it (its iterator, Python per batch)"
+            )
             return note + (
                 f"; the other {self.input_wait_fraction - seen:.1%} is input work the feeder "
-                "cannot time: TensorFlow taking each batch from it (as_dataset's generator, "
-                "Python and a copy per batch) and the input's threads competing with the step "
-                "for the CPU"
+                f"cannot time: {taking} and the input's threads competing with the step for "
+                "the CPU"
             )
         if seen - high >= MODERATE_FRACTION:
             return note + (
@@ -200,14 +205,15 @@ class EpochStarvation:
 class StarvationMonitor(keras.callbacks.Callback):
     """A Keras callback that tells, per epoch, whether `model.fit` waits for its input.
 
-    It works for any input `fit` takes (`tf.data`, `PyDataset`, a generator,
-    `Feeder.as_dataset()`): it wraps `model.train_function` for the fit (two clock reads per
-    call) and puts Keras's own function back at the end. On the fit's second call it takes
-    one real batch from the stream (the step trains on it exactly once, as it would have) and
-    keeps it in memory for the fit; at the end of every epoch that has timed steps it runs the
-    same compiled train function `headspace_steps` times on that batch served from memory
-    (the headspace), saving and restoring every model, optimizer and metric variable around
-    it. Each measured epoch adds `input_wait_fraction`, its bound
+    It works for any input `fit` takes (`tf.data`, `PyDataset`, a generator, a feeder or its
+    `as_dataset()`), on Keras's TensorFlow and JAX backends: it wraps `model.train_function`
+    for the fit (two clock reads per call) and puts Keras's own function back at the end. On
+    the fit's second call it takes one real batch from the stream (the step trains on it
+    exactly once, as it would have) and keeps it in memory for the fit; at the end of every
+    epoch that has timed steps it runs the same compiled train function `headspace_steps`
+    times on that batch served from memory (the headspace), saving and restoring every
+    model, optimizer and metric variable around it (on JAX, on a copy of the training state,
+    dropped after). Each measured epoch adds `input_wait_fraction`, its bound
     `input_wait_fraction_low` / `_high`, `steps_per_s` and `step_alone_steps_per_s` (and,
     with a `feeder`, `producer_samples_per_s` and `feeder_wait_fraction`) to the epoch logs,
     appends an `EpochStarvation` to `epochs`, prints the verdict when `verbose`, and writes
@@ -216,8 +222,8 @@ class StarvationMonitor(keras.callbacks.Callback):
 
     Each measured epoch costs `headspace_steps + 1` extra steps (one warms up), or a quarter
     of a second of them if that is more, and a copy of the model's variables to host memory
-    and back. Time spent in callbacks listed *before*
-    the monitor counts as step time: list it first. The TensorFlow backend only.
+    and back. Time spent in callbacks listed *before* the monitor counts as step time: list
+    it first.
     """
 
     def __init__(
@@ -235,18 +241,14 @@ class StarvationMonitor(keras.callbacks.Callback):
                 to whole calls of `steps_per_execution`), and for at least a quarter of a
                 second. Default 10: enough for a standard error that bounds the verdict.
             verbose: 1 prints one line per epoch with the verdict; 0 prints nothing.
-            log_dir: Where to write the figures as TensorBoard scalars, one point per epoch;
-                None writes nothing.
-            feeder: The `Feeder` whose `as_dataset()` feeds the fit, to report what it saw
-                of the same wait and what its producer alone sustains; optional.
+            log_dir: Where to write the figures as TensorBoard scalars, one point per epoch
+                (TensorFlow writes them, on any backend); None writes nothing.
+            feeder: The `Feeder` that feeds the fit (itself or its `as_dataset()`), to
+                report what it saw of the same wait and what its producer alone sustains;
+                optional.
         """
         super().__init__()
-        backend = keras.backend.backend()
-        if backend != "tensorflow":
-            raise RuntimeError(
-                f"StarvationMonitor needs the TensorFlow backend, but Keras runs on {backend!r}; "
-                "set KERAS_BACKEND=tensorflow before importing keras."
-            )
+        self._steps_type = backend_steps("StarvationMonitor")
         if isinstance(headspace_steps, bool) or not isinstance(headspace_steps, int):
             raise TypeError(f"`headspace_steps`={headspace_steps!r} must be an integer.")
         if headspace_steps < 2:
@@ -264,10 +266,17 @@ class StarvationMonitor(keras.callbacks.Callback):
         self.headspace_steps = headspace_steps
         self.verbose = int(verbose)
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        if self.log_dir is not None and importlib.util.find_spec("tensorflow") is None:
+            raise ImportError(
+                f"`log_dir`={self.log_dir!r}: TensorBoard scalars are written by TensorFlow, "
+                "which is not installed; pip install tensorflow, or pass log_dir=None and read "
+                "the figures from the History or `monitor.epochs`."
+            )
         self.feeder = feeder
         self.epochs: list[EpochStarvation] = []
         """One entry per measured epoch of the latest fit."""
         self._original: Any = None
+        self._steps: KerasSteps | None = None
         self._writer: Any = None
         self._spe = 1
         self._total_steps: int | None = None
@@ -311,6 +320,7 @@ class StarvationMonitor(keras.callbacks.Callback):
                 "`model.fit`, which makes that function before calling on_train_begin."
             )
         self._original = function
+        self._steps = self._steps_type(model)
         self._spe = int(model.steps_per_execution)
         self._total_steps = (self.params or {}).get("steps")
         self._reset_fit()
@@ -318,16 +328,17 @@ class StarvationMonitor(keras.callbacks.Callback):
         model.train_function = self._wrap(function)
 
     def _wrap(self, original):
-        def train_function(iterator):
+        # TensorFlow's train function takes the input; JAX's takes the state, then the input.
+        def train_function(*args):
             self._fit_calls += 1
             self._epoch_calls += 1
             if self._resident is None and self._fit_calls >= 2:
                 self._started = None
-                return self._take_headspace_batch(original, iterator)
+                return self._take_headspace_batch(original, *args)
             if self._epoch_calls > 1 and self._epoch_other_load is None:
                 self._epoch_other_load = OtherLoadSpan()
             self._started = time.perf_counter() if self._epoch_calls > 1 else None
-            return original(iterator)
+            return original(*args)
 
         setattr(train_function, _ORIGINAL, original)
         return train_function
@@ -378,6 +389,7 @@ class StarvationMonitor(keras.callbacks.Callback):
             other_load_s=other_load_s,
             producer_samples_per_s=producer,
             feeder_wait_fraction=feeder_wait,
+            backend=keras.backend.backend(),
         )
         self.epochs.append(result)
         if logs is not None:
@@ -394,6 +406,7 @@ class StarvationMonitor(keras.callbacks.Callback):
         if getattr(model.train_function, _ORIGINAL, None) is self._original:
             model.train_function = self._original
         self._original = None
+        self._steps = None
         self._resident = None
         if self._writer is not None:
             self._writer.close()
@@ -401,46 +414,36 @@ class StarvationMonitor(keras.callbacks.Callback):
 
     # ---- the headspace -------------------------------------------------------------------------
 
-    def _take_headspace_batch(self, original, iterator):
+    def _take_headspace_batch(self, original, *args):
         """Runs this call's steps on elements taken here, keeping the first for the headspace.
 
-        The step trains on each element exactly once, through the same compiled step Keras
-        uses for data that is not a `tf.data` iterator.
+        The step trains on each element exactly once, through the same compiled step.
         """
-        if hasattr(iterator, "get_next_as_optional"):
-            elements = []
-            for _ in range(self._spe):
-                optional = iterator.get_next_as_optional()
-                if not optional.has_value():
-                    break
-                elements.append(optional.get_value())
-        else:
-            elements = list(itertools.islice(iterator, self._spe))
+        *state, iterator = args
+        elements = self._steps.take(iterator, self._spe)
         if not elements:
             raise StopIteration  # what Keras's own function raises on an exhausted iterator
-        outputs = original(elements)
-        self._resident = resident_iterator(elements[0], self.model.distribute_strategy)
+        outputs = original(*state, self._steps.feed(elements))
+        self._resident = self._steps.resident(elements[0])
         return outputs
 
     def _time_step_alone(self) -> StepAlone:
         """The compiled step on the resident batch, training unchanged."""
-        restore = save_state(self.model)
-        try:
+        with self._steps.detached(self._original) as run:
             return time_step_alone(
-                lambda: self._original(self._resident),
-                -(-self.headspace_steps // self._spe),
-                self._spe,
+                lambda: run(self._resident), -(-self.headspace_steps // self._spe), self._spe
             )
-        finally:
-            restore()
 
     def _write_scalars(self, result: EpochStarvation) -> None:
+        import tensorflow as tf  # TensorBoard's writer, on any Keras backend
+
         if self._writer is None:
             self._writer = tf.summary.create_file_writer(self.log_dir)
+        scalar = scalar_summary_metadata()
         with self._writer.as_default():
             for name, value in result.logs().items():
                 tf.summary.write(
-                    name, tf.constant(value, tf.float32), step=result.epoch, metadata=_SCALAR
+                    name, tf.constant(value, tf.float32), step=result.epoch, metadata=scalar
                 )
         self._writer.flush()
 

@@ -54,6 +54,7 @@ def keras_batches(feeder: Any) -> Iterator[Any]:
     size = feeder.options.global_batch_size
     made: dict[int, tuple[Any, Any]] = {}
     """Per pattern, keyed by its masks (kept, so that the key stays theirs): rows or weights."""
+    feeder._end_open_pass()
     steps = feeder._steps_left() if feeder.share.num_hosts == 1 else None
     for batch in feeder._iterate(fit=True, host=False, steps=steps):
         inputs, mask = batch.distributed()
