@@ -1,30 +1,28 @@
 """feedpipe keeps every accelerator fed.
 
-The pipeline, left to right, one module per box:
+The pipeline, left to right, one module per box (the README's layout table lists them all):
 
     source ──► sampler ──► producers ──► writer ──► split/slots ──► stage ──► feeder
     what the   which       who makes     per-sample  which rows go   onto      the consumer's
-    samples    indices,    each batch,   work: read, where, in host  each      end: iterator,
-    are        what order  when (a       transform,  memory laid     device    as_dataset(),
-               (remainder  thread, or    check,      out per                   state, checkpoints
-               .py: the    workers)      write       replica                   (batch.py: what
-               last batch)                                                     the step takes)
+    samples    indices,    each batch,   work: read, where, in host  each      end: iteration,
+    are        what order  when (a       transform,  memory laid     device    state, passes
+               (remainder  thread, or    check,      out per                   of a fit
+               .py: the    workers)      write       replica
+               last batch)
                                  stats observe every hop
 
-Plumbing: `_pipeline` runs the background thread and its hand-off; `_sync` is the one
-stop/timeout/join pattern every thread and pool follows; `workers` holds the worker pools
-(processes or threads), `_worker` what runs inside a worker, `_shm` the memory shared with
-worker processes; `devices` names the replicas' devices; `_internals` wraps every call into
+In layers: `core/` knows no framework (the boxes up to the host stager, the position and
+state, page-locked slots); `feeder.py` is the consumer's end on any framework and builds the
+subclass of the framework that `devices` or `strategy` name (`_frameworks`). `tf/` stages on
+TensorFlow devices (`as_dataset`, checkpoints, `fp.train`); `jax/` on JAX devices and meshes;
+`keras/` makes a feeder Keras's data adapter (`model.fit(feeder)`) and tracks a fit;
+`service/` is tf.data service; `diagnostics/` answers "is the step starved, and what would
+help" (`fp.StarvationMonitor`, `fp.diagnose`, the report); `cli` and `demo` are the
+`feedpipe` command; `dali` reads DALI pipelines; `_internals` wraps every call into
 TensorFlow's and Keras's private APIs.
 
-Consumers and diagnostics: `training` (`fp.train`, `fp.Trainer`, `fp.TowerStep`), `monitor`
-(`fp.StarvationMonitor`), `diagnosis` ("is the step starved, and what would help":
-`fp.diagnose`), `report` (its HTML page), `cli` (`feedpipe demo`, `feedpipe diagnose`), `dali`
-(DALI pipelines as a source; DALI is imported there alone).
-
-`source`, `sampler`, `remainder`, `producers`, `writer`, `split`, `slots`, `workers`, `_worker`,
-`_shm` and `_sync` never import TensorFlow; the public names below load lazily, so
-`import feedpipe` stays light.
+`import feedpipe` imports no framework: the public names below load lazily, and worker
+processes import `core/` alone.
 """
 
 from __future__ import annotations
