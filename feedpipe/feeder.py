@@ -428,8 +428,9 @@ class Feeder:
                     return
                 self._position = Position(item.epoch, item.step + 1)
                 this.handed += 1
-                if fit and self._plan is not None and item.step + 1 == len(self._plan):
-                    # The epoch's end is taken with its last batch: Keras never asks past it.
+                if self._plan is not None and item.step + 1 == len(self._plan):
+                    # The epoch's end is taken with its last batch: Keras never asks past it,
+                    # nor does a loop that takes len(feeder) batches (islice, zip with range).
                     self._end_epoch(this, self._next(pipeline))
                     yield item
                     return
@@ -590,7 +591,9 @@ class Feeder:
 
     def _track(self, tracker: Any) -> None:
         """A tracked `fit` begins: passes of `as_dataset` since the position was last settled
-        were Keras's look at a batch to build the model, not training."""
+        were Keras's look at a batch to build the model, not training. A fit on the same
+        dataset that raised goes on from what it trained."""
+        self._end_interrupted_fit()
         position, passes = self._settled
         if self._passes != passes:
             self._active = None
@@ -615,7 +618,15 @@ class Feeder:
         """A `fit` that raised (an error, Ctrl-C) never tells its tracker it ended: what it
         trained on becomes the position before anything else reads the feeder."""
         if self._tracker is not None:
+            self._tracker.interrupted()
             self._untrack(self._tracker)
+
+    def _untake(self, batch: Any) -> None:
+        """`batch` and the batches taken after it trained nothing (the step raised): the next
+        loop begins at it. Call once the loop that took them is closed."""
+        self._stop_pipeline()
+        self._position = Position(batch.epoch, batch.step)
+        self._settle()
 
     def _end_open_pass(self) -> None:
         """Ends a fit pass left open (Keras's look at a batch, a pass read in part), so that

@@ -53,6 +53,19 @@ class Stream:
             "shuffle": self.shuffle,
         }
 
+    def order_fields(self) -> dict:
+        """The fields the order of every global batch depends on, by name: the hosts of a
+        multi-worker strategy each make their rows of that order, so theirs must agree (the
+        derived steps_per_epoch last, so that a difference names its cause first)."""
+        return {
+            "dataset_length": self.dataset_length,
+            "global_batch_size": self.global_batch_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_shards": self.num_shards,
+            "steps_per_epoch": self.steps_per_epoch,
+        }
+
     def position(self, state: dict) -> Position:
         """Where `state` continues the stream; raises, naming the field, if it cannot here.
 
@@ -82,4 +95,10 @@ class Stream:
         for field in ("epoch", "step"):
             if not isinstance(state[field], int) or state[field] < 0:
                 raise ValueError(f"The state's {field}={state[field]!r} must be an integer >= 0.")
+        if self.steps_per_epoch is not None and state["step"] >= self.steps_per_epoch:
+            raise ValueError(
+                f"The state's step={state['step']} must be below {self.steps_per_epoch}, the "
+                f"steps of an epoch here; get_state() at an epoch's end says step 0 of the next "
+                f"epoch: pass {{'epoch': {state['epoch'] + 1}, 'step': 0, ...}}."
+            )
         return Position(state["epoch"], state["step"])

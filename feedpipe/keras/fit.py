@@ -36,14 +36,17 @@ class FitTracker(keras.callbacks.Callback):
         self.first_pass = 0
         """Passes of the dataset begun before this Keras epoch: the epoch reads the next."""
         self.steps = 0
-        """Steps of this Keras epoch trained, counting the one running."""
+        """Steps of this Keras epoch begun, counting the one running: what the callbacks of a
+        running step read (a checkpoint in `on_train_batch_end` saves the step it follows)."""
+        self.finished = 0
+        """Steps of this Keras epoch whose step returned: what a fit that raised trained on."""
 
     def on_train_begin(self, logs=None):
         self.feeder._track(self)
         _warn_unweighted_metrics(self.model, self.feeder)
 
     def on_epoch_begin(self, epoch, logs=None):
-        self.first_pass, self.steps = self.feeder._passes, 0
+        self.first_pass, self.steps, self.finished = self.feeder._passes, 0, 0
         params = self.params or {}
         self.feeder._check_pass_steps(params.get("steps"), params.get("epochs", epoch + 1) - epoch)
 
@@ -52,10 +55,16 @@ class FitTracker(keras.callbacks.Callback):
         self.steps = batch + self.model.steps_per_execution
 
     def on_train_batch_end(self, batch, logs=None):
+        self.finished = self.steps
         self.feeder._raise_failure()
 
     def on_train_end(self, logs=None):
         self.feeder._untrack(self)
+
+    def interrupted(self) -> None:
+        """The fit raised (in a step, a callback, or Ctrl-C): a step that never returned
+        trained nothing, so only the finished steps count."""
+        self.steps = self.finished
 
 
 def _warn_unweighted_metrics(model: keras.Model, feeder: Any) -> None:

@@ -18,7 +18,7 @@ import contextlib
 import functools
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import keras
@@ -278,8 +278,9 @@ class Trainer:
             started = time.perf_counter()
             loss_sum, samples, step = 0.0, 0, 0
             group: list[Batch] = []
-            # Closing the loop when training stops early keeps the feeder's position there.
-            with contextlib.closing(iter(feeder)) as batches:
+            # Closing the loop when training stops early keeps the feeder's position there;
+            # batches taken but not trained (the step raised) are the next loop's first.
+            with _untaken_on_error(feeder, group), contextlib.closing(iter(feeder)) as batches:
                 while True:
                     batch = next(batches, None)
                     if batch is not None:
@@ -330,6 +331,17 @@ class Trainer:
     def _step_args(self, batch: Batch) -> tuple[Any, Any, tf.Tensor]:
         sample, mask = batch.distributed(self.strategy)
         return sample, mask, _count(batch.num_valid)
+
+
+@contextlib.contextmanager
+def _untaken_on_error(feeder: Feeder, group: list[Batch]) -> Iterator[None]:
+    """On an error, gives the feeder back the batches in `group`: taken, never trained."""
+    try:
+        yield
+    except BaseException:
+        if group:
+            feeder._untake(group[0])
+        raise
 
 
 def _first_line(error: BaseException) -> str:

@@ -1,0 +1,104 @@
+"""Promises a determined user tested by breaking them: a step that raises trains nothing, a
+fit run again after Ctrl-C goes on from what it trained, a loop of exactly `len(feeder)`
+batches leaves the next loop a whole epoch, and a state past an epoch's end is refused."""
+
+from __future__ import annotations
+
+import itertools
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import feedpipe as fp
+from tests.test_fit_checkpoints import InterruptAfter
+
+LENGTH, BATCH = 64, 8
+STEPS = LENGTH // BATCH
+
+
+def ids_data() -> tuple[np.ndarray, np.ndarray]:
+    """Each sample's one feature is its index."""
+    return np.arange(LENGTH, dtype=np.float32)[:, None], np.zeros((LENGTH, 1), np.float32)
+
+
+class FailsOnSample(keras.layers.Layer):
+    """Raises inside the compiled step on the batch holding sample `index` (a NaN check, an
+    assert, an out-of-memory error would do the same)."""
+
+    def __init__(self, index: int, **kwargs):
+        super().__init__(**kwargs)
+        self.index = index
+
+    def call(self, x):
+        check = tf.debugging.assert_none_equal(x, tf.constant(self.index, x.dtype))
+        with tf.control_dependencies([check]):
+            return tf.identity(x)
+
+
+def failing_model(index: int) -> keras.Model:
+    model = keras.Sequential([keras.Input((1,)), FailsOnSample(index), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    return model
+
+
+def rest_of_epoch(feeder) -> list[int]:
+    return [int(i) for batch in feeder for i in batch.replicas[0][0].numpy()[:, 0]]
+
+
+def test_a_step_that_raises_under_fit_is_not_counted_as_trained():
+    with fp.Feeder(ids_data(), BATCH) as feeder:
+        with pytest.raises(tf.errors.InvalidArgumentError):
+            failing_model(3 * BATCH).fit(
+                feeder.as_dataset(), epochs=1, verbose=0, callbacks=[feeder.fit_callback()]
+            )
+        assert rest_of_epoch(feeder) == list(range(3 * BATCH, LENGTH))
+
+
+def test_a_step_that_raises_under_fp_train_is_not_counted_as_trained():
+    with fp.Feeder(ids_data(), BATCH) as feeder:
+        with pytest.raises(tf.errors.InvalidArgumentError):
+            fp.train(failing_model(3 * BATCH), feeder, loss="mse", optimizer="sgd", verbose=0)
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (0, 3)
+        assert rest_of_epoch(feeder) == list(range(3 * BATCH, LENGTH))
+
+
+def test_a_fit_run_again_on_the_same_dataset_after_ctrl_c_never_trains_a_batch_twice():
+    with fp.Feeder(ids_data(), BATCH) as feeder:
+        dataset = feeder.as_dataset()
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+        with pytest.raises(KeyboardInterrupt):
+            model.fit(
+                dataset, epochs=2, verbose=0, callbacks=[feeder.fit_callback(), InterruptAfter(2)]
+            )
+        # The notebook pattern: the same cell run again. The dataset holds whole epochs, so it
+        # is refused, naming the fit that finishes the interrupted one; nothing is retrained.
+        with pytest.raises(ValueError, match=r"at step 3 of epoch 0.*initial_epoch=0, epochs=1"):
+            model.fit(dataset, epochs=2, verbose=0, callbacks=[feeder.fit_callback()])
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (0, 3)
+        assert rest_of_epoch(feeder) == list(range(3 * BATCH, LENGTH))
+
+
+@pytest.mark.parametrize("take", ["islice", "zip"])
+def test_a_loop_of_exactly_len_batches_leaves_the_next_loop_a_whole_epoch(take):
+    with fp.Feeder(ids_data(), BATCH) as feeder:
+        lengths = []
+        for _ in range(4):
+            if take == "islice":
+                taken = list(itertools.islice(feeder, len(feeder)))
+            else:
+                taken = [batch for _, batch in zip(range(len(feeder)), feeder)]
+            lengths.append(len(taken))
+            del taken
+        assert lengths == [STEPS] * 4
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (4, 0)
+
+
+@pytest.mark.parametrize("step", [STEPS, 999])
+def test_a_state_at_or_past_an_epochs_end_is_refused(step):
+    with fp.Feeder(ids_data(), BATCH) as feeder:
+        state = {**feeder.get_state(), "step": step}
+        with pytest.raises(ValueError, match=rf"step={step} must be below {STEPS}.*'epoch': 1"):
+            feeder.set_state(state)
