@@ -89,7 +89,7 @@ def test_a_loop_of_exactly_len_batches_leaves_the_next_loop_a_whole_epoch(take):
             if take == "islice":
                 taken = list(itertools.islice(feeder, len(feeder)))
             else:
-                taken = [batch for _, batch in zip(range(len(feeder)), feeder)]
+                taken = [batch for _, batch in zip(range(len(feeder)), feeder, strict=False)]
             lengths.append(len(taken))
             del taken
         assert lengths == [STEPS] * 4
