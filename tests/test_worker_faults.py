@@ -526,6 +526,44 @@ def test_a_transform_returning_another_structure_names_both_structures(devices, 
     assert delivered == [list(range(8))]
 
 
+# ---- sources whose arrays are all empty -------------------------------------------------------
+
+
+EMPTY_SOURCES = {
+    # The source and what each batch shows of it: the ids of a map-style source whose only
+    # array (an attribute) is empty, the shape of a source that is one array of shape (20, 0).
+    "empty attribute": ("wf.EmptyArraySource(20)", "batch.replicas[0][1].numpy().tolist()"),
+    "(N, 0) field": ("np.zeros((20, 0), np.float32)", "batch.replicas[0].shape.as_list()"),
+}
+
+
+@pytest.mark.parametrize("case", list(EMPTY_SOURCES))
+def test_a_source_whose_arrays_are_all_empty_delivers_every_sample_with_workers(case):
+    source, shown = EMPTY_SOURCES[case]
+    reports, _ = run_isolated(
+        f"""
+        import numpy as np
+        feeder = fp.Feeder({source}, 4, devices=DEVICES, workers=2)
+        pids = list(worker_pids().values())
+        batches = list(feeder)
+        report(
+            "empty", valid=sum(batch.num_valid for batch in batches),
+            shown=[{shown} for batch in batches], **closed_and_cleaned(feeder, pids),
+        )
+        """
+    )
+    got = reports["empty"]
+    assert got["valid"] == 20
+    if case == "empty attribute":
+        assert [i for ids in got["shown"] for i in ids] == list(range(20))
+    else:
+        assert got["shown"] == [[4, 0]] * 5
+    assert len(got["pids"]) == 2
+    assert got["processes_left"] == {}
+    assert got["segments_left"] == []
+    assert wait_gone(got["pids"])[0] == []
+
+
 # ---- every error keeps its type ---------------------------------------------------------------
 
 

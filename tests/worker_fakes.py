@@ -35,6 +35,15 @@ class IndexSource:
         return index_sample(index)
 
 
+class EmptyArraySource(IndexSource):
+    """Holds an empty numpy array (say, no class weights), its only array: sent to workers,
+    it takes a shared buffer of 0 bytes."""
+
+    def __init__(self, length: int):
+        super().__init__(length)
+        self.class_weights = np.array([])
+
+
 class SourceBroke(Exception):
     """Raised by `FailingSource`: a type of its own, so tests can see it survive the trip."""
 

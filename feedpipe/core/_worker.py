@@ -231,7 +231,9 @@ def _load(conn: Connection, index: int) -> TaskRunner:
     """Receives the setup: the import path, shared arrays, the status row and the payload."""
     sys_path, data_nbytes, spans, status_nbytes = conn.recv()
     sys.path[:] = sys_path
-    data = map_shared(recv_handle(conn), data_nbytes, writable=False) if data_nbytes else None
+    data = None
+    if data_nbytes is not None:  # a buffer of 0 bytes (arrays all empty) is still sent
+        data = map_shared(recv_handle(conn), data_nbytes, writable=False)
     status = map_shared(recv_handle(conn), status_nbytes)
     payload = conn.recv_bytes()
     buffers = [data[lo:hi] for lo, hi in spans] if data is not None else []

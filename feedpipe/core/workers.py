@@ -255,7 +255,9 @@ class ProcessWorkers(_Pool):
             self.conns.append(Connection(ours.detach()))
         for worker, conn in enumerate(self.conns):
             try:
-                conn.send((sys.path, data.nbytes if data else 0, spans, self._status_buffer.nbytes))
+                # None, not 0 bytes, says no data buffer follows: arrays may all be empty.
+                data_nbytes = None if data is None else data.nbytes
+                conn.send((sys.path, data_nbytes, spans, self._status_buffer.nbytes))
                 if data is not None:
                     send_handle(conn, data.fd, self.procs[worker].pid)
                 send_handle(conn, self._status_buffer.fd, self.procs[worker].pid)
