@@ -157,3 +157,27 @@ def keras_data_adapter() -> type:
     from keras.src.trainers.data_adapters.data_adapter import DataAdapter
 
     return DataAdapter
+
+
+def dispatcher_error(address: str, timeout_s: float) -> str | None:
+    """Why the tf.data service dispatcher at `address` (HOST:PORT) did not tell its version
+    within `timeout_s`, or None if it did. TensorFlow's own calls to a dispatcher retry until
+    one answers, and no public API asks one with a deadline; so this makes the dispatcher's
+    `GetVersion` call (empty request, TensorFlow's first call to it) through gRPC, which
+    TensorFlow depends on. A server that is not a dispatcher fails it at once."""
+    import grpc
+
+    def same(message: bytes) -> bytes:
+        return message
+
+    with grpc.insecure_channel(address) as channel:
+        get_version = channel.unary_unary(
+            "/tensorflow.data.DispatcherService/GetVersion",
+            request_serializer=same,
+            response_deserializer=same,
+        )
+        try:
+            get_version(b"", timeout=timeout_s)
+        except grpc.RpcError as error:
+            return f"{error.code().name}: {error.details()}"
+    return None

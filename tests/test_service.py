@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import http.server
+import os
+import re
+import signal
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 
 import keras
 import numpy as np
@@ -244,6 +249,39 @@ def test_an_unreachable_dispatcher_is_a_clear_error(devices):
         fp.Feeder(records(8), 4, transform=scaled, service="localhost")
 
 
+class _QuietHandler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def http_server() -> Iterator[str]:
+    """A plain HTTP server on a free loopback port, in a thread (what a wrong port may hold),
+    as a service address."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, name="test-http", daemon=True)
+    thread.start()
+    try:
+        yield f"grpc://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5.0)
+
+
+def test_a_server_that_is_not_a_dispatcher_is_refused_naming_the_address(devices):
+    """An HTTP server accepts the connection but is no dispatcher: TensorFlow would wait for
+    one without end; the feeder asks the dispatcher itself and refuses the address at once."""
+    with http_server() as address:
+        started = time.monotonic()
+        with pytest.raises(
+            ConnectionError,
+            match=rf"`service`='{re.escape(address)}': no tf.data service dispatcher answered",
+        ):
+            fp.Feeder(records(8), 4, devices=devices[:1], transform=scaled, service=address)
+        assert time.monotonic() - started < 5.0
+
+
 def test_a_transform_whose_shape_varies_is_refused(service):
     def ragged(sample):
         features, label = sample
@@ -369,6 +407,33 @@ def test_a_dispatcher_lost_for_good_fails_within_the_bound(tmp_path, devices, mo
         cluster.restart_dispatcher()  # the abandoned reader's blocked read returns
         wait_for_the_readers_to_end()
     assert got == expected[: len(got)] and len(got) < len(expected)
+
+
+def test_a_dispatcher_that_stops_answering_fails_within_the_bound(tmp_path, devices, monkeypatch):
+    """A dispatcher stopped (SIGSTOP) after step 1 still accepts connections (the kernel does)
+    but answers nothing: no row for DISPATCHER_LOST_S, then a ConnectionError naming it, never
+    new jobs without end. A timer starts it again after 40 s, so a feeder that waits for it
+    goes on and the test fails instead of hanging."""
+    monkeypatch.setattr(service_module, "STALL_S", 1.0)
+    monkeypatch.setattr(service_module, "DISPATCHER_LOST_S", 4.0)
+    with service_cluster(workers=2, logs=tmp_path) as cluster:
+        pid = cluster.dispatcher.pid
+        guard = threading.Timer(40.0, os.kill, (pid, signal.SIGCONT))
+        try:
+            with slow_feeder(cluster.address, 256, devices) as remote:
+                with pytest.raises(ConnectionError, match=rf"{cluster.address} has not answered"):
+                    for batch in remote:
+                        if batch.step == 1:
+                            os.kill(pid, signal.SIGSTOP)
+                            guard.start()
+                            stopped = time.monotonic()
+                waited = time.monotonic() - stopped
+        finally:
+            guard.cancel()
+            os.kill(pid, signal.SIGCONT)
+        wait_for_the_readers_to_end()
+    # DISPATCHER_LOST_S without a row, an unanswered check (ANSWER_S), the jobs' release.
+    assert waited < 4.0 + 2.0 + 3.0 + 5.0, f"raised {waited:.1f} s after the dispatcher stopped"
 
 
 def test_rows_of_another_job_served_under_a_reused_task_number_are_left_out():

@@ -17,7 +17,6 @@ import functools
 import itertools
 import queue
 import secrets
-import socket
 import threading
 import time
 import uuid
@@ -29,6 +28,7 @@ import numpy as np
 import optree
 import tensorflow as tf
 
+from feedpipe._internals import dispatcher_error
 from feedpipe.core._sync import WAIT_SLICE_S, Failure
 from feedpipe.core.producers import Producer, SlotSupply
 from feedpipe.core.sampler import EpochEnd, Sampler, Step
@@ -42,7 +42,10 @@ SERVICE_LIMIT = (
     "numpy_function and from_generator fail there)"
 )
 CONNECT_TIMEOUT_S = 10.0
-"""Longest the feeder waits, at construction, for the dispatcher to accept a connection."""
+"""Longest the feeder waits, at construction, for the dispatcher to answer."""
+ANSWER_S = 2.0
+"""Longest a check that the dispatcher is alive, mid-epoch, waits for its answer: a stopped
+or hung dispatcher still accepts connections (the kernel does), so only an answer counts."""
 STALL_S = 30.0
 """Longest the feeder waits for a row of a job that still owes rows before asking a new job for
 them: a job whose worker died sends nothing more and never ends (TensorFlow 2.21). It doubles
@@ -75,18 +78,10 @@ is not found (a file the transform cannot find is also NotFound, and says neithe
 PYTHON_OPS = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
 
 
-def _connect_error(host: str, port: int, timeout_s: float) -> OSError | None:
-    """Why a TCP connection to the dispatcher failed within `timeout_s`, or None if it opened."""
-    try:
-        socket.create_connection((host, port), timeout_s).close()
-    except OSError as error:
-        return error
-    return None
-
-
 def check_address(service: str) -> str:
-    """`service` ("grpc://host:port" or "host:port") as the address tf.data takes, once the
-    dispatcher has accepted a connection within `CONNECT_TIMEOUT_S`."""
+    """`service` ("grpc://host:port" or "host:port") as the address tf.data takes, once a
+    tf.data service dispatcher has answered there within `CONNECT_TIMEOUT_S` (TensorFlow would
+    wait for one without end, whatever else serves at that port)."""
     if not isinstance(service, str):
         raise TypeError(f'`service`={service!r} must be an address such as "grpc://host:5050".')
     parsed = urlparse(service if "://" in service else f"grpc://{service}")
@@ -95,13 +90,13 @@ def check_address(service: str) -> str:
             f'`service`={service!r} is not a dispatcher address; pass "grpc://host:port", '
             "where `feedpipe service dispatcher --port PORT` runs."
         )
-    if error := _connect_error(parsed.hostname, parsed.port, CONNECT_TIMEOUT_S):
+    if error := dispatcher_error(f"{parsed.hostname}:{parsed.port}", CONNECT_TIMEOUT_S):
         raise ConnectionError(
             f"`service`={service!r}: no tf.data service dispatcher answered there within "
             f"{CONNECT_TIMEOUT_S:.0f} s ({error}); start one (`feedpipe service dispatcher "
             f"--port {parsed.port}`, and workers with `feedpipe service worker --dispatcher "
             f"{parsed.hostname}:{parsed.port}`) or fix the address."
-        ) from error
+        )
     return f"grpc://{parsed.hostname}:{parsed.port}"
 
 
@@ -290,10 +285,9 @@ class ServiceProducer(Producer):
             rows.give_back()
 
     def _dispatcher_answers(self, job: _Job, epoch: int, rows: _Rows) -> bool:
-        """Whether the dispatcher accepts a connection; raises once it has not for
+        """Whether the dispatcher answers within `ANSWER_S`; raises once it has not for
         `DISPATCHER_LOST_S` without a row."""
-        parsed = urlparse(self.service)
-        error = _connect_error(parsed.hostname, parsed.port, WAIT_SLICE_S)
+        error = dispatcher_error(self.service.removeprefix("grpc://"), ANSWER_S)
         if error is not None and job.idle_s() > DISPATCHER_LOST_S:
             raise ConnectionError(
                 f"the tf.data service dispatcher at {self.service} has not answered for "
