@@ -287,6 +287,8 @@ class Feeder:
         `as_dataset` may be Keras's look at a batch before training."""
         self._tracker: Any = None
         """The `FitTracker` of the `model.fit` reading `as_dataset()`, if any."""
+        self._fit_start = self._position
+        """Where the tracked `fit` began."""
         self._failure: BaseException | None = None
         """The error that closed the feeder: every later read raises it again."""
         self._untracked = False
@@ -540,7 +542,11 @@ class Feeder:
         return self._position
 
     def _tracked(self) -> Position:
-        """The position after the batches the tracked `fit` has trained on."""
+        """The position after the batches the tracked `fit` has trained on: the fit's start
+        moved on by its steps, whatever reads ahead (`prefetch`) or repeats the dataset; where
+        the epochs' length is unknown, the passes of the dataset mark their ends."""
+        if self._plan is not None:
+            return self._stream().after(self._fit_start, self._tracker.trained)
         last, tracker = self._last_fit, self._tracker
         if last is None or last.number <= tracker.first_pass:
             return self._position  # this epoch's pass has not begun: it begins there
@@ -600,6 +606,7 @@ class Feeder:
             self._stop_pipeline()
             self._position = position
             self._settle()
+        self._fit_start = self._position
         self._tracker = tracker
 
     def _untrack(self, tracker: Any) -> None:
@@ -660,7 +667,19 @@ class Feeder:
         return len(self._plan) - self._position_state(self._position)["step"]
 
     def _check_pass_steps(self, steps: int | None, epochs: int | None = None) -> None:
-        """Refuses passes of `steps` batches (`epochs` of them) that are not the feeder's next.
+        """Refuses passes of `steps` batches (`epochs` of them) that are not the feeder's next,
+        from where the next pass starts."""
+        self._check_passes_from(self._position, steps, epochs)
+
+    def _check_fit_epochs(self, steps: int | None, epochs: int) -> None:
+        """Refuses a tracked fit's `epochs` epochs of `steps` batches that are not the feeder's
+        next, from what the fit has trained (a `prefetch` may have taken the next epoch's
+        first batches already)."""
+        self._check_passes_from(self._tracked(), steps, epochs)
+
+    def _check_passes_from(self, position: Position, steps: int | None, epochs: int | None) -> None:
+        """Refuses passes of `steps` batches (`epochs` of them) from `position` that are not
+        the feeder's epochs.
 
         Keras runs every epoch of a fit for the same number of steps, the dataset's length,
         fixed when `as_dataset()` is called: the rest of an epoch after a restore mid-epoch
@@ -668,7 +687,7 @@ class Feeder:
         """
         if self._plan is None:
             return
-        state = self._position_state(self._position)
+        state = self._position_state(position)
         epoch, step = state["epoch"], state["step"]
         left = len(self._plan) - step
         if steps == left and (step == 0 or epochs is None or epochs <= 1):

@@ -1,6 +1,7 @@
 """Promises a determined user tested by breaking them: a step that raises trains nothing, a
 fit run again after Ctrl-C goes on from what it trained, a loop of exactly `len(feeder)`
-batches leaves the next loop a whole epoch, and a state past an epoch's end is refused."""
+batches leaves the next loop a whole epoch, a state past an epoch's end is refused, and a
+dataset repeated and prefetched keeps the state exact."""
 
 from __future__ import annotations
 
@@ -102,3 +103,33 @@ def test_a_state_at_or_past_an_epochs_end_is_refused(step):
         state = {**feeder.get_state(), "step": step}
         with pytest.raises(ValueError, match=rf"step={step} must be below {STEPS}.*'epoch': 1"):
             feeder.set_state(state)
+
+
+class StateAtEachStep(keras.callbacks.Callback):
+    """The feeder's state after each step, as a checkpoint there would save it."""
+
+    def __init__(self, feeder):
+        super().__init__()
+        self.feeder, self.states = feeder, []
+
+    def on_train_batch_end(self, batch, logs=None):
+        state = self.feeder.get_state()
+        self.states.append((state["epoch"], state["step"]))
+
+
+def test_a_repeated_prefetched_dataset_keeps_the_state_exact():
+    with fp.Feeder(ids_data(), BATCH) as feeder:
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+        recorder = StateAtEachStep(feeder)
+        model.fit(
+            feeder.as_dataset().repeat().prefetch(3),
+            steps_per_epoch=len(feeder),
+            epochs=3,
+            verbose=0,
+            callbacks=[feeder.fit_callback(), recorder],
+        )
+        trained = [divmod(step, STEPS) for step in range(1, 3 * STEPS + 1)]
+        assert recorder.states == trained
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (3, 0)
+        assert rest_of_epoch(feeder) == list(range(LENGTH))

@@ -66,6 +66,12 @@ class Stream:
             "steps_per_epoch": self.steps_per_epoch,
         }
 
+    def after(self, position: Position, steps: int) -> Position:
+        """`position` moved on by `steps` batches, across epochs' ends (their length known)."""
+        epoch, step = position
+        epoch, step = divmod(epoch * self.steps_per_epoch + step + steps, self.steps_per_epoch)
+        return Position(epoch, step)
+
     def position(self, state: dict) -> Position:
         """Where `state` continues the stream; raises, naming the field, if it cannot here.
 

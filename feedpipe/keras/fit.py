@@ -2,7 +2,7 @@
 
 `FitTracker` (made by `feeder.fit_callback()`) gives the feeder the step count Keras gives its
 callbacks, so the feeder's state is the batches the step trained on. It reaches the feeder only
-through the methods the feeder keeps for it (`_track`, `_untrack`, `_check_pass_steps`,
+through the methods the feeder keeps for it (`_track`, `_untrack`, `_check_fit_epochs`,
 `_raise_failure`), and never imports the feeder's module: the feeder imports this one.
 """
 
@@ -35,6 +35,8 @@ class FitTracker(keras.callbacks.Callback):
         self.feeder = feeder
         self.first_pass = 0
         """Passes of the dataset begun before this Keras epoch: the epoch reads the next."""
+        self.earlier = 0
+        """Steps trained in this fit's earlier Keras epochs."""
         self.steps = 0
         """Steps of this Keras epoch begun, counting the one running: what the callbacks of a
         running step read (a checkpoint in `on_train_batch_end` saves the step it follows)."""
@@ -42,17 +44,22 @@ class FitTracker(keras.callbacks.Callback):
         """Steps of this Keras epoch whose step returned: what a fit that raised trained on."""
 
     def on_train_begin(self, logs=None):
+        self.earlier, self.steps, self.finished = 0, 0, 0
         self.feeder._track(self)
         _warn_unweighted_metrics(self.model, self.feeder)
 
     def on_epoch_begin(self, epoch, logs=None):
+        self.earlier += self.steps
         self.first_pass, self.steps, self.finished = self.feeder._passes, 0, 0
         params = self.params or {}
-        self.feeder._check_pass_steps(params.get("steps"), params.get("epochs", epoch + 1) - epoch)
+        self.feeder._check_fit_epochs(params.get("steps"), params.get("epochs", epoch + 1) - epoch)
 
     def on_train_batch_begin(self, batch, logs=None):
         self.feeder._raise_failure()
+        total = (self.params or {}).get("steps")  # an epoch's last call may run fewer steps
         self.steps = batch + self.model.steps_per_execution
+        if total:
+            self.steps = min(self.steps, total)
 
     def on_train_batch_end(self, batch, logs=None):
         self.finished = self.steps
@@ -65,6 +72,11 @@ class FitTracker(keras.callbacks.Callback):
         """The fit raised (in a step, a callback, or Ctrl-C): a step that never returned
         trained nothing, so only the finished steps count."""
         self.steps = self.finished
+
+    @property
+    def trained(self) -> int:
+        """Steps this fit has trained, as `steps` counts them in the current Keras epoch."""
+        return self.earlier + self.steps
 
 
 def _warn_unweighted_metrics(model: keras.Model, feeder: Any) -> None:
