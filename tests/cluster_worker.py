@@ -381,6 +381,36 @@ def errors(strategy, args: dict) -> dict:
     }
 
 
+def differ(strategy, args: dict) -> dict:
+    """Each case's feeder built with this host's own arguments: what `fp.Feeder()` raised (None
+    if it was built), what it left running; then one epoch gathered from feeders that agree."""
+    import psutil
+
+    host = strategy.cluster_resolver.task_id
+    refused = {}
+    for case in args["cases"]:
+        options = dict(case["hosts"][host])
+        length = options.pop("length", args["length"])
+        global_batch = options.pop("global_batch", args["global_batch"])
+        try:
+            feeder = fp.Feeder(index_arrays(length), global_batch, strategy=strategy, **options)
+        except Exception as error:  # the test reads what it was
+            refused[case["name"]] = f"{type(error).__name__}: {error}"
+        else:
+            feeder.close()
+            refused[case["name"]] = None
+    left = [t.name for t in threading.enumerate() if t.name.startswith("feedpipe")]
+    left += [child.pid for child in psutil.Process().children(recursive=True)]
+    with fp.Feeder(
+        index_arrays(args["length"]), args["global_batch"], strategy=strategy, shuffle=True
+    ) as feeder:
+        real = []
+        for batch in feeder:
+            ids, masks = gathered_ids(strategy, batch)
+            real += [i for i, m in zip(ids, masks, strict=True) if m]
+    return {"refused": refused, "left": left, "epoch": real}
+
+
 def dali_images(files: list[str]):
     """The test suite's DALI pipeline over `files`, shuffled, each file's index its label."""
     from tests.test_dali import indexed_images
@@ -527,6 +557,7 @@ SCENARIOS = {
     "restore": restore,
     "fault": fault,
     "dataset": dataset,
+    "differ": differ,
     "service": service,
 }
 

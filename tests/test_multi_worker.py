@@ -299,6 +299,56 @@ def test_mistakes_under_the_strategy_are_refused_naming_both_sides(tmp_path):
             assert got[case] is not None and re.match(pattern, got[case], re.S), (case, got[case])
 
 
+def test_hosts_whose_feeders_differ_are_refused_naming_the_field(tmp_path):
+    """Two hosts whose feeders differ in what the order depends on (seed=task_index, shuffle on
+    one host only, another source length, remainder or global batch) would each make their rows
+    of different batches: every host's fp.Feeder() raises a ValueError naming the field and
+    each host's value, no host waits, nothing is left running, and feeders that agree then feed
+    every sample once."""
+    cases = {
+        "seed": (
+            [{"seed": 0, "shuffle": True, "workers": 2}, {"seed": 1, "shuffle": True}],
+            r"`seed`: seed=0 on host 0; seed=1 on host 1\.",
+        ),
+        "shuffle": (
+            [{"shuffle": False}, {"shuffle": True}],
+            r"`shuffle`: shuffle=False on host 0; shuffle=True on host 1\.",
+        ),
+        "length": (
+            [{"length": 16}, {"length": 20}],
+            r"`dataset_length`: dataset_length=16 on host 0; dataset_length=20 on host 1 "
+            r"\(and in steps_per_epoch\)\.",
+        ),
+        "remainder": (
+            [{"length": 18}, {"length": 18, "remainder": "drop"}],
+            r"`remainder`: remainder='pad' on host 0; remainder='drop' on host 1 "
+            r"\(and in steps_per_epoch\)\.",
+        ),
+        "global_batch": (
+            [{}, {"global_batch": 8}],
+            r"`global_batch_size`: global_batch_size=4 on host 0; global_batch_size=8 on host 1 "
+            r"\(and in steps_per_epoch\)\.",
+        ),
+    }
+    listed = [{"name": name, "hosts": hosts} for name, (hosts, _) in cases.items()]
+    listed.append({"name": "same", "hosts": [{"seed": 3, "workers": 2}, {"seed": 3}]})
+    args = {"length": 16, "global_batch": 4, "cases": listed}
+    codes, results = run_cluster("differ", 2, tmp_path, args, deadline_s=120)
+    assert set(codes.values()) == {0}, logs(tmp_path, "differ", 2)
+    for host, result in enumerate(results):
+        for name, (_, pattern) in cases.items():
+            error = result["refused"][name]
+            expected = (
+                r"ValueError: The hosts' feeders differ in " + pattern + r".* repeat some "
+                r"samples and miss others\. Build every host's feeder with the same source, "
+                rf"global_batch_size, seed, shuffle and remainder \(this is host {host} of 2\)"
+            )
+            assert error is not None and re.match(expected, error, re.S), (name, host, error)
+        assert result["refused"]["same"] is None
+        assert result["left"] == [], "a refused feeder leaves no thread or worker process"
+        assert sorted(result["epoch"]) == list(range(16)), "each sample once per epoch"
+
+
 def test_a_dali_source_per_host_feeds_its_replicas_and_resumes_from_its_own_state(
     tmp_path, devices
 ):

@@ -18,6 +18,7 @@ import tensorflow as tf
 from feedpipe import feeder as core
 from feedpipe.core.stage import HostBatch
 from feedpipe.core.weights import row_weights, weighting, with_weights
+from feedpipe.tf.agreement import check_hosts_agree
 from feedpipe.tf.layer import TensorFlowLayer
 
 
@@ -25,11 +26,31 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
     """A feeder whose batches are `tf.Tensor`s on TensorFlow devices (see `feedpipe.Feeder`).
 
     Being a `PythonState`, it can sit in a `tf.train.Checkpoint` beside the model: the
-    checkpoint holds its state, `get_state()`, as JSON.
+    checkpoint holds its state, `get_state()`, as JSON. Under a MultiWorkerMirroredStrategy,
+    building it checks that every host built a feeder of the same order.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if self.share.num_hosts > 1:
+            self._check_hosts_agree()
 
     def _layer(self, devices: Any, strategy: Any, global_batch_size: int) -> TensorFlowLayer:
         return TensorFlowLayer(devices, strategy, global_batch_size)
+
+    def _check_hosts_agree(self) -> None:
+        """Refuses to start unless every host of the strategy built a feeder of the same order
+        (see `feedpipe.tf.agreement`); the source's block_size orders a shuffle too."""
+        fields = {
+            "remainder": self.options.remainder,
+            "block_size": self._source.block_size,
+            **self._stream().order_fields(),
+        }
+        try:
+            check_hosts_agree(self.strategy, self.share, fields)
+        except BaseException:
+            self.close()
+            raise
 
     def as_dataset(self) -> tf.data.Dataset | tf.distribute.DistributedDataset:
         """A `tf.data.Dataset` of global batches for `model.fit` and other wrappers.
