@@ -159,6 +159,17 @@ def keras_data_adapter() -> type:
     return DataAdapter
 
 
+def dataset_graph(dataset: Any) -> Any:
+    """The `GraphDef` of `dataset` as tf.data service gets it (the map functions in its
+    library), to look for ops a service worker cannot run; no public API serializes a
+    dataset, and tracing one inside a `tf.function` converts its functions otherwise."""
+    from tensorflow.core.framework import graph_pb2
+
+    graph = graph_pb2.GraphDef()
+    graph.ParseFromString(dataset._as_serialized_graph().numpy())
+    return graph
+
+
 def dispatcher_error(address: str, timeout_s: float) -> str | None:
     """Why the tf.data service dispatcher at `address` (HOST:PORT) did not tell its version
     within `timeout_s`, or None if it did. TensorFlow's own calls to a dispatcher retry until

@@ -7,6 +7,7 @@ from __future__ import annotations
 import _thread
 import contextlib
 import http.server
+import math
 import os
 import re
 import signal
@@ -237,6 +238,27 @@ def test_a_python_transform_is_refused_naming_the_service_limit(service):
     for transform in (python, numpy_calls):
         with pytest.raises(TypeError, match=r"tf\.data service workers run TensorFlow graphs only"):
             fp.Feeder(records(8), 4, transform=transform, service=service.address)
+
+
+def test_a_python_transform_is_refused_in_one_message_naming_it_and_the_fix(service):
+    """One sentence: the argument and its value, the cause once (AutoGraph's message already
+    starts with its type), the service's rule and the fix; no traceback of the trace."""
+
+    def root(sample):  # Python's math on a tensor: TypeError, raised through AutoGraph
+        return math.sqrt(sample[0][0]), sample[1]
+
+    def numpy_calls(sample):
+        return np.asarray(sample[0]) * 2, sample[1]
+
+    for transform, cause in ((root, "TypeError"), (numpy_calls, "NotImplementedError")):
+        with pytest.raises(TypeError) as refused:
+            fp.Feeder(records(8), 4, transform=transform, service=service.address)
+        message = str(refused.value)
+        assert message.startswith(f"`transform`={transform.__name__} cannot be traced into a ")
+        assert message.count(f"{cause}:") == 1, message
+        assert "\n" not in message and "in user code" not in message, message
+        assert "tf.data service workers run TensorFlow graphs only" in message
+        assert message.endswith("use workers=N to run Python per sample in worker processes.")
 
 
 def test_an_unreachable_dispatcher_is_a_clear_error(devices):

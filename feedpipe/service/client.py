@@ -28,7 +28,7 @@ import numpy as np
 import optree
 import tensorflow as tf
 
-from feedpipe._internals import dispatcher_error
+from feedpipe._internals import dataset_graph, dispatcher_error
 from feedpipe.core._sync import WAIT_SLICE_S, Failure
 from feedpipe.core.producers import Producer, SlotSupply
 from feedpipe.core.sampler import EpochEnd, Sampler, Step
@@ -131,14 +131,15 @@ class ServiceWork:
         try:
             self._probe = self._rows(np.zeros(1, np.int64), epoch=0)
             """Sample 0 of epoch 0, traced once: its structure, then its value."""
+            graph = dataset_graph(self._probe)
         except Exception as error:
             raise TypeError(
-                f"`transform` cannot be traced into a TensorFlow graph ({type(error).__name__}: "
-                f"{str(error).strip().splitlines()[-1][:200]}), and {SERVICE_LIMIT}. Write it "
-                "with TensorFlow ops alone (numpy calls on its inputs fail), or drop `service` "
-                "and use workers=N to run Python per sample in worker processes."
+                f"`transform`={_name(transform)} cannot be traced into a TensorFlow graph "
+                f"({_cause(error)}), and {SERVICE_LIMIT}. Write it with TensorFlow ops alone "
+                "(no numpy or Python calls on its inputs), or drop `service` and use workers=N "
+                "to run Python per sample in worker processes."
             ) from error
-        self._check()
+        self._check(graph)
 
     def _sample(self, index: tf.Tensor, seed: tf.Tensor) -> list[tf.Tensor]:
         fields = [tf.gather(array, index) for array in self._arrays]
@@ -175,17 +176,16 @@ class ServiceWork:
             )
         )
 
-    def _check(self) -> None:
+    def _check(self, graph: Any) -> None:
         """Refuses a transform the service cannot run, or whose output varies in shape."""
-        traced = tf.function(lambda: self._rows(np.zeros(1, np.int64), 0)).get_concrete_function()
-        graph = traced.graph.as_graph_def()  # the map's body is a function in its library
         found = {node.op for node in graph.node}
         found |= {node.op for function in graph.library.function for node in function.node_def}
         if found & PYTHON_OPS:
             raise TypeError(
-                f"`transform` calls Python ({', '.join(sorted(found & PYTHON_OPS))}), but "
-                f"{SERVICE_LIMIT}. Write it with TensorFlow ops alone, or drop `service` and "
-                "use workers=N to run Python per sample in worker processes."
+                f"`transform`={_name(self.transform)} calls Python "
+                f"({', '.join(sorted(found & PYTHON_OPS))}), but {SERVICE_LIMIT}. Write it with "
+                "TensorFlow ops alone, or drop `service` and use workers=N to run Python per "
+                "sample in worker processes."
             )
         for spec in self._probe.element_spec[1:]:
             if not spec.shape.is_fully_defined():
@@ -297,6 +297,21 @@ class ServiceProducer(Producer):
                 "and go on from `feeder.get_state()`."
             )
         return error is None
+
+
+def _name(transform: Callable[..., Any] | None) -> str:
+    """How a message names `transform`: its name, else its repr."""
+    return getattr(transform, "__name__", None) or repr(transform)
+
+
+def _cause(error: BaseException) -> str:
+    """`error` in one line: its type and the last line of its message, where AutoGraph puts
+    the original error, already after its own type's name."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    last = last if len(last) <= 200 else f"{last[:200].rstrip()}..."
+    kind = type(error).__name__
+    return last if last.startswith(f"{kind}:") else f"{kind}: {last}"
 
 
 def _forgotten(error: BaseException) -> bool:
