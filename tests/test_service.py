@@ -304,6 +304,25 @@ def test_a_server_that_is_not_a_dispatcher_is_refused_naming_the_address(devices
         assert time.monotonic() - started < 5.0
 
 
+def fails_on_77(sample):
+    features, label = sample
+    tf.debugging.assert_none_equal(label, tf.constant(77, label.dtype), message="77 is bad")
+    return features, label
+
+
+def test_a_transform_error_on_the_service_names_the_sample_as_a_local_run_does(service, devices):
+    """TensorFlow's error from a service worker names the worker, never the sample: the loop
+    gets it with its type and message, and the note a local run's error has."""
+    for address in (None, service.address):
+        with (
+            feeder(address, 128, 8, devices[:1], fails_on_77) as one,
+            pytest.raises(tf.errors.InvalidArgumentError, match="77 is bad") as raised,
+        ):
+            stream(one, 1)
+        notes = getattr(raised.value, "__notes__", [])
+        assert any("sample index 77 of epoch 0" in note for note in notes), (address, notes)
+
+
 def test_a_transform_whose_shape_varies_is_refused(service):
     def ragged(sample):
         features, label = sample
@@ -528,9 +547,10 @@ def test_a_file_the_transform_cannot_find_reaches_the_loop_and_is_not_asked_agai
     with fp.Feeder(
         arrays, 4, devices=devices[:1], transform=read, service=service.address
     ) as remote:
-        with pytest.raises(tf.errors.NotFoundError, match=r"11\.txt"):
+        with pytest.raises(tf.errors.NotFoundError, match=r"11\.txt") as missing:
             for _ in remote:
                 pass
         jobs = remote._producer.jobs
     assert jobs == 1
+    assert any("sample index 11 of epoch 0" in note for note in missing.value.__notes__)
     wait_for_the_readers_to_end(within_s=10.0)

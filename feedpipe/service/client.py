@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import itertools
 import queue
+import re
 import secrets
 import threading
 import time
@@ -76,6 +77,14 @@ FORGOTTEN_JOB = ("dispatcher restart", "Failed to get split")
 client it names the restart; through a worker that asks it for the job's next split, the split
 is not found (a file the transform cannot find is also NotFound, and says neither)."""
 PYTHON_OPS = frozenset({"PyFunc", "PyFuncStateless", "EagerPyFunc"})
+WORKER_FAILED = "Failed to get element from worker"
+"""How TensorFlow begins the message of an error a service worker sent while making an element."""
+ELEMENT_FAILED = "Failed to get element"
+"""What TensorFlow writes last before the worker's own error message."""
+NOTE_SEARCH_S = 10.0
+"""Longest the feeder runs `transform` here, on the samples still owed, to name the sample whose
+error a service worker sent; the one that raised is among the first few hundred (the rows the
+workers were making), unless it raises only on the workers."""
 
 
 def check_address(service: str) -> str:
@@ -156,9 +165,12 @@ class ServiceWork:
         _, *leaves = next(iter(self._probe))
         return optree.tree_unflatten(self.treespec, [leaf.numpy() for leaf in leaves])
 
-    def _rows(self, indices: np.ndarray, epoch: int, job: int = 0) -> tf.data.Dataset:
+    def _rows(
+        self, indices: np.ndarray, epoch: int, job: int = 0, in_order: bool = False
+    ) -> tf.data.Dataset:
         """Samples `indices` of `epoch`, each after its tag (see `JOB_SHIFT`), shared out
-        `ROWS_PER_SPLIT` at a time (the last split padded with rows tagged -1, dropped)."""
+        `ROWS_PER_SPLIT` at a time (the last split padded with rows tagged -1, dropped), made
+        in parallel in any order, or one after another with `in_order`."""
         tags = (job << JOB_SHIFT) | np.arange(len(indices), dtype=np.int64)
         seeds = sample_seeds(self.seed, epoch, indices)
         rows = np.column_stack([tags, indices, seeds]).astype(np.int64)
@@ -171,10 +183,35 @@ class ServiceWork:
             .filter(lambda row: row[0] >= 0)
             .map(
                 lambda row: (row[0], *self._sample(row[1], row[2:])),
-                num_parallel_calls=tf.data.AUTOTUNE,
-                deterministic=False,
+                **({} if in_order else {"num_parallel_calls": tf.data.AUTOTUNE}),
+                deterministic=None if in_order else False,
             )
         )
+
+    def failing_sample(
+        self,
+        error: tf.errors.OpError,
+        indices: np.ndarray,
+        epoch: int,
+        until: float,
+        check: Callable[[], None],
+    ) -> tuple[int | None, int]:
+        """The first of `indices` whose `transform` raises `error` here too, and how many were
+        tried: the service does not say which sample raised, so they run here, in order, until
+        the `time.monotonic()` `until` (`check` raises to stop sooner)."""
+        tried = 0
+        while tried < len(indices) and time.monotonic() < until:
+            try:
+                for _ in self._rows(indices[tried:], epoch, in_order=True):
+                    tried += 1
+                    check()
+                    if time.monotonic() >= until:
+                        break
+            except tf.errors.OpError as local:
+                tried += 1
+                if _same_error(local, error):
+                    return int(indices[tried - 1]), tried
+        return None, tried
 
     def _check(self, graph: Any) -> None:
         """Refuses a transform the service cannot run, or whose output varies in shape."""
@@ -264,6 +301,7 @@ class ServiceProducer(Producer):
                 if isinstance(item, Failure):
                     lost_s = time.monotonic() - last_row
                     if not _forgotten(item.error) or lost_s > DISPATCHER_LOST_S:
+                        self._note_sample(item.error, indices[rows.missing()], epoch, supply)
                         raise item.error
                     item = _Job.END  # its dispatcher restarted without a journal
                 if item is None:  # nothing yet
@@ -283,6 +321,28 @@ class ServiceProducer(Producer):
             if job is not None:
                 job.abandon()
             rows.give_back()
+
+    def _note_sample(
+        self, error: BaseException, owed: np.ndarray, epoch: int, supply: SlotSupply
+    ) -> None:
+        """Adds to an error a service worker sent while making a sample (TensorFlow's message
+        names the worker, never the sample) a note naming the sample, as a local run's says:
+        the first of the samples still `owed` on which `transform` raises it here too."""
+        if not isinstance(error, tf.errors.OpError) or WORKER_FAILED not in error.message:
+            return
+        until = time.monotonic() + NOTE_SEARCH_S
+        index, tried = self.work.failing_sample(error, owed, epoch, until, supply.check_stop)
+        if index is not None:
+            error.add_note(
+                f"feedpipe: raised on a tf.data service worker while producing sample index "
+                f"{index} of epoch {epoch} (`transform` raises it on that sample here too)."
+            )
+        else:
+            error.add_note(
+                f"feedpipe: raised on a tf.data service worker while producing one of the "
+                f"{len(owed)} samples of epoch {epoch} still owed; `transform` raised no such "
+                f"error here on the first {tried} of them."
+            )
 
     def _dispatcher_answers(self, job: _Job, epoch: int, rows: _Rows) -> bool:
         """Whether the dispatcher answers within `ANSWER_S`; raises once it has not for
@@ -312,6 +372,19 @@ def _cause(error: BaseException) -> str:
     last = last if len(last) <= 200 else f"{last[:200].rstrip()}..."
     kind = type(error).__name__
     return last if last.startswith(f"{kind}:") else f"{kind}: {last}"
+
+
+def _same_error(local: tf.errors.OpError, remote: tf.errors.OpError) -> bool:
+    """Whether `local`, raised here, is the error a worker sent as `remote`: the same type, and
+    the worker's own words (after TensorFlow's account of the way) end `local`'s first line."""
+    said = _first_line(remote.message).rsplit(f"{ELEMENT_FAILED}: ", 1)[-1]
+    return type(local) is type(remote) and bool(said) and _first_line(local.message).endswith(said)
+
+
+def _first_line(message: str) -> str:
+    """A TensorFlow error message's first line, without the op it surfaced in."""
+    line = message.strip().split("\n", 1)[0]
+    return re.sub(r"\s*\[Op:\w+\].*$", "", line).strip()
 
 
 def _forgotten(error: BaseException) -> bool:
