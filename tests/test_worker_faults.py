@@ -295,6 +295,51 @@ def test_after_a_worker_death_close_is_quick_and_leaves_nothing(deaths, death):
     assert wait_gone(got["pids"])[0] == []
 
 
+@pytest.fixture(scope="module")
+def unmappable() -> dict:
+    """Workers whose address space cannot hold a host slot of 32 samples of 1 MiB."""
+    reports, _ = run_isolated(
+        """
+        import errno
+        feeder = fp.Feeder(wf.AddressSpaceLimited(64), 32, devices=DEVICES, workers=2)
+        pids = worker_pids()
+        ids, asked, raised, error = take_until_error(feeder)
+        report(
+            "ENOMEM", ids=ids, error_s=raised - asked,
+            errno=errno.errorcode.get(getattr(error, "errno", None)), **described(error),
+            **closed_and_cleaned(feeder, list(pids.values())),
+        )
+        """
+    )
+    return reports["ENOMEM"]
+
+
+def test_a_worker_that_cannot_map_a_host_slot_raises_its_os_error_with_errno_and_fix(unmappable):
+    got = unmappable
+    assert got["type"] == "OSError"
+    assert got["errno"] == "ENOMEM"
+    assert got["message"].startswith("[Errno 12] mapping host slot ")
+    assert "failed with ENOMEM (Cannot allocate memory)" in got["message"]
+    for fix in ("`ulimit -v`", "smaller `depth` or `global_batch_size`", "fewer `workers`"):
+        assert fix in got["message"]
+    assert "exited with code" not in got["message"]
+    named = [pid for pid in got["pids"] if any(f"(pid {pid})" in note for note in got["notes"])]
+    assert len(named) == 1, got["notes"]
+    assert any("outside any task; it has stopped" in note for note in got["notes"])
+    assert got["ids"] == []
+    assert got["error_s"] < 2.0, f"{got['error_s']:.2f} s to the error"
+
+
+def test_after_a_worker_cannot_map_a_host_slot_close_leaves_nothing(unmappable):
+    got = unmappable
+    assert len(got["pids"]) == 2
+    assert got["close_s"] < 5.0
+    assert got["processes_left"] == {}
+    assert got["threads_left"] == []
+    assert got["segments_left"] == []
+    assert wait_gone(got["pids"])[0] == []
+
+
 # ---- a worker that hangs -----------------------------------------------------------------------
 
 

@@ -44,6 +44,28 @@ class EmptyArraySource(IndexSource):
         self.class_weights = np.array([])
 
 
+class AddressSpaceLimited(IndexSource):
+    """Samples of 1 MiB, in a worker whose address space is limited, from the moment the
+    source is loaded there, to what it uses plus 16 MiB (as `ulimit -v` would): a host slot
+    of 32 samples or more cannot be mapped there (ENOMEM)."""
+
+    HEADROOM_BYTES = 16 << 20
+
+    def __setstate__(self, state):
+        import resource
+
+        self.__dict__.update(state)
+        with open("/proc/self/statm") as statm:
+            used = int(statm.read().split()[0]) * resource.getpagesize()
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (used + self.HEADROOM_BYTES, hard))
+
+    def __getitem__(self, index: int):
+        if not 0 <= index < self.length:
+            raise IndexError(index)
+        return np.full(1 << 18, index, np.float32), np.int64(index)
+
+
 class SourceBroke(Exception):
     """Raised by `FailingSource`: a type of its own, so tests can see it survive the trip."""
 

@@ -91,16 +91,29 @@ _libc.mmap.argtypes = [
 ]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_MAP_FIXES = {
+    errno.ENOMEM: "this process's address space (`ulimit -v`), the memory the system may "
+    "commit, or its count of mappings (`vm.max_map_count`) is at its limit: a smaller `depth` "
+    "or `global_batch_size` makes fewer and smaller host slots, and fewer `workers` use less "
+    "memory in all",
+}
+"""What to do when a mapping fails, by errno, where there is something to do."""
 
 
-def _map(fd: int, nbytes: int, *, writable: bool) -> np.ndarray:
-    """The file `fd` mapped as `np.uint8` bytes; unmapped when the last view of them goes."""
+def _map(fd: int, nbytes: int, *, writable: bool, what: str) -> np.ndarray:
+    """The file `fd` (holding `what`) mapped as `np.uint8` bytes; unmapped when the last view
+    of them goes."""
     size = max(nbytes, 1)
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
     address = _libc.mmap(None, size, prot, mmap.MAP_SHARED, fd, 0)
     if address is None or address == _MAP_FAILED:
         code = ctypes.get_errno()
-        raise OSError(code, f"mmap of {size} shared bytes failed: {os.strerror(code)}")
+        fix = _MAP_FIXES.get(code)
+        raise OSError(
+            code,
+            f"mapping {what} ({size} bytes) failed with {errno.errorcode.get(code, code)} "
+            f"({os.strerror(code)})" + (f"; {fix}." if fix else "."),
+        )
     memory = (ctypes.c_char * size).from_address(address)
     weakref.finalize(memory, _libc.munmap, address, size)
     array = np.frombuffer(memory, np.uint8)[:nbytes]
@@ -121,7 +134,7 @@ class SharedBuffer:
         self.fd = _anonymous_file(self.name)
         self._close_fd = weakref.finalize(self, os.close, self.fd)
         os.ftruncate(self.fd, max(nbytes, 1))
-        self.array = _map(self.fd, nbytes, writable=True)
+        self.array = _map(self.fd, nbytes, writable=True, what=self.name)
 
     def close(self) -> None:
         """Closes the descriptor and drops `array`: the mapping goes with the last other view."""
@@ -132,9 +145,10 @@ class SharedBuffer:
         return f"SharedBuffer({self.name!r}, nbytes={self.nbytes})"
 
 
-def map_shared(fd: int, nbytes: int, *, writable: bool = True) -> np.ndarray:
-    """The `np.uint8` bytes of a `SharedBuffer` received as `fd` (which this closes)."""
+def map_shared(fd: int, nbytes: int, *, what: str, writable: bool = True) -> np.ndarray:
+    """The `np.uint8` bytes of a `SharedBuffer` received as `fd` (which this closes); `what`
+    it holds names it in an error."""
     try:
-        return _map(fd, nbytes, writable=writable)
+        return _map(fd, nbytes, writable=writable, what=what)
     finally:
         os.close(fd)

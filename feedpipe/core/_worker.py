@@ -4,7 +4,8 @@ A worker process is started as `python -m feedpipe.core._worker NAME FD PARENT P
 `feedpipe.core.workers`): a fresh interpreter that imports only what the source and `transform`
 need, never TensorFlow on feedpipe's account (and says so, once, if they pull it in). It
 receives its setup and tasks over the socket `FD`, maps the host slots it is sent, writes
-samples straight into them and replies with one message per task.
+samples straight into them and replies with one message per task. An error of its own, outside
+any task (loading its setup, mapping a slot), is sent as a reply to no task before it stops.
 
 It ignores SIGINT: Ctrl-C reaches every process of the terminal's process group, and it is meant
 for the training loop, not for the pool that feeds it. It exits when told to, when the socket
@@ -14,6 +15,7 @@ it is stopped or stuck in C code holding the GIL; a thread checks as well, for o
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.abc
 import os
@@ -203,7 +205,7 @@ def _serve(conn: Connection, runner: TaskRunner, watch: TensorFlowWatch, name: s
             news = watch.news(name)
             if news is not None:
                 conn.send(("warning", None, news))
-    except (EOFError, OSError):  # the feeder is gone or closed: nothing is waiting for us
+    except (EOFError, ConnectionError):  # the feeder is gone or closed: nothing is waiting
         return
 
 
@@ -213,7 +215,8 @@ def _answer(conn: Connection, runner: TaskRunner, message: tuple) -> bool:
         return False
     if kind == "slot":
         _, ident, nbytes, contiguous = message
-        runner.add_slot(ident, contiguous, map_shared(recv_handle(conn), nbytes))
+        buffer = map_shared(recv_handle(conn), nbytes, what=f"host slot {ident}")
+        runner.add_slot(ident, contiguous, buffer)
     elif kind == "forget":
         runner.forget(message[1])
     elif kind == "configure":
@@ -233,8 +236,8 @@ def _load(conn: Connection, index: int) -> TaskRunner:
     sys.path[:] = sys_path
     data = None
     if data_nbytes is not None:  # a buffer of 0 bytes (arrays all empty) is still sent
-        data = map_shared(recv_handle(conn), data_nbytes, writable=False)
-    status = map_shared(recv_handle(conn), status_nbytes)
+        data = map_shared(recv_handle(conn), data_nbytes, what="the arrays", writable=False)
+    status = map_shared(recv_handle(conn), status_nbytes, what="the status rows")
     payload = conn.recv_bytes()
     buffers = [data[lo:hi] for lo, hi in spans] if data is not None else []
     setup = pickle.loads(payload, buffers=buffers)
@@ -254,13 +257,16 @@ def main(argv: list[str]) -> int:
     watch = TensorFlowWatch()
     sys.meta_path.insert(0, watch)
     conn = Connection(fd)
+    doing = "while loading the source and transform"
     try:
         runner = _load(conn, index)
+        doing = "outside any task; it has stopped"
+        _serve(conn, runner, watch, name)
     except BaseException as error:
-        error.add_note(f"feedpipe: raised in {name} while loading the source and transform.")
-        conn.send(("error", None, pack_error(error), traceback.format_exc()))
+        error.add_note(f"feedpipe: raised in {name} (pid {os.getpid()}) {doing}.")
+        with contextlib.suppress(OSError):  # a feeder already gone needs no reply
+            conn.send(("error", None, pack_error(error), traceback.format_exc()))
         return 1
-    _serve(conn, runner, watch, name)
     return 0
 
 

@@ -271,7 +271,15 @@ class ProcessWorkers(_Pool):
     def pids(self) -> list[int]:
         return [proc.pid for proc in self.procs]
 
-    def _death(self, worker: int) -> WorkerError:
+    def _death(self, worker: int) -> BaseException:
+        """Why `worker` is gone: the error it sent before it stopped (a send to it may fail
+        before that reply is read), else a WorkerError naming how it ended."""
+        conn = self.conns[worker]
+        with contextlib.suppress(EOFError, OSError):
+            while conn.poll():
+                kind, task, value, *text = conn.recv()
+                if kind == "error" and task is None:
+                    return _rebuild(value, text[0], self.names[worker])
         proc = self.procs[worker]
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(1.0)
@@ -330,7 +338,7 @@ class ProcessWorkers(_Pool):
                     raise self._death(worker) from None
                 if kind == "error":
                     value = _rebuild(value, text[0], self.names[worker])
-                    if task is None:  # the worker could not load its setup
+                    if task is None:  # the worker's own error, not a task's: it has stopped
                         raise value
                 replies.append(Reply(worker, kind, task, value))
         return replies
