@@ -151,6 +151,14 @@ def unseeded_or_reshuffling(dataset: Any) -> str | None:
     return None
 
 
+def keras_validation_input(model: Any) -> Any:
+    """What the validation of the running `fit` reads: the dataset its data adapter wraps, or
+    the adapter itself (a feeder). Keras keeps the validation's epoch iterator on the model
+    during `fit` (`_eval_epoch_iterator`); no public name gives it. None outside a fit."""
+    adapter = getattr(getattr(model, "_eval_epoch_iterator", None), "data_adapter", None)
+    return getattr(adapter, "_dataset", adapter)
+
+
 def keras_data_adapter() -> type:
     """Keras 3's `DataAdapter` base class: `model.fit` takes an instance of it as it is (its
     `get_data_adapter` returns "a custom data adapter" unchanged). No public name exports it."""

@@ -628,6 +628,21 @@ class Feeder:
             self._tracker.interrupted()
             self._untrack(self._tracker)
 
+    def _reads_this(self, data: Any) -> bool:
+        """Whether `data` reads this feeder (a framework adds its own datasets)."""
+        return data is self
+
+    def _refuse_as_validation(self, data: Any) -> None:
+        """Refuses a fit whose `validation_data` reads this feeder: validation would take the
+        epoch after each one trained, so training would see every other epoch."""
+        if data is not None and self._reads_this(data):
+            raise ValueError(
+                "`validation_data` reads the feeder this fit trains on: each validation would "
+                "take the feeder's next epoch, and training would see every other one. Give "
+                "validation data of its own: a second fp.Feeder over the validation samples, "
+                "or arrays, validation_data=(x_val, y_val)."
+            )
+
     def _untake(self, batch: Any) -> None:
         """`batch` and the batches taken after it trained nothing (the step raised): the next
         loop begins at it. Call once the loop that took them is closed."""

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 import feedpipe as fp
 from tests.test_fit_checkpoints import InterruptAfter
+from tests.worker_fakes import FEATURE_SHAPE, FailingSource, SourceBroke
 
 LENGTH, BATCH = 64, 8
 STEPS = LENGTH // BATCH
@@ -133,3 +134,51 @@ def test_a_repeated_prefetched_dataset_keeps_the_state_exact():
         assert recorder.states == trained
         assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (3, 0)
         assert rest_of_epoch(feeder) == list(range(LENGTH))
+
+
+def dense_model() -> keras.Model:
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    return model
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["as it is", "prefetched"])
+def test_validation_data_reading_the_feeder_being_trained_is_refused(wrapped):
+    with fp.Feeder(ids_data(), BATCH) as feeder:
+        dataset = feeder.as_dataset()
+        validation = dataset.prefetch(2) if wrapped else dataset
+        with pytest.raises(ValueError, match=r"`validation_data` reads the feeder this fit"):
+            dense_model().fit(
+                dataset,
+                validation_data=validation,
+                epochs=2,
+                verbose=0,
+                callbacks=[feeder.fit_callback()],
+            )
+        # Validation never read the feeder: the first epoch trained, the second never began.
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (1, 0)
+
+
+def test_validation_data_of_its_own_is_taken():
+    with fp.Feeder(ids_data(), BATCH) as feeder, fp.Feeder(ids_data(), BATCH) as other:
+        history = dense_model().fit(
+            feeder.as_dataset(),
+            validation_data=other.as_dataset(),
+            epochs=2,
+            verbose=0,
+            callbacks=[feeder.fit_callback()],
+        )
+        assert len(history.history["val_loss"]) == 2
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (2, 0)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("at", [3, 5 * BATCH + 1], ids=["first batch", "sixth batch"])
+def test_a_sources_error_leaves_fit_as_itself_without_a_strategy(workers, at):
+    feeder = fp.Feeder(FailingSource(LENGTH, fail_at=at), BATCH, workers=workers)
+    model = keras.Sequential([keras.Input(FEATURE_SHAPE), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    with feeder, pytest.raises(SourceBroke, match=rf"^sample {at} is broken\n") as info:
+        model.fit(feeder.as_dataset(), epochs=1, verbose=0, callbacks=[feeder.fit_callback()])
+    notes = getattr(info.value, "__notes__", [])
+    assert any(f"sample index {at} of epoch 0" in note for note in notes), notes

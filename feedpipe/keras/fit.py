@@ -3,7 +3,8 @@
 `FitTracker` (made by `feeder.fit_callback()`) gives the feeder the step count Keras gives its
 callbacks, so the feeder's state is the batches the step trained on. It reaches the feeder only
 through the methods the feeder keeps for it (`_track`, `_untrack`, `_check_fit_epochs`,
-`_raise_failure`), and never imports the feeder's module: the feeder imports this one.
+`_raise_failure`, `_refuse_as_validation`), and never imports the feeder's module: the feeder
+imports this one.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import keras
 
-from feedpipe._internals import unweighted_metrics
+from feedpipe._internals import keras_validation_input, unweighted_metrics
 
 
 class FitTracker(keras.callbacks.Callback):
@@ -26,8 +27,9 @@ class FitTracker(keras.callbacks.Callback):
     in the list: Keras gives the step count to every callback's `on_train_batch_begin` before
     the step runs, and the checkpoints Keras users write come after it. It also refuses a fit
     whose epochs cannot be the feeder's (after a restore mid-epoch), warns when compiled
-    `metrics` will count padding rows, and raises an error of the source or `transform` itself
-    from `fit` where it arrives before the step needs the batch.
+    `metrics` will count padding rows, refuses `validation_data` that reads the same feeder,
+    and raises an error of the source or `transform` from `fit` as itself (its type, message
+    and note), where TensorFlow would wrap it.
     """
 
     def __init__(self, feeder: Any):
@@ -46,6 +48,7 @@ class FitTracker(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self.earlier, self.steps, self.finished = 0, 0, 0
         self.feeder._track(self)
+        self._wrap_train_function()
         _warn_unweighted_metrics(self.model, self.feeder)
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -65,8 +68,33 @@ class FitTracker(keras.callbacks.Callback):
         self.finished = self.steps
         self.feeder._raise_failure()
 
+    def on_test_begin(self, logs=None):
+        self.feeder._raise_failure()
+        self.feeder._refuse_as_validation(keras_validation_input(self.model))
+
     def on_train_end(self, logs=None):
         self.feeder._untrack(self)
+        function = self.model.train_function
+        if getattr(function, "__self__", None) is self:
+            self.model.train_function = self._original
+
+    def _wrap_train_function(self) -> None:
+        """Keras's train function, raising a source's error as itself: where the step reads
+        the batch itself (no strategy reads ahead), TensorFlow wraps it in an `OpError`."""
+        function = self.model.train_function
+        while getattr(function, "__self__", None).__class__ is FitTracker:
+            function = function.__self__._original  # left by a fit that raised
+        self._original = function
+        self.model.train_function = self._train_function
+
+    def _train_function(self, *args):
+        try:
+            return self._original(*args)
+        except Exception as error:
+            failure = self.feeder._failure
+            if failure is None or failure is error:
+                raise
+            raise failure from None
 
     def interrupted(self) -> None:
         """The fit raised (in a step, a callback, or Ctrl-C): a step that never returned

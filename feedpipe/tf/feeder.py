@@ -16,6 +16,7 @@ import optree
 import tensorflow as tf
 
 from feedpipe import feeder as core
+from feedpipe._internals import dataset_pipeline
 from feedpipe.core.stage import HostBatch
 from feedpipe.core.weights import row_weights, weighting, with_weights
 from feedpipe.tf.agreement import check_hosts_agree
@@ -31,6 +32,8 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
     """
 
     def __init__(self, *args: Any, **kwargs: Any):
+        self._datasets: weakref.WeakSet = weakref.WeakSet()
+        """The datasets `as_dataset()` made, while they live: what reads this feeder."""
         super().__init__(*args, **kwargs)
         if self.share.num_hosts > 1:
             self._check_hosts_agree()
@@ -124,6 +127,7 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
         options.experimental_optimization.inject_prefetch = False
         dataset = dataset.with_options(options)
         dataset._feedpipe_feeder = self  # the feeder lives as long as its dataset
+        self._datasets.add(dataset)
         # Keras's fit(shuffle=True), its default, cannot shuffle a dataset and says so on every
         # fit; the feeder shuffles (fp.Feeder(shuffle=True)), so the warning says nothing here.
         warnings.filterwarnings(
@@ -133,8 +137,17 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
             category=UserWarning,
         )
         if hosts:
-            return self._per_host(dataset)
+            dataset = self._per_host(dataset)
+            self._datasets.add(dataset)
         return dataset
+
+    def _reads_this(self, data: Any) -> bool:
+        """Whether `data` reads this feeder: it, or a dataset built on one it made."""
+        if data is self or data in self._datasets:
+            return True
+        if not isinstance(data, tf.data.Dataset):
+            return False
+        return any(node in self._datasets for node in dataset_pipeline(data))
 
     def _per_host(self, dataset: tf.data.Dataset) -> tf.distribute.DistributedDataset:
         """`dataset`, this host's replicas' rows, as the strategy's input on this host."""

@@ -176,3 +176,32 @@ def test_a_feeder_on_more_devices_than_keras_trains_on_is_refused(keras, devices
     refused = pytest.raises(ValueError, match="Keras has no distribution")
     with fp.Feeder((x, y), BATCH, devices=devices) as feeder, refused:
         model(keras).fit(feeder, epochs=1, callbacks=[feeder.fit_callback()], verbose=0)
+
+
+def test_validation_data_reading_the_feeder_being_trained_is_refused(keras, devices):
+    x, y = data()
+    with fp.Feeder((x, y), BATCH, devices=devices[:1]) as feeder:
+        with pytest.raises(ValueError, match=r"`validation_data` reads the feeder this fit"):
+            model(keras).fit(
+                feeder, validation_data=feeder, epochs=2, callbacks=[feeder.fit_callback()]
+            )
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (1, 0)
+
+
+def test_a_sources_error_leaves_fit_as_itself(keras, devices):
+    class Broke(RuntimeError):
+        pass
+
+    class BreaksAt:
+        def __len__(self):
+            return LENGTH
+
+        def __getitem__(self, index):
+            if index == 40:
+                raise Broke(f"sample {index} is broken")
+            return np.float32([index] * 8), np.int32(index % 3)
+
+    feeder = fp.Feeder(BreaksAt(), BATCH, devices=devices[:1])
+    with feeder, pytest.raises(Broke, match=r"^sample 40 is broken\n") as info:
+        model(keras).fit(feeder, epochs=1, verbose=0, callbacks=[feeder.fit_callback()])
+    assert any("sample index 40 of epoch 0" in note for note in info.value.__notes__)
