@@ -6,6 +6,7 @@ dataset repeated and prefetched keeps the state exact."""
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import keras
 import numpy as np
@@ -182,3 +183,23 @@ def test_a_sources_error_leaves_fit_as_itself_without_a_strategy(workers, at):
         model.fit(feeder.as_dataset(), epochs=1, verbose=0, callbacks=[feeder.fit_callback()])
     notes = getattr(info.value, "__notes__", [])
     assert any(f"sample index {at} of epoch 0" in note for note in notes), notes
+
+
+def counting(shard: int, num_shards: int):
+    for index in range(shard, LENGTH, num_shards):
+        yield np.float32([index]), np.float32([0])
+
+
+def test_a_generator_sources_epochs_end_without_keras_warning_the_input_ran_out():
+    with fp.Feeder(fp.from_generator(counting), BATCH) as feeder:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            dense_model().fit(
+                feeder.as_dataset(), epochs=3, verbose=0, callbacks=[feeder.fit_callback()]
+            )
+        assert not [w for w in seen if "ran out of data" in str(w.message)]
+        assert feeder.get_state()["epoch"] == 3
+    # Only that fit was quiet: Keras warns again where an input really runs short.
+    short = tf.data.Dataset.from_tensor_slices((ids_data()[0], ids_data()[1])).batch(BATCH)
+    with pytest.warns(UserWarning, match="ran out of data"):
+        dense_model().fit(short, steps_per_epoch=STEPS + 2, epochs=1, verbose=0)

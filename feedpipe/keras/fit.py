@@ -50,6 +50,7 @@ class FitTracker(keras.callbacks.Callback):
         self.feeder._track(self)
         self._wrap_train_function()
         _warn_unweighted_metrics(self.model, self.feeder)
+        self._quiet_end_of_unknown_epoch()
 
     def on_epoch_begin(self, epoch, logs=None):
         self.earlier += self.steps
@@ -74,6 +75,7 @@ class FitTracker(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self.feeder._untrack(self)
+        self._speak_again()
         function = self.model.train_function
         if getattr(function, "__self__", None) is self:
             self.model.train_function = self._original
@@ -100,11 +102,33 @@ class FitTracker(keras.callbacks.Callback):
         """The fit raised (in a step, a callback, or Ctrl-C): a step that never returned
         trained nothing, so only the finished steps count."""
         self.steps = self.finished
+        self._speak_again()
+
+    def _quiet_end_of_unknown_epoch(self) -> None:
+        """Where the epoch's length is unknown (a generator source) and no `steps_per_epoch`
+        was given, Keras learns it from the first epoch's end and warns then, on every run,
+        that the input "ran out of data; interrupting training": the feeder's epochs end so
+        by design, and training goes on. That warning is silenced for this fit alone."""
+        self._speak_again()
+        if (self.params or {}).get("steps") is None:
+            warnings.filterwarnings(
+                "ignore", message=_RAN_OUT, category=UserWarning, module=_KERAS_EPOCHS
+            )
+            self._quieted = warnings.filters[0]
+
+    def _speak_again(self) -> None:
+        quieted, self._quieted = getattr(self, "_quieted", None), None
+        if quieted in warnings.filters:
+            warnings.filters.remove(quieted)
 
     @property
     def trained(self) -> int:
         """Steps this fit has trained, as `steps` counts them in the current Keras epoch."""
         return self.earlier + self.steps
+
+
+_RAN_OUT = "Your input ran out of data; interrupting training"
+_KERAS_EPOCHS = r"keras\.src\.trainers\.epoch_iterator"
 
 
 def _warn_unweighted_metrics(model: keras.Model, feeder: Any) -> None:
