@@ -16,11 +16,11 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
 import optree
 
 from feedpipe._frameworks import feeder_class
 from feedpipe.core._sync import Failure
+from feedpipe.core.checks import check_int
 from feedpipe.core.pipeline import Pipeline
 from feedpipe.core.producers import ThreadProducer, WorkerProducer
 from feedpipe.core.remainder import Remainder, check_remainder, warn_dropped
@@ -35,17 +35,18 @@ from feedpipe.core.writer import SampleWriter, first_look
 WORKER_MODES = ("process", "thread")
 
 
-def _positive_int(name: str, value: Any, fix: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ValueError(f"`{name}`={value!r} must be an integer >= 1; {fix}.")
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class FeedOptions:
-    """How a `Feeder` batches, orders and stages samples; validated on creation."""
+    """How a `Feeder` batches, orders and stages samples; validated on creation.
+
+    `global_batch_size`, the one required field, may come first by position, as it does in
+    `fp.Feeder(source, 256)`: `FeedOptions(128, shuffle=True)`. Every other field is keyword-only,
+    so a call names what it sets and a field added later cannot change what an old call means.
+    """
 
     global_batch_size: int
     """Samples per step across all replicas; must divide evenly among them."""
+    _: dataclasses.KW_ONLY
     remainder: str = "pad"
     """The last partial batch: "pad" (repeat real samples, masked), "drop", or "error".
     Default "pad": every sample is seen and every replica runs the same steps."""
@@ -68,26 +69,19 @@ class FeedOptions:
     (`close()` still ends a hung worker)."""
 
     def __post_init__(self):
-        _positive_int("global_batch_size", self.global_batch_size, "pass the samples per step")
+        check_int("global_batch_size", self.global_batch_size, "pass the samples per step")
         check_remainder(self.remainder)
         if not isinstance(self.shuffle, bool):
             raise TypeError(f"`shuffle`={self.shuffle!r} must be True or False.")
-        if (
-            isinstance(self.seed, bool)
-            or not isinstance(self.seed, int | np.integer)
-            or self.seed < 0
-        ):
-            raise ValueError(f"`seed`={self.seed!r} must be an integer >= 0.")
-        if (
-            isinstance(self.workers, bool)
-            or not isinstance(self.workers, int | np.integer)
-            or self.workers < 0
-        ):
-            raise ValueError(
-                f"`workers`={self.workers!r} must be an integer >= 0: 0 for one background "
-                "thread, or the number of worker processes (for example os.cpu_count())."
-            )
-        _positive_int("depth", self.depth, "use depth=2 to hide one step's transfer")
+        check_int("seed", self.seed, "pass seed=0 or any larger integer", minimum=0)
+        check_int(
+            "workers",
+            self.workers,
+            "use 0 for one background thread, or the number of worker processes (for example "
+            "os.cpu_count())",
+            minimum=0,
+        )
+        check_int("depth", self.depth, "use depth=2 to hide one step's transfer")
         if self.worker_mode not in WORKER_MODES:
             raise ValueError(f'`worker_mode`={self.worker_mode!r} must be "process" or "thread".')
         if self.timeout_s is not None:
@@ -180,7 +174,14 @@ class Feeder:
         self._pools: dict[bool, SlotPool] = {}
         self._closed = False
         self.options = FeedOptions(
-            global_batch_size, remainder, shuffle, seed, workers, depth, worker_mode, timeout_s
+            global_batch_size,
+            remainder=remainder,
+            shuffle=shuffle,
+            seed=seed,
+            workers=workers,
+            depth=depth,
+            worker_mode=worker_mode,
+            timeout_s=timeout_s,
         )
         if transform is not None and not callable(transform):
             raise TypeError(

@@ -1,0 +1,30 @@
+"""Checks: the one rule for a count a user passes, and its one wording.
+
+Every count in feedpipe (a batch size, a depth, workers, steps, threads, a seed) is checked here,
+so a bad value reads the same wherever it was given: the argument's name, the rule, the value
+received and the fix, e.g. "`depth`=0 must be an integer >= 1; use depth=2 to hide one step's
+transfer." A bool is not a count: `True` is an `int` to Python, but `workers=True` is a mistake.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def check_int(name: str, value: Any, fix: str, *, minimum: int = 1) -> int:
+    """Returns `value` as an `int` if it is an integer (Python's or numpy's, not a bool) of at
+    least `minimum`; otherwise raises a ValueError naming `name`, the rule, `value` and `fix`.
+
+    Args:
+        name: The argument as the user wrote it: `depth`, `--steps`, `state['step']`.
+        value: What the user passed.
+        fix: What to pass instead, as a clause: "use depth=2 to hide one step's transfer".
+        minimum: The smallest value allowed; 1 for a size or a number of steps, 0 for an
+            index, a seed, or a count where 0 means "none".
+    """
+    if isinstance(value, int | np.integer) and not isinstance(value, bool) and value >= minimum:
+        return int(value)
+    kind = " (a bool is not an integer)" if isinstance(value, bool | np.bool_) else ""
+    raise ValueError(f"`{name}`={value!r} must be an integer >= {minimum}{kind}; {fix}.")
