@@ -18,8 +18,10 @@ import shlex
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from feedpipe import __version__
+from feedpipe.core.checks import check_int
 
 START_UP_CHATTER = (
     "All log messages before absl::InitializeLog() is called",
@@ -33,14 +35,24 @@ START_UP_CHATTER = (
 its CUDA probe on a machine without a GPU and its CPU-feature notice."""
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
-    return value
+class _Count(argparse.Action):
+    """An option taking an integer >= 1, refused in the words of every count in feedpipe:
+    "`--steps`=0.5 must be an integer >= 1; {fix}." (`fix` is the keyword `add_argument` gets)."""
+
+    def __init__(self, *args: Any, fix: str, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.fix = fix
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        value: Any = values
+        for number in (int, float):  # "0.5" reads as 0.5; text that is no number stays text
+            with contextlib.suppress(ValueError):
+                value = number(values)
+                break
+        try:
+            setattr(namespace, self.dest, check_int(option_string, value, self.fix))
+        except ValueError as error:
+            parser.error(str(error))
 
 
 def _add_demo(subcommands: argparse._SubParsersAction) -> None:
@@ -61,11 +73,15 @@ def _add_demo(subcommands: argparse._SubParsersAction) -> None:
         help="the framework to train with (default: tensorflow where installed, else jax)",
     )
     parser.add_argument(
-        "--steps", type=_positive_int, help="training steps per run (default 150; 20 with --quick)"
+        "--steps",
+        action=_Count,
+        fix="pass the training steps per run, e.g. --steps 150",
+        help="training steps per run (default 150; 20 with --quick)",
     )
     parser.add_argument(
         "--devices",
-        type=_positive_int,
+        action=_Count,
+        fix="pass the replicas to train on, e.g. --devices 4",
         default=4,
         help="replicas: the first N GPUs, or N logical CPU devices without GPUs (default 4)",
     )
@@ -140,10 +156,18 @@ def _add_diagnose(subcommands: argparse._SubParsersAction) -> None:
         help="module:function or path/to/file.py:function returning (input, step)",
     )
     parser.add_argument(
-        "--steps", type=_positive_int, default=50, help="steps timed per measurement (default 50)"
+        "--steps",
+        action=_Count,
+        fix="pass the steps timed per measurement, e.g. --steps 50",
+        default=50,
+        help="steps timed per measurement (default 50)",
     )
     parser.add_argument(
-        "--warmup", type=_positive_int, default=5, help="untimed steps first (default 5)"
+        "--warmup",
+        action=_Count,
+        fix="pass the untimed steps run first, e.g. --warmup 5",
+        default=5,
+        help="untimed steps first (default 5)",
     )
     parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
     parser.add_argument("--report", metavar="DIR", help="write an HTML report with plots to DIR")

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from feedpipe.core.checks import check_int
 from feedpipe.core.producers import Producer, SlotSupply
 from feedpipe.core.remainder import Remainder
 from feedpipe.core.sampler import EpochEnd, Step
@@ -94,12 +95,8 @@ class DaliSource(Source):
                 f"`pipeline` must be a function decorated with @nvidia.dali.pipeline_def; got "
                 f"{type(pipeline).__name__}."
             )
-        for name, value in (
-            ("num_threads", num_threads),
-            ("prefetch_queue_depth", prefetch_queue_depth),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name}`={value!r} must be an integer >= 1.")
+        check_int("num_threads", num_threads, "pass DALI's CPU threads per pipeline, e.g. 2")
+        check_int("prefetch_queue_depth", prefetch_queue_depth, "use 2, DALI's own default")
         self.pipeline = pipeline
         self.names = None if names is None else tuple(names)
         self.reader_name = reader_name

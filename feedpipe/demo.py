@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from feedpipe.core.checks import check_int
 from feedpipe.core.stats import FeedStats, verdict
 
 if TYPE_CHECKING:
@@ -304,8 +305,7 @@ def run(
     both runs' results."""
     if steps is None:
         steps = QUICK_STEPS if quick else DEFAULT_STEPS
-    if steps < 1:
-        raise ValueError(f"`--steps`={steps} must be at least 1.")
+    check_int("--steps", steps, f"pass the training steps per run, e.g. --steps {DEFAULT_STEPS}")
     module = importlib.import_module(FRAMEWORKS[choose_framework(framework)])
     training: Training = module.Training(devices)
     global_batch_size = PER_REPLICA_BATCH * len(training.devices)

@@ -632,6 +632,19 @@ def test_restoring_into_a_different_feeder_names_the_field(devices, field, chang
         assert take(other, 1)[0][:2] == (0, 0), "a refused state must not move the feeder"
 
 
+@pytest.mark.parametrize(("field", "value"), [("epoch", -1), ("step", -2), ("step", True)])
+def test_a_state_whose_position_is_no_count_is_refused(devices, field, value):
+    with fp.Feeder(index_arrays(16), 4, devices=devices[:1]) as feeder:
+        state = feeder.get_state()
+        with pytest.raises(
+            ValueError,
+            match=rf"`state\['{field}'\]`={value!r} must be an integer >= 0.*; pass a dict from "
+            r"get_state\(\)",
+        ):
+            feeder.set_state({**state, field: value})
+        assert take(feeder, 1)[0][:2] == (0, 0), "a refused state must not move the feeder"
+
+
 def test_restoring_into_another_replica_count_continues_the_same_stream(devices):
     """The global order does not depend on how many replicas (or hosts) split each batch."""
 

@@ -3,14 +3,19 @@ modules worker processes import stay free of TensorFlow."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import os
 import subprocess
 import sys
 
+import keras
 import pytest
 
 import feedpipe as fp
+from feedpipe import cli
+from tests.fakes import index_arrays
 
 LIGHT_MODULES = [
     "feedpipe",
@@ -18,6 +23,7 @@ LIGHT_MODULES = [
     "feedpipe.core._shm",
     "feedpipe.core._sync",
     "feedpipe.core._worker",
+    "feedpipe.core.checks",
     "feedpipe.core.producers",
     "feedpipe.core.remainder",
     "feedpipe.core.sampler",
@@ -79,6 +85,69 @@ def test_options_are_frozen_and_validated():
         fp.FeedOptions(global_batch_size=8, depth=0)
     with pytest.raises(TypeError, match=r"`shuffle`='yes' must be True or False"):
         fp.FeedOptions(global_batch_size=8, shuffle="yes")
+
+
+def test_options_after_the_batch_size_are_keyword_only():
+    assert fp.FeedOptions(128, shuffle=True).shuffle is True
+    with pytest.raises(TypeError, match=r"takes 2 positional arguments but 9 were given"):
+        fp.FeedOptions(8, "pad", False, 0, 0, 2, "process", None)  # the old signature
+    with pytest.raises(TypeError, match=r"takes 2 positional arguments but 3 were given"):
+        fp.FeedOptions(8, "drop")
+
+
+def _feeder(**options) -> None:
+    fp.Feeder(index_arrays(8), **{"global_batch_size": 2, **options}).close()
+
+
+def _train(steps_per_execution) -> None:
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    with fp.Feeder(index_arrays(8), 2) as feeder:
+        fp.train(
+            model,
+            feeder,
+            loss="mse",
+            optimizer="sgd",
+            steps_per_execution=steps_per_execution,
+            verbose=0,
+        )
+
+
+def _command_steps(text: str) -> None:
+    """Raises what `feedpipe demo --steps TEXT` writes after "error: "."""
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit):
+        cli.main(["demo", "--steps", text])
+    raise ValueError(stderr.getvalue().splitlines()[-1].removeprefix("feedpipe demo: error: "))
+
+
+_COUNTS = [
+    ("global_batch_size", lambda value: _feeder(global_batch_size=value), 1),
+    ("depth", lambda value: _feeder(depth=value), 1),
+    ("workers", lambda value: _feeder(workers=value), 0),
+    ("steps_per_execution", _train, 1),
+]
+
+
+@pytest.mark.parametrize(
+    ("call", "name", "value", "shown", "minimum"),
+    [
+        pytest.param(call, name, value, repr(value), minimum, id=f"{name}={value!r}")
+        for name, call, minimum in _COUNTS
+        for value in (minimum - 1, 0.5, True)
+    ]
+    + [
+        pytest.param(_command_steps, "--steps", text, shown, 1, id=f"--steps {text}")
+        for text, shown in (("0", "0"), ("0.5", "0.5"), ("ten", "'ten'"))
+    ],
+)
+def test_every_count_is_refused_in_the_same_words(call, name, value, shown, minimum):
+    with pytest.raises(ValueError) as refused:
+        call(value)
+    message = str(refused.value)
+    assert message.startswith(f"`{name}`={shown} must be an integer >= {minimum}"), message
+    rule, _, fix = message.partition("; ")
+    assert fix.endswith(".") and len(fix) > 10, f"no fix after the rule: {message}"
+    assert ("(a bool is not an integer)" in rule) == (value is True), message
 
 
 def test_py_typed_ships_with_the_package():

@@ -289,6 +289,7 @@ def test_the_schedule_drives_a_keras_optimizer():
         ({"base_learning_rate": 0.0}, "`base_learning_rate`=0.0 must be > 0"),
         ({"global_batch_size": 0}, "`global_batch_size`=0 must be an integer >= 1"),
         ({"warmup_steps": -1}, "`warmup_steps`=-1 must be an integer >= 0"),
+        ({"base_batch_size": True}, r"`base_batch_size`=True must be an integer >= 1 \(a bool"),
     ],
 )
 def test_bad_schedule_arguments_are_named(kwargs, message):

@@ -10,7 +10,8 @@
 Plumbing: `pipeline` runs the background thread and `handoff` its queue; `_sync` is the one
 stop/timeout/join pattern every thread and pool follows; `workers` holds the worker pools,
 `_worker` what runs inside a worker, `_shm` the memory shared with them; `pinned` page-locks
-slots for an accelerator's copy engine; `weights` keeps padding out of a Keras loss.
+slots for an accelerator's copy engine; `weights` keeps padding out of a Keras loss; `checks`
+is the one rule, and wording, for a count a user passes.
 
 Nothing here imports TensorFlow, JAX or Keras (a tf.data source imports TensorFlow in its own
 methods, when given one).

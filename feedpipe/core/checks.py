@@ -8,9 +8,8 @@ transfer." A bool is not a count: `True` is an `int` to Python, but `workers=Tru
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
-
-import numpy as np
 
 
 def check_int(name: str, value: Any, fix: str, *, minimum: int = 1) -> int:
@@ -24,7 +23,8 @@ def check_int(name: str, value: Any, fix: str, *, minimum: int = 1) -> int:
         minimum: The smallest value allowed; 1 for a size or a number of steps, 0 for an
             index, a seed, or a count where 0 means "none".
     """
-    if isinstance(value, int | np.integer) and not isinstance(value, bool) and value >= minimum:
+    # numpy's integers register as numbers.Integral, so numpy need not be imported to take them.
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum:
         return int(value)
-    kind = " (a bool is not an integer)" if isinstance(value, bool | np.bool_) else ""
+    kind = " (a bool is not an integer)" if isinstance(value, bool) else ""
     raise ValueError(f"`{name}`={value!r} must be an integer >= {minimum}{kind}; {fix}.")

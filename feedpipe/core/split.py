@@ -12,13 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
-
-def _check_positive(**values: int) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-            raise ValueError(f"`{name}`={value!r} must be a positive integer.")
+from feedpipe.core.checks import check_int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -29,7 +23,8 @@ class ReplicaSplit:
     num_replicas: int
 
     def __post_init__(self):
-        _check_positive(global_batch_size=self.global_batch_size, num_replicas=self.num_replicas)
+        check_int("global_batch_size", self.global_batch_size, "pass the samples per step")
+        check_int("num_replicas", self.num_replicas, "split among one device or more")
         if self.global_batch_size % self.num_replicas:
             example = self.num_replicas * max(1, self.global_batch_size // self.num_replicas)
             raise ValueError(
@@ -61,11 +56,9 @@ class HostShare:
     local_replicas: int = 1
 
     def __post_init__(self):
-        _check_positive(
-            global_batch_size=self.global_batch_size,
-            num_hosts=self.num_hosts,
-            local_replicas=self.local_replicas,
-        )
+        check_int("global_batch_size", self.global_batch_size, "pass the samples per step")
+        check_int("num_hosts", self.num_hosts, "a cluster has one host or more")
+        check_int("local_replicas", self.local_replicas, "each host feeds one device or more")
         if not 0 <= self.host < self.num_hosts:
             raise ValueError(f"`host`={self.host!r} must be in [0, {self.num_hosts}).")
         if self.num_hosts > 1 and self.global_batch_size % self.num_replicas:

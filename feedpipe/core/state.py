@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+from feedpipe.core.checks import check_int
+
 STATE_VERSION = 1
 
 
@@ -99,8 +101,7 @@ class Stream:
                     f"{field}={mine[field]!r}; {fix}."
                 )
         for field in ("epoch", "step"):
-            if not isinstance(state[field], int) or state[field] < 0:
-                raise ValueError(f"The state's {field}={state[field]!r} must be an integer >= 0.")
+            check_int(f"state[{field!r}]", state[field], "pass a dict from get_state()", minimum=0)
         if self.steps_per_epoch is not None and state["step"] >= self.steps_per_epoch:
             raise ValueError(
                 f"The state's step={state['step']} must be below {self.steps_per_epoch}, the "

@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import feedpipe as fp
+from feedpipe.core.checks import check_int
 from feedpipe.demo import (
     CLASSES,
     FEATURES,
@@ -41,8 +42,7 @@ def configure_devices(count: int) -> list[jax.Device]:
     flag (unless the user did) before asking for the devices, so it must run before any JAX
     computation.
     """
-    if count < 1:
-        raise ValueError(f"`--devices`={count} must be at least 1.")
+    check_int("--devices", count, "pass the replicas to train on, e.g. --devices 4")
     flags = os.environ.get("XLA_FLAGS", "")
     if HOST_DEVICES_FLAG not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {HOST_DEVICES_FLAG}={count}".strip()

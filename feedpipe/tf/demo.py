@@ -15,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 import feedpipe as fp
+from feedpipe.core.checks import check_int
 from feedpipe.demo import (
     CLASSES,
     FEATURES,
@@ -31,8 +32,7 @@ def configure_devices(count: int) -> list[str]:
     Logical CPU devices can only be made before TensorFlow initialises its runtime, so this
     must run before any op; a machine without GPUs then still trains on several replicas.
     """
-    if count < 1:
-        raise ValueError(f"`--devices`={count} must be at least 1.")
+    check_int("--devices", count, "pass the replicas to train on, e.g. --devices 4")
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:
         return [f"/gpu:{i}" for i in range(min(count, len(gpus)))]

@@ -25,6 +25,7 @@ import keras
 import tensorflow as tf
 
 from feedpipe._internals import collective_timeout, keras_loss, keras_metric
+from feedpipe.core.checks import check_int
 from feedpipe.feeder import Feeder
 from feedpipe.tf.batch import Batch
 
@@ -136,14 +137,11 @@ class Trainer:
         metrics: Sequence[Any] = (),
         steps_per_execution: int = 1,
     ):
-        if (
-            isinstance(steps_per_execution, bool)
-            or not isinstance(steps_per_execution, int)
-            or steps_per_execution < 1
-        ):
-            raise ValueError(
-                f"`steps_per_execution`={steps_per_execution!r} must be an integer >= 1."
-            )
+        self.steps_per_execution = check_int(
+            "steps_per_execution",
+            steps_per_execution,
+            "use 1 to run one step per call, or N to run N steps in one compiled call",
+        )
         if not (isinstance(loss, str) or callable(loss)):
             per_sample_loss(loss)  # raises, naming what a loss must be
         self.strategy = strategy or tf.distribute.get_strategy()
@@ -162,7 +160,6 @@ class Trainer:
         self.metrics: list[keras.metrics.Metric] = []
         """The metrics, built from `metrics` when the first batch shows the labels' kind."""
         self._loss_fn: Callable | None = None
-        self.steps_per_execution = steps_per_execution
         self._run_steps = tf.function(self._steps)
 
     def __repr__(self) -> str:
@@ -481,18 +478,21 @@ class WarmupLinearScaling(keras.optimizers.schedules.LearningRateSchedule):
     ):
         if not base_learning_rate > 0:
             raise ValueError(f"`base_learning_rate`={base_learning_rate!r} must be > 0.")
-        for name, value in (
-            ("global_batch_size", global_batch_size),
-            ("base_batch_size", base_batch_size),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name}`={value!r} must be an integer >= 1.")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"`warmup_steps`={warmup_steps!r} must be an integer >= 0.")
         self.base_learning_rate = float(base_learning_rate)
-        self.global_batch_size = global_batch_size
-        self.base_batch_size = base_batch_size
-        self.warmup_steps = warmup_steps
+        self.global_batch_size = check_int(
+            "global_batch_size", global_batch_size, "pass the samples per step you train with"
+        )
+        self.base_batch_size = check_int(
+            "base_batch_size",
+            base_batch_size,
+            "pass the batch size `base_learning_rate` was tuned for (e.g. 256)",
+        )
+        self.warmup_steps = check_int(
+            "warmup_steps",
+            warmup_steps,
+            "use 0 to start at the scaled rate, or the steps over which to raise it",
+            minimum=0,
+        )
 
     @property
     def scaled_learning_rate(self) -> float:

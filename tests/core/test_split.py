@@ -35,7 +35,7 @@ def test_global_batch_not_divisible_by_the_replicas_names_both_numbers():
     [("global_batch_size", (0, 1)), ("num_replicas", (4, 0)), ("global_batch_size", (True, 1))],
 )
 def test_non_positive_sizes_are_refused(name, args):
-    with pytest.raises(ValueError, match=rf"`{name}`=.* must be a positive integer"):
+    with pytest.raises(ValueError, match=rf"`{name}`=.* must be an integer >= 1"):
         ReplicaSplit(*args)
 
 
