@@ -390,6 +390,48 @@ def test_a_service_worker_killed_mid_epoch_loses_no_row(tmp_path, devices, monke
     assert jobs >= 2, "the rows the dead worker held were asked for again"
 
 
+def test_a_stopped_service_worker_keeps_the_rows_held_bounded_and_loses_no_row(
+    tmp_path, devices, monkeypatch
+):
+    """One of two workers stopped (SIGSTOP) for 10 s after the first step: the rows the feeder
+    holds outside the slots stay within HELD_ROWS past the open steps (the other worker's rows
+    of the whole epoch were kept), the stats say the producer waited for a lagging worker, and
+    once it goes on (SIGCONT) the epoch is each sample once, in the local order and values."""
+    monkeypatch.setattr(service_module, "ROWS_PER_ELEMENT", 8)
+    monkeypatch.setattr(service_module, "HELD_ROWS", 32)
+    held = []
+    arrived = service_module._Rows.arrived
+
+    def counted(rows, positions, leaves):
+        kept = arrived(rows, positions, leaves)
+        held.append(len(rows.kept))
+        return kept
+
+    monkeypatch.setattr(service_module._Rows, "arrived", counted)
+    expected = local_stream(256, devices)
+    with service_cluster(workers=2, logs=tmp_path) as cluster:
+        victim = cluster.workers[0].pid
+        resume = threading.Timer(10.0, os.kill, (victim, signal.SIGCONT))
+        try:
+            with slow_feeder(cluster.address, 256, devices) as remote:
+                got = []
+                for batch in remote:
+                    got += stream_of(batch)
+                    if batch.step == 0:
+                        os.kill(victim, signal.SIGSTOP)
+                        resume.start()
+                stats = remote.stats()
+        finally:
+            resume.cancel()
+            os.kill(victim, signal.SIGCONT)
+        wait_for_the_readers_to_end()
+    assert got == expected
+    open_steps = 2 * 8  # ServiceProducer.slots_in_flight steps of 8 rows
+    assert max(held) <= 32 + open_steps, f"{max(held)} rows held outside the slots"
+    assert stats.service_lag_wait_s > 0
+    assert "lagging tf.data service worker" in str(stats)
+
+
 def test_a_service_worker_added_mid_epoch_loses_no_row(tmp_path, devices):
     """A second worker joins after the first step (the consumer waits for it to serve, so the
     job is still under way) and takes a share of the job's work."""

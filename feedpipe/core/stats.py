@@ -81,6 +81,11 @@ class FeedStats:
     them directly, near the link's rate); None where no slot is copied to an accelerator."""
     page_lock_reason: str | None = None
     """Why the slots are not page-locked, where `page_locked` is False."""
+    service_lag_wait_s: float = 0.0
+    """The part of `service_wait_s` spent on batches whose rows a slow, stopped or lost tf.data
+    service worker held while the others went on: the feeder keeps at most
+    `feedpipe.service.HELD_ROWS` of their later rows, then asks a new job for the rows held
+    back. Above 0: a service worker lags (a busy, stopped or dead machine)."""
 
     @property
     def copy_gb_per_s(self) -> float:
@@ -124,7 +129,9 @@ class FeedStats:
         service = ""
         if self.service_wait_s > 0 and self.producer_busy_s > 0:
             share = self.service_wait_s / self.producer_busy_s
-            service = f" ({share:.0%} of it waiting for tf.data service)"
+            lag = self.service_lag_wait_s / self.producer_busy_s
+            lagging = f", {lag:.0%} for a lagging tf.data service worker" if lag else ""
+            service = f" ({share:.0%} of it waiting for tf.data service{lagging})"
         return (
             f"{self.verdict}: input-bound fraction {self.input_bound_fraction:.1%} over "
             f"{self.steps} steps; {self.samples_per_s:,.0f} samples/s delivered, producer alone "
@@ -175,6 +182,8 @@ class StatsRecorder:
         self.produced_samples = 0
         self.service_wait_s = 0.0
         self._service_waited = 0.0
+        self.service_lag_wait_s = 0.0
+        self._service_lagged = 0.0
         self._producer_warm = False
         self._first_of_stream = False
         self._last_taken: float | None = None
@@ -209,17 +218,21 @@ class StatsRecorder:
             self.producer_busy_s += busy_s
             self.produced_samples += samples
             self.service_wait_s += self._service_waited
-        self._service_waited = 0.0
+            self.service_lag_wait_s += self._service_lagged
+        self._service_waited = self._service_lagged = 0.0
         self._producer_warm = True
 
-    def service_waited(self, seconds: float) -> None:
-        """Records a wait for rows from tf.data service, counted with the batch it makes."""
+    def service_waited(self, seconds: float, lagging: bool = False) -> None:
+        """Records a wait for rows from tf.data service, counted with the batch it makes;
+        `lagging`: a worker held rows of that batch back while the others went on."""
         self._service_waited += seconds
+        if lagging:
+            self._service_lagged += seconds
 
     def stream_started(self) -> None:
         """A fresh stream begins: its first batch pays set-up costs and fills the pipeline."""
         self._producer_warm = False
-        self._service_waited = 0.0
+        self._service_waited = self._service_lagged = 0.0
         self._first_of_stream = True
 
     def consumer_counters(self) -> dict:
@@ -266,4 +279,5 @@ class StatsRecorder:
             copy_s=self.copy_s,
             page_locked=page_locked,
             page_lock_reason=page_lock_reason,
+            service_lag_wait_s=self.service_lag_wait_s,
         )

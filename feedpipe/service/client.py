@@ -59,6 +59,15 @@ RELEASE_S = 3.0
 """Longest `close()` waits for the jobs' readers to let go of their jobs."""
 ROWS_QUEUED = 4
 """Elements read ahead of the producer from one job."""
+HELD_ROWS = 2048
+"""Rows of later steps the feeder keeps, past the steps whose slots are open, while it waits for
+a row a slow, stopped or lost worker holds. TensorFlow's client hands on elements in the order
+they arrive, so pausing the read would hide that worker's rows behind the others'; instead the
+feeder takes no row past these and asks a new job for the rows still missing, the held-back
+ones first. A free worker makes them; a stopped one holds up the new job's start (in
+TensorFlow 2.21 a job starts once every registered worker has its task), so the others wait
+too until it goes on, and nothing piles up meanwhile. 2048 rows are 32 elements of 64: two in
+flight from each of 16 workers, arriving out of order, stay within it."""
 ROWS_PER_ELEMENT = 64
 """Rows the service sends in one element: the client's cost is mostly per element (receiving
 and decoding it), and at 16 rows it took 3.4-4.0x the CPU per sample of `distribute` with a
@@ -289,6 +298,7 @@ class ServiceProducer(Producer):
         rows = _Rows(steps, supply, window=self.slots_in_flight)
         indices = np.concatenate([step.rows for step in steps])
         job, patience, last_row = None, STALL_S, time.monotonic()
+        waited, lagged = 0.0, False  # for the next step; whether a worker held its rows back
         try:
             while not rows.done():
                 if job is None:
@@ -297,7 +307,7 @@ class ServiceProducer(Producer):
                 supply.check_stop()
                 asked = time.perf_counter()
                 item = job.get()
-                supply.service_waited(time.perf_counter() - asked)
+                waited += time.perf_counter() - asked
                 if isinstance(item, Failure):
                     lost_s = time.monotonic() - last_row
                     if not _forgotten(item.error) or lost_s > DISPATCHER_LOST_S:
@@ -307,16 +317,21 @@ class ServiceProducer(Producer):
                 if item is None:  # nothing yet
                     if job.idle_s() > patience and self._dispatcher_answers(job, epoch, rows):
                         job.abandon()  # a worker died holding rows: ask a new job for them
-                        job = None
+                        job, lagged = None, True
                         patience *= 2  # unless jobs are slow to start: then wait longer
                     continue
                 if item is _Job.END:
                     job = None  # rows it ended without are asked for again
                     continue
                 positions, *leaves = item
-                rows.arrived(positions, leaves)
+                if not rows.arrived(positions, leaves):
+                    job.abandon()  # a worker lags holding rows: ask a new job for them
+                    job, lagged = None, True
                 patience, last_row = STALL_S, time.monotonic()
-                yield from rows.deliver()
+                for delivered in rows.deliver():
+                    supply.service_waited(waited, lagging=lagged)
+                    waited, lagged = 0.0, False
+                    yield delivered
         finally:
             if job is not None:
                 job.abandon()
@@ -466,7 +481,11 @@ class _Job:
 class _Rows:
     """An epoch's rows as they arrive, in any order: each is written into its step's slot if
     that slot is open (the next `window` steps, while the pool has slots), else kept until it
-    is; a step is handed on, in order, once all its rows are in."""
+    is; a step is handed on, in order, once all its rows are in.
+
+    Invariant: the rows kept outside the slots are at most those of the next `window` steps
+    and `HELD_ROWS` more; a row past them is left missing, to be asked for again.
+    """
 
     def __init__(self, steps: list[Step], supply: SlotSupply, window: int):
         self.steps = steps
@@ -505,9 +524,16 @@ class _Rows:
         for field, leaf in enumerate(leaves):
             slot.row(field, row)[0] = leaf
 
-    def arrived(self, positions: np.ndarray, leaves: list[np.ndarray]) -> None:
+    def arrived(self, positions: np.ndarray, leaves: list[np.ndarray]) -> bool:
+        """Takes an element's rows; False if some came too far ahead to keep (see the class):
+        a worker lags, holding a row of an earlier step."""
+        limit = self._first(min(self.delivered + self.window, len(self.steps))) + HELD_ROWS
+        kept_all = True
         for row, position in enumerate(positions.tolist()):
             if self.got[position]:  # a row sent twice holds the same value: keep the first
+                continue
+            if position >= limit:
+                kept_all = False
                 continue
             self.got[position] = True
             step = int(self.step_of[position])
@@ -517,6 +543,7 @@ class _Rows:
                 self.kept[position] = values
             else:
                 self._write(slot, position - self._first(step), values)
+        return kept_all
 
     def deliver(self) -> Iterator[tuple[Step, HostSlot]]:
         """The next steps whose rows are all in, with their filled slots."""
