@@ -53,11 +53,17 @@ def _default() -> str:
     wanted = os.environ.get("KERAS_BACKEND")
     if wanted in FRAMEWORKS:
         return wanted
+    return first_installed("fp.Feeder stages batches for")
+
+
+def first_installed(needs: str) -> str:
+    """The first framework installed, TensorFlow before JAX; `needs` begins the error
+    ("<needs> TensorFlow or JAX, and neither is installed")."""
     for name in FRAMEWORKS:
         if importlib.util.find_spec(name) is not None:
             return name
     raise ImportError(
-        "fp.Feeder stages batches for TensorFlow or JAX, and neither is installed; install one: "
+        f"{needs} TensorFlow or JAX, and neither is installed; install one: "
         'pip install "feedpipe[tensorflow]" or pip install "feedpipe[jax]".'
     )
 

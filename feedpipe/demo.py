@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from feedpipe._frameworks import first_installed
 from feedpipe.core.checks import check_int
 from feedpipe.core.stats import FeedStats, verdict
 
@@ -279,13 +280,7 @@ def choose_framework(framework: str | None = None) -> str:
     """`framework` ("tensorflow" or "jax") once checked to be installed; None: TensorFlow where
     it is installed, else JAX."""
     if framework is None:
-        for name in FRAMEWORKS:
-            if importlib.util.find_spec(name) is not None:
-                return name
-        raise ImportError(
-            "The demo trains on TensorFlow or JAX, and neither is installed; install one: "
-            'pip install "feedpipe[tensorflow]" or pip install "feedpipe[jax]".'
-        )
+        return first_installed("The demo trains on")
     if framework not in FRAMEWORKS:
         raise ValueError(
             f"`--framework`={framework!r} must be one of {', '.join(map(repr, FRAMEWORKS))}."
