@@ -322,6 +322,15 @@ class GeneratorSource(Source):
                 f"fp.from_generator needs a callable fn(shard, num_shards) that yields samples; "
                 f"got {type(fn).__name__}."
             )
+        if not (_accepts(fn, 2) or _accepts(fn, 3)):
+            raise TypeError(
+                f"fp.from_generator(fn): fn{_signature(fn)} must take fn(shard, num_shards) (or "
+                "fn(shard, num_shards, epoch)): each producer calls it for its shard of the "
+                "samples, fn(0, 1) for all of them, and with workers=N worker i calls fn(i, N), "
+                "so every shard is read once. Yield every num_shards-th sample from the "
+                "shard-th, e.g. fp.from_generator(lambda shard, num_shards: "
+                "itertools.islice(rows(), shard, None, num_shards))."
+            )
         self.fn = fn
         self.shard = shard
         self.num_shards = num_shards
@@ -429,6 +438,13 @@ def _accepts(fn: Callable, count: int) -> bool:
     return True
 
 
+def _signature(fn: Callable) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
 def _is_instance_of_loaded(obj: Any, module: str, path: str) -> bool:
     """isinstance against a class of `module`, without importing it when it is not loaded yet."""
     root = sys.modules.get(module)
@@ -440,6 +456,22 @@ def _is_instance_of_loaded(obj: Any, module: str, path: str) -> bool:
         if cls is None:
             return False
     return isinstance(obj, cls)
+
+
+def _check_list_of_samples(data: list) -> None:
+    """A list is read as samples; arrays of different shapes in one are fields, passed as a
+    list where a tuple was meant (`fp.Feeder([x, y], ...)`): say so before sample 1 fails."""
+    if len(data) < 2 or not all(isinstance(item, np.ndarray) for item in data):
+        return
+    shapes = [item.shape for item in data]
+    if len(set(shapes)) > 1:
+        listed = ", ".join(str(shape) for shape in shapes[:4]) + (", ..." if len(data) > 4 else "")
+        raise ValueError(
+            f"`source` is a list, which is read as samples (sample i is source[i]), but its "
+            f"{len(data)} items are arrays of different shapes ({listed}): fields, it seems. "
+            "Pass fields as a tuple of equal-length arrays, fp.Feeder((x, y), ...), whose "
+            "sample i is (x[i], y[i]); a list of samples needs samples of one shape."
+        )
 
 
 def as_source(data: Any, *, text: bool = False) -> Source:
@@ -455,6 +487,8 @@ def as_source(data: Any, *, text: bool = False) -> Source:
         data, "tensorflow", "Tensor"
     ):
         return ArraySource(data, text=text)
+    if isinstance(data, list):
+        _check_list_of_samples(data)
     if hasattr(data, "__len__") and hasattr(data, "__getitem__"):
         return MapSource(data)
     if callable(data) or hasattr(data, "__next__"):
