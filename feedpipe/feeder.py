@@ -21,6 +21,13 @@ import optree
 from feedpipe._frameworks import feeder_class
 from feedpipe.core._sync import Failure
 from feedpipe.core.checks import check_int
+from feedpipe.core.description import (
+    FeederDescription,
+    describe_fields,
+    describe_slots,
+    describe_source,
+    is_cpu,
+)
 from feedpipe.core.pipeline import Pipeline
 from feedpipe.core.producers import ThreadProducer, WorkerProducer
 from feedpipe.core.remainder import Remainder, check_remainder, warn_dropped
@@ -196,6 +203,8 @@ class Feeder:
         """This host's rows of each global batch (all of them on one host)."""
         self.split = self.share.local_split
         """How this host's rows divide among its devices."""
+        self.source = source
+        """The source as it was given (the arrays, the dataset, the generator source)."""
         self._source = as_source(source, text=transform is not None)
         rule = Remainder(remainder, global_batch_size)
         own_producer = self._source.producer(self.share, self.devices, rule)
@@ -348,8 +357,7 @@ class Feeder:
     def _pool(self, host: bool) -> SlotPool:
         if host not in self._pools:
             layout = SlotLayout(self.spec, self.split, contiguous=host)
-            # Besides the staged batches: one the consumer holds, and those being filled.
-            capacity = self.options.depth + 1 + self._producer.slots_in_flight
+            capacity = self._slot_capacity()
             # Batches handed to tf.data get memory of their own, except from shared slots,
             # which are copied out instead (see HostStager).
             reuse = self._shared or not host
@@ -361,6 +369,11 @@ class Feeder:
                 page_lock=None if host else self.layer.page_lock,
             )
         return self._pools[host]
+
+    def _slot_capacity(self) -> int:
+        """Slots per pool: besides the staged batches, one the consumer holds, and those being
+        filled."""
+        return self.options.depth + 1 + self._producer.slots_in_flight
 
     def _start(self, host: bool) -> Pipeline:
         if self._pipeline is not None and self._pipeline.host == host:
@@ -507,11 +520,53 @@ class Feeder:
             slots_allocated=sum(pool.allocated + pool.overflow_allocations for pool in pools),
             page_locked=locked,
             page_lock_reason=reason,
+            staged=self._staged(),
         )
 
     def _staged(self) -> int:
         """Batches staged and not yet taken (0 when no loop runs): `diagnose`'s occupancy."""
         return 0 if self._pipeline is None else self._pipeline.handoff.staged
+
+    def describe(self) -> FeederDescription:
+        """What this feeder is: its framework, source, batch, devices, workers, staging and
+        host slots, as a frozen `feedpipe.core.description.FeederDescription`: a dataclass
+        rather than a dict, so each field is documented where it is defined and read as an
+        attribute that tools check; `to_dict()` gives the JSON. It says what the feeder was
+        built as, never how it is doing (that is `stats()`)."""
+        o, share, device_pool = self.options, self.share, self._pools.get(False)
+        layout = (
+            device_pool.layout if device_pool is not None else SlotLayout(self.spec, self.split)
+        )
+        accelerated = not all(is_cpu(device) for device in self.devices)
+        return FeederDescription(
+            framework=self.layer.name,
+            source=describe_source(self._source, max(self._num_shards(), 1)),
+            fields=describe_fields(self.spec),
+            service=getattr(self._producer, "service", None),
+            global_batch_size=o.global_batch_size,
+            per_replica_batch_size=self.split.per_replica,
+            host_batch_size=self.split.global_batch_size,
+            batch_bytes=layout.batch_bytes,
+            steps_per_epoch=None if self._plan is None else len(self._plan),
+            devices=tuple(str(device) for device in self.devices),
+            accelerated=accelerated,
+            hosts=share.num_hosts,
+            host=share.host,
+            workers=o.workers,
+            worker_mode=o.worker_mode,
+            depth=o.depth,
+            remainder=o.remainder,
+            shuffle=o.shuffle,
+            seed=o.seed,
+            slots=describe_slots(
+                self._slot_capacity() if self._producer.slots_in_flight else 0,
+                layout.nbytes,
+                self.layer.name,
+                accelerated,
+                self.layer.page_lock,
+                device_pool,
+            ),
+        )
 
     def get_state(self) -> dict:
         """The consumer's position, as a small JSON-serialisable dict.

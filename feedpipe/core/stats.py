@@ -69,6 +69,9 @@ class FeedStats:
     """Host slots made so far, overflow included. It stops growing once the pipeline runs:
     `depth + 2` with one producer thread, `depth + 3` with workers over an indexed source,
     `depth + 1 + workers` with workers over a generator (per mode: loop or `as_dataset`)."""
+    staged: int = 0
+    """Batches staged and not yet taken at this snapshot (0 when no loop runs): the occupancy
+    the next step will find."""
     copies: int = 0
     """Batches whose host-to-device copy was timed (0 where the framework layer copies
     nothing it can time, as on TensorFlow)."""
@@ -256,6 +259,7 @@ class StatsRecorder:
         slots_allocated: int = 0,
         page_locked: bool | None = None,
         page_lock_reason: str | None = None,
+        staged: int = 0,
     ) -> FeedStats:
         return FeedStats(
             steps=self.steps,
@@ -274,6 +278,7 @@ class StatsRecorder:
             depth=self.depth,
             overflow_slots=overflow_slots,
             slots_allocated=slots_allocated,
+            staged=staged,
             copies=self.copies,
             copied_bytes=self.copied_bytes,
             copy_s=self.copy_s,
