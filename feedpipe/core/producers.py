@@ -40,8 +40,9 @@ class SlotSupply(Protocol):
     def check_stop(self) -> None:
         """Raises `Stopped` if the pipeline is stopping."""
 
-    def service_waited(self, seconds: float) -> None:
-        """Records time spent waiting for rows made elsewhere (tf.data service)."""
+    def service_waited(self, seconds: float, lagging: bool = False) -> None:
+        """Records time spent waiting for rows made elsewhere (tf.data service); `lagging`:
+        one worker held them back while the others went on."""
 
     def take_dropped(self) -> list[int]:
         """Idents of one-off shared slots dropped since the last call."""
