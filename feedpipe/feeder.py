@@ -520,12 +520,8 @@ class Feeder:
             slots_allocated=sum(pool.allocated + pool.overflow_allocations for pool in pools),
             page_locked=locked,
             page_lock_reason=reason,
-            staged=self._staged(),
+            staged=0 if self._pipeline is None else self._pipeline.handoff.staged,
         )
-
-    def _staged(self) -> int:
-        """Batches staged and not yet taken (0 when no loop runs): `diagnose`'s occupancy."""
-        return 0 if self._pipeline is None else self._pipeline.handoff.staged
 
     def describe(self) -> FeederDescription:
         """What this feeder is: its framework, source, batch, devices, workers, staging and
@@ -713,9 +709,10 @@ class Feeder:
             self._supersede()
 
     @contextlib.contextmanager
-    def _set_aside(self) -> Iterator[None]:
-        """Reads that train nothing (a diagnosis): they read whole epochs from the next one
-        begun (`as_dataset().repeat()` can then repeat), and the position is put back after."""
+    def set_aside(self) -> Iterator[None]:
+        """A block whose reads train nothing (`fp.diagnose` measures in one): they read whole
+        epochs from the next one begun (so `as_dataset().repeat()` can repeat), and the
+        position, and so `get_state()`, is put back as it was when the block ends."""
         self._end_interrupted_fit()
         self._end_open_pass()
         position = self._position

@@ -15,7 +15,6 @@ import datetime
 import json
 import re
 import shlex
-import socket
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import tensorflow as tf
 
 import feedpipe as fp
 from feedpipe import cli
-from feedpipe.diagnostics import diagnosis as diagnosis_module
+from feedpipe.diagnostics import measure as measure_module
 from feedpipe.diagnostics._headspace import CANNOT_TELL
 from feedpipe.diagnostics.diagnosis import (
     SCHEMA_VERSION,
@@ -105,7 +104,7 @@ def test_an_input_read_in_line_with_the_step_is_measured_as_such():
 
 
 def test_a_starved_feeder_is_told_to_use_more_workers(monkeypatch):
-    monkeypatch.setattr("feedpipe.diagnostics.diagnosis._cores", lambda: 4)
+    monkeypatch.setattr("feedpipe.diagnostics.diagnosis.cores", lambda: 4)
     with slow_feeder(3 * STEP_S) as feeder:
         diagnosis = run(feeder)
     actions = [r.action for r in diagnosis.remedies]
@@ -121,6 +120,28 @@ def test_occupancy_is_recorded_for_a_feeder_and_absent_otherwise():
     assert max(s.staged for s in fed.together) >= 1
     plain = run(slow_batches(0.001), steps=5)
     assert all(s.staged is None for s in plain.together)
+
+
+def test_stats_count_the_batches_staged_now_and_none_once_the_loop_ends():
+    with fp.Feeder(np.zeros((BATCH * 40, 3), np.float32), BATCH, devices=["/cpu:0"]) as feeder:
+        assert feeder.stats().staged == 0
+        for _ in feeder:
+            deadline = time.monotonic() + 10
+            while feeder.stats().staged < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert feeder.stats().staged == 2  # depth: the producer fills the ring, no more
+            break
+        assert feeder.stats().staged == 0
+
+
+def test_a_diagnosis_of_a_feeder_carries_its_description_and_others_none():
+    with slow_feeder(0.0) as feeder:
+        fed = run(feeder, steps=3)
+        assert fed.feeder == feeder.describe()
+    assert fed.to_dict()["feeder"] == fed.feeder.to_dict()
+    assert fed.to_dict()["feeder"]["source"]["kind"] == "map"
+    plain = run(slow_batches(0.0), steps=3)
+    assert plain.feeder is None and plain.to_dict()["feeder"] is None
 
 
 def diagnosis_of(producer_s: float, consumer_s: float, together_s: float, wait_s: float):
@@ -255,12 +276,12 @@ def test_a_python_source_is_told_to_become_a_tensorflow_transform_over_arrays():
 
 
 def test_a_feeder_on_the_service_is_told_to_add_service_workers_not_local_ones():
-    # Construction only checks that the dispatcher's port answers; nothing is asked of it here.
-    with socket.create_server(("localhost", 0)) as dispatcher:
-        port = dispatcher.getsockname()[1]
-        data = np.zeros((BATCH * 10, 3), np.float32)
-        with fp.Feeder(data, BATCH, devices=["/cpu:0"], service=f"localhost:{port}") as feeder:
-            remedies = rank_remedies(cpu_bound(), feeder, cores=4, memcpy_s=1e-4, memory_bytes=0)
+    # Construction asks the dispatcher its version; no worker is needed, nothing else is asked.
+    dispatcher = tf.data.experimental.service.DispatchServer()
+    port = int(dispatcher.target.rpartition(":")[2])
+    data = np.zeros((BATCH * 10, 3), np.float32)
+    with fp.Feeder(data, BATCH, devices=["/cpu:0"], service=f"localhost:{port}") as feeder:
+        remedies = rank_remedies(cpu_bound(), feeder, cores=4, memcpy_s=1e-4, memory_bytes=0)
     assert not any(r.action.startswith("more workers") for r in remedies)
     (service,) = service_remedies(remedies)
     # The step takes 33.3 batches/s, the service makes 10: 3.4x its worker cores, rounded up.
@@ -401,7 +422,7 @@ def test_step_noise_around_the_step_alone_is_not_counted_as_wait():
         1024,
         (0.005,) * 10,
         (0.010,) * 10,
-        diagnosis_module._split_waits(list(together), 0.010),
+        measure_module.split_waits(list(together), 0.010),
         True,
         step_alone_range_s=(0.0099, 0.0101),
     )
@@ -469,14 +490,14 @@ def test_load_that_starts_after_the_consumer_alone_is_not_read_as_input_wait(mon
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((3,)), Spin(600_000), keras.layers.Dense(1)])
     model.compile("adam", "mse", jit_compile=False)
-    producer_alone = diagnosis_module._KerasRun.producer_alone
+    producer_alone = measure_module._KerasRun.producer_alone
     with contextlib.ExitStack() as stack:
 
         def loaded_producer_alone(run, *args, **kwargs):
             stack.enter_context(competing_cpu_load(per_core=1))
             return producer_alone(run, *args, **kwargs)
 
-        monkeypatch.setattr(diagnosis_module._KerasRun, "producer_alone", loaded_producer_alone)
+        monkeypatch.setattr(measure_module._KerasRun, "producer_alone", loaded_producer_alone)
         diagnosis = run(in_memory_data(20), model, steps=20)
     before, after = diagnosis.consumer_step_s[:20], diagnosis.consumer_step_s[20:]
     if sum(after) <= 1.2 * sum(before):
@@ -517,15 +538,49 @@ def test_fit_on_the_arrays_directly_is_suggested_only_where_it_was_measured_fast
         assert "feedpipe does not help" in direct[0].why
 
 
-def test_diagnosis_hands_its_result_to_the_report_and_never_imports_it():
-    tree = ast.parse(Path(diagnosis_module.__file__).read_text())
+DIAGNOSTICS = sorted((Path(fp.__file__).parent / "diagnostics").glob("*.py"))
+
+
+def imports_of(path: Path) -> set[str]:
     imported = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             imported |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             imported |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
-    assert "feedpipe.diagnostics.report" not in imported, "data flows one way: diagnosis -> report"
+    return imported
+
+
+@pytest.mark.parametrize("path", [p for p in DIAGNOSTICS if p.stem != "report"], ids=str)
+def test_diagnosis_hands_its_result_to_the_report_and_never_imports_it(path):
+    assert "feedpipe.diagnostics.report" not in imports_of(path), (
+        "data flows one way: diagnosis -> report"
+    )
+
+
+def private_reads(path: Path) -> list[str]:
+    """`x._name` in the file's code where `x` is not `self`: a private name of another object
+    (a feeder's insides, say)."""
+    return [
+        f"{path.name}:{node.lineno}: {ast.unparse(node)}"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+        and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+    ]
+
+
+def test_the_private_read_check_finds_a_read_of_a_feeders_insides(tmp_path):
+    code = tmp_path / "remedy.py"
+    code.write_text("def threads(feeder):\n    return feeder._source.own_threads\n")
+    assert private_reads(code) == ["remedy.py:2: feeder._source"]
+
+
+@pytest.mark.parametrize("path", DIAGNOSTICS, ids=str)
+def test_diagnostics_read_only_public_names_of_the_feeder(path):
+    """What the feeder is comes from `feeder.describe()`, how it is doing from `stats()`."""
+    assert private_reads(path) == []
 
 
 # ---- the report -------------------------------------------------------------------------------
@@ -535,6 +590,7 @@ def test_the_report_references_only_files_it_wrote_and_its_plots_are_images(tmp_
     with slow_feeder(STEP_S) as feeder:
         write_report(run(feeder, steps=8), tmp_path / "report")
     page = (tmp_path / "report" / "index.html").read_text()
+    assert "<h2>The feeder</h2>" in page and "<th>source.kind</th><td>map</td>" in page
     referenced = re.findall(r'(?:src|href)="([^"]+)"', page)
     assert referenced, page
     written = {p.name for p in (tmp_path / "report").iterdir()}
@@ -567,6 +623,7 @@ def test_a_report_without_occupancy_says_so(tmp_path):
     assert "occupancy.png" not in page
     assert "Not measured: device-buffer occupancy is read from an fp.Feeder" in page
     assert not (tmp_path / "occupancy.png").exists()
+    assert "The feeder" not in page
 
 
 # ---- targets and the command ------------------------------------------------------------------
@@ -630,6 +687,7 @@ def test_the_command_prints_json_that_parses(capsys):
     )
     assert len(result["together"]) == 4 and result["remedies"]
     assert result["schema_version"] == SCHEMA_VERSION
+    assert result["feeder"]["source"]["kind"] == "arrays"
     assert result["command"] == shlex.join(["feedpipe", *argv])
     assert datetime.datetime.fromisoformat(result["measured_at"]).tzinfo is not None
 

@@ -1,3 +1,4 @@
-"""Is the accelerator starved, and what would help: `diagnosis` (`fp.diagnose`: producer alone,
-step alone, both), `monitor` (`fp.StarvationMonitor`, a Keras callback), `report` (its HTML
-page), `_headspace` (the step on pre-staged batches), `_contention` (other processes' load)."""
+"""Is the accelerator starved, and what would help: `diagnosis` (`fp.diagnose`: `measure` runs
+producer alone, step alone and both, `verdict` judges them, `remedies` ranks what would help),
+`monitor` (`fp.StarvationMonitor`, a Keras callback), `report` (its HTML page), `_headspace`
+(the step on pre-staged batches), `_contention` (other processes' load)."""

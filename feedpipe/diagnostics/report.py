@@ -3,8 +3,9 @@
 Data flows one way: `feedpipe.diagnostics.diagnosis` measures and returns a `Diagnosis`; this
 module only reads it (the `feedpipe diagnose --report` command calls it). The page and its PNGs
 live in one directory and reference nothing outside it: the per-step wait against compute, the
-staged batches over time (for a `Feeder` input), the three rates side by side, a glossary line
-per figure, and what produced the page (the command, when it was measured, the schema version).
+staged batches over time (for a `Feeder` input), the three rates side by side, what the feeder
+is (its `describe()`, for a `Feeder` input), a glossary line per figure, and what produced the
+page (the command, when it was measured, the schema version).
 matplotlib draws the plots with its file-only Agg backend, imported here alone, so diagnosing
 without a report never needs it.
 """
@@ -16,7 +17,8 @@ import os
 from pathlib import Path
 
 from feedpipe import __version__
-from feedpipe.diagnostics.diagnosis import SCHEMA_VERSION, Diagnosis
+from feedpipe.core.description import FeederDescription
+from feedpipe.diagnostics.verdict import SCHEMA_VERSION, Diagnosis
 
 PLOTS = ("timeline.png", "occupancy.png", "rates.png")
 
@@ -105,6 +107,18 @@ def _rates(plt, diagnosis: Diagnosis, path: Path) -> None:
     plt.close(fig)
 
 
+def _described(feeder: FeederDescription) -> str:
+    """The feeder's description as table rows, one a field; nested ones as `source.kind`."""
+    rows = []
+    for name, value in feeder.to_dict().items():
+        inner = value if isinstance(value, dict) else {"": value}
+        for key, item in inner.items():
+            label = f"{name}.{key}" if key else name
+            shown = ", ".join(map(str, item)) if isinstance(item, list) else str(item)
+            rows.append(f"<tr><th>{html.escape(label)}</th><td>{html.escape(shown)}</td></tr>")
+    return "\n".join(rows)
+
+
 def write_report(
     diagnosis: Diagnosis, directory: str | os.PathLike, *, command: str | None = None
 ) -> Path:
@@ -151,6 +165,11 @@ def write_report(
         else f"<p>Not measured: device-buffer occupancy is read from an fp.Feeder, and this "
         f"input is {e(diagnosis.input_kind)}.</p>"
     )
+    feeder = (
+        ""
+        if diagnosis.feeder is None
+        else f"<h2>The feeder</h2>\n<table>\n{_described(diagnosis.feeder)}\n</table>"
+    )
     glossary = "\n".join(
         f"<dt>{e(name)}</dt><dd>{e(meaning)}</dd>" for name, meaning in GLOSSARY.items()
     )
@@ -185,6 +204,7 @@ th{{text-align:left;padding-right:2em}}img{{max-width:100%}}dt{{font-weight:bold
 {occupancy}
 <h2>Rates</h2>
 <img src="rates.png" alt="producer, consumer and together rates">
+{feeder}
 <h2>Glossary</h2>
 <dl>
 {glossary}
