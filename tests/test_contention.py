@@ -8,6 +8,7 @@ import os
 import threading
 import time
 
+import psutil
 import pytest
 
 from feedpipe.diagnostics._contention import delay_from_other_load_s, snapshot
@@ -39,9 +40,22 @@ def test_other_processes_holding_the_cpus_count_as_other_load():
     assert other_s <= end.run_delay_s - begin.run_delay_s
 
 
+def other_processes_cpu_s() -> float:
+    """CPU time every other process has used so far, read process by process (psutil), apart
+    from the machine-wide counter the measurement reads."""
+    total = 0.0
+    for process in psutil.process_iter(["pid", "cpu_times"]):
+        times = process.info["cpu_times"]
+        if process.info["pid"] != os.getpid() and times is not None:
+            total += times.user + times.system
+    return total
+
+
 def test_this_processes_own_threads_crowding_each_other_are_not_other_load():
     """Three hashing threads per core (hashlib lets go of the GIL): they wait for each other
-    on the run queue, and none of that is counted as other processes' doing."""
+    on the run queue, and none of that is counted as other processes' doing. What other
+    processes on the machine run meanwhile may be counted, up to their share of the busy CPU
+    (read apart, process by process), so the test holds on a busy machine too."""
     stop = threading.Event()
     data = os.urandom(1 << 20)
 
@@ -56,13 +70,14 @@ def test_this_processes_own_threads_crowding_each_other_are_not_other_load():
         thread.start()
     try:
         time.sleep(0.1)
-        begin = snapshot()
+        begin, others_began = snapshot(), other_processes_cpu_s()
         time.sleep(SPAN_S)
-        end = snapshot()
+        end, others_s = snapshot(), other_processes_cpu_s() - others_began
     finally:
         stop.set()
         for thread in threads:
             thread.join()
     delay_s = end.run_delay_s - begin.run_delay_s
     assert delay_s > SPAN_S, "the threads must have waited for each other"
-    assert delay_from_other_load_s(begin, end) < 0.15 * delay_s
+    others_share = min(1.0, others_s / max(end.machine_busy_s - begin.machine_busy_s, 1e-9))
+    assert delay_from_other_load_s(begin, end) < (0.15 + others_share) * delay_s
