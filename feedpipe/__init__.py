@@ -38,6 +38,7 @@ _EXPORTS = {
     "FeedOptions": "feedpipe.feeder",
     "FeedStats": "feedpipe.core.stats",
     "Feeder": "feedpipe.feeder",
+    "FeederDescription": "feedpipe.core.description",
     "StarvationMonitor": "feedpipe.diagnostics.monitor",
     "TowerStep": "feedpipe.tf.training",
     "Trainer": "feedpipe.tf.training",
@@ -54,6 +55,7 @@ __all__ = [
     "FeedOptions",
     "FeedStats",
     "Feeder",
+    "FeederDescription",
     "StarvationMonitor",
     "TowerStep",
     "Trainer",
@@ -65,6 +67,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from feedpipe.core.description import FeederDescription
     from feedpipe.core.source import from_generator
     from feedpipe.core.stats import FeedStats
     from feedpipe.core.workers import WorkerError

@@ -24,6 +24,7 @@ LIGHT_MODULES = [
     "feedpipe.core._sync",
     "feedpipe.core._worker",
     "feedpipe.core.checks",
+    "feedpipe.core.description",
     "feedpipe.core.producers",
     "feedpipe.core.remainder",
     "feedpipe.core.sampler",

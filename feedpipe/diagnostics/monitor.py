@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 
 from feedpipe._internals import scalar_summary_metadata
+from feedpipe.core.checks import check_int
 from feedpipe.core.stats import MODERATE_FRACTION, verdict
 from feedpipe.diagnostics._contention import OtherLoadSpan
 from feedpipe.diagnostics._headspace import (
@@ -249,13 +250,13 @@ class StarvationMonitor(keras.callbacks.Callback):
         """
         super().__init__()
         self._steps_type = backend_steps("StarvationMonitor")
-        if isinstance(headspace_steps, bool) or not isinstance(headspace_steps, int):
-            raise TypeError(f"`headspace_steps`={headspace_steps!r} must be an integer.")
-        if headspace_steps < 2:
-            raise ValueError(
-                f"`headspace_steps`={headspace_steps} must be >= 2; the step alone is timed "
-                "over that many steps, and two are the fewest whose spread bounds the verdict."
-            )
+        headspace_steps = check_int(
+            "headspace_steps",
+            headspace_steps,
+            "the step alone is timed over that many steps, and two are the fewest whose spread "
+            "bounds the verdict (the default is 10)",
+            minimum=2,
+        )
         if verbose not in (0, 1):
             raise ValueError(f"`verbose`={verbose!r} must be 0 (silent) or 1 (one line per epoch).")
         if feeder is not None and not callable(getattr(feeder, "stats", None)):
