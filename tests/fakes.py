@@ -1,15 +1,15 @@
-"""Fake sources whose samples carry their own index, and helpers to read batches back.
+"""What TensorFlow tests share: the framework-free sources of `tests.worker_fakes`, named here
+too, and helpers to read batches back, a Keras `PyDataset`, a model whose step sleeps, and logical
+CPU devices.
 
-Every field of sample `i` made here holds the value `i` (features filled with it, label = it),
-so the ids a batch delivered can be read from any field, and a row whose fields disagree is a
-row mixed up by the pipeline.
+Every field of sample `i` holds the value `i`, so the ids a batch delivered can be read from any
+field, and a row whose fields disagree is a row mixed up by the pipeline.
 """
 
 from __future__ import annotations
 
 import collections
 import importlib.util
-import threading
 import time
 from pathlib import Path
 
@@ -17,69 +17,41 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-FEATURE_SHAPE = (3,)
+from tests.worker_fakes import (
+    FEATURE_SHAPE,
+    CountingSource,
+    FailingSource,
+    SlowSource,
+    SourceBroke,
+    TransformBroke,
+    index_arrays,
+    index_sample,
+    sharded_range,
+)
 
-
-def index_sample(index: int) -> tuple[np.ndarray, np.ndarray]:
-    """Sample `index`: `(features filled with index, label=index)`."""
-    return np.full(FEATURE_SHAPE, index, np.float32), np.int64(index)
-
-
-def index_arrays(length: int) -> tuple[np.ndarray, np.ndarray]:
-    """The whole dataset of `index_sample`s as `(features [N, 3], labels [N])`."""
-    labels = np.arange(length, dtype=np.int64)
-    features = np.repeat(labels.astype(np.float32)[:, None], FEATURE_SHAPE[0], axis=1)
-    return features, labels
-
-
-class CountingSource:
-    """Map-style source of `index_sample`s that counts how often each index is read."""
-
-    def __init__(self, length: int):
-        self.length = length
-        self.reads: collections.Counter[int] = collections.Counter()
-        self.reader_threads: set[str] = set()
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int):
-        if not 0 <= index < self.length:
-            raise IndexError(index)
-        with self._lock:
-            self.reads[index] += 1
-            self.reader_threads.add(threading.current_thread().name)
-        return index_sample(index)
-
-
-class SourceBroke(Exception):
-    """The error a `FailingSource` raises; a type of its own, so tests can see it survive."""
-
-
-class FailingSource(CountingSource):
-    """A counting source that raises `SourceBroke` when sample `fail_at` is read."""
-
-    def __init__(self, length: int, fail_at: int):
-        super().__init__(length)
-        self.fail_at = fail_at
-
-    def __getitem__(self, index: int):
-        if index == self.fail_at:
-            raise SourceBroke(f"sample {index} is broken")
-        return super().__getitem__(index)
-
-
-class SlowSource(CountingSource):
-    """A counting source that sleeps `delay_s` per sample (an expensive decode)."""
-
-    def __init__(self, length: int, delay_s: float):
-        super().__init__(length)
-        self.delay_s = delay_s
-
-    def __getitem__(self, index: int):
-        time.sleep(self.delay_s)
-        return super().__getitem__(index)
+__all__ = [
+    "EXAMPLES",
+    "FEATURE_SHAPE",
+    "CountingSource",
+    "FailingSource",
+    "SlowSource",
+    "SourceBroke",
+    "TransformBroke",
+    "all_ids",
+    "configure_logical_cpus",
+    "epoch_ids",
+    "host_batch_ids",
+    "index_arrays",
+    "index_pydataset",
+    "index_sample",
+    "load_example",
+    "real_ids",
+    "regression_data",
+    "replica_ids",
+    "replica_masks",
+    "sharded_range",
+    "sleeping_model",
+]
 
 
 def _leaves(structure) -> list[np.ndarray]:
@@ -128,16 +100,6 @@ def host_batch_ids(element) -> np.ndarray:
 def epoch_ids(feeder) -> list[int]:
     """The real sample indices of one full `for` loop over `feeder`."""
     return [i for batch in feeder for i in real_ids(batch)]
-
-
-def index_generator(length: int):
-    """A generator function for `fp.from_generator` yielding `index_sample(0..length-1)`."""
-
-    def generate(shard: int, num_shards: int):
-        for index in range(shard, length, num_shards):
-            yield index_sample(index)
-
-    return generate
 
 
 def index_pydataset(length: int, batch_size: int):

@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import feedpipe as fp
-from tests.fakes import index_arrays
+from tests.fakes import TransformBroke, index_arrays
 
 NUM_FEATURES = 4
 
@@ -143,10 +143,6 @@ def test_fit_on_x_y_w_source_scales_given_weights(strategy):
     with fp.Feeder((x, y, weights), 8, strategy=strategy) as feeder:
         loss = model.evaluate(feeder.as_dataset(), verbose=0)
     assert loss == pytest.approx(expected, rel=1e-5)
-
-
-class TransformBroke(ArithmeticError):
-    """The error a transform raises here; a type of its own, so tests can see it survive."""
 
 
 def test_a_transform_error_under_fit_reaches_the_user_and_every_later_read(strategy):

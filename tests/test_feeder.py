@@ -27,15 +27,16 @@ from tests.fakes import (
     CountingSource,
     FailingSource,
     SourceBroke,
+    TransformBroke,
     all_ids,
     epoch_ids,
     host_batch_ids,
     index_arrays,
-    index_generator,
     index_pydataset,
     index_sample,
     real_ids,
     replica_masks,
+    sharded_range,
 )
 
 GLOBAL_BATCH = 8
@@ -58,7 +59,7 @@ def make_source(kind: str, length: int):
     if kind == "pydataset":
         return index_pydataset(length, PYDATASET_BATCH)
     if kind == "generator":
-        return fp.from_generator(index_generator(length))
+        return fp.from_generator(sharded_range(length))
     if kind == "tfdata":
         return tf.data.Dataset.from_tensor_slices((features, labels))
     raise AssertionError(kind)
@@ -312,7 +313,7 @@ def test_transform_is_applied_to_generator_samples(devices):
         return features + 1, label
 
     with fp.Feeder(
-        fp.from_generator(index_generator(6)), 4, devices=devices[:2], transform=shift
+        fp.from_generator(sharded_range(6)), 4, devices=devices[:2], transform=shift
     ) as feeder:
         batches = list(feeder)
     features = np.concatenate([r[0].numpy() for b in batches for r in b.replicas])
@@ -346,10 +347,6 @@ def test_source_error_reaches_the_consumer_with_its_type_message_and_note(device
     assert str(info.value) == "sample 13 is broken"
     assert_noted(info.value, 13)
     assert_closed(feeder, info.value)
-
-
-class TransformBroke(ArithmeticError):
-    pass
 
 
 def test_transform_error_reaches_the_consumer_with_its_type_message_and_note(devices):
@@ -432,7 +429,7 @@ def test_samples_whose_shapes_differ_name_the_field_index_and_both_shapes(device
 
 def test_error_remainder_refuses_a_generator_that_ends_off_a_multiple(devices):
     feeder = fp.Feeder(
-        fp.from_generator(index_generator(10)), 4, devices=devices[:2], remainder="error"
+        fp.from_generator(sharded_range(10)), 4, devices=devices[:2], remainder="error"
     )
     delivered = []
     with pytest.raises(
@@ -585,7 +582,7 @@ def test_resume_at_every_step_gives_the_same_stream(devices, kind):
 
 def test_resume_of_a_generator_mid_epoch_gives_the_same_stream(devices):
     def build():
-        return fp.Feeder(fp.from_generator(index_generator(10)), 4, devices=devices[:2])
+        return fp.Feeder(fp.from_generator(sharded_range(10)), 4, devices=devices[:2])
 
     with build() as feeder:
         stream = take(feeder, 3)
@@ -726,7 +723,7 @@ def test_a_generator_state_restored_into_another_worker_count_names_num_shards(d
 
     def build(workers):
         return fp.Feeder(
-            fp.from_generator(index_generator(24)),
+            fp.from_generator(sharded_range(24)),
             4,
             devices=devices[:2],
             workers=workers,
@@ -746,7 +743,7 @@ def test_a_generator_state_restored_into_another_worker_count_names_num_shards(d
 
 def test_a_generator_that_ignores_its_shard_is_warned_about(devices):
     def unsharded(shard, num_shards):
-        yield from index_generator(8)(0, 1)
+        yield from sharded_range(8)(0, 1)
 
     with (
         pytest.warns(UserWarning, match=r"ignore \(shard, num_shards\).*each of the 2 workers"),
@@ -758,7 +755,7 @@ def test_a_generator_that_ignores_its_shard_is_warned_about(devices):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fp.Feeder(
-            fp.from_generator(index_generator(8)),
+            fp.from_generator(sharded_range(8)),
             4,
             devices=devices[:2],
             workers=2,
@@ -980,7 +977,7 @@ def test_arrays_of_unequal_length_name_each_length():
     [
         (lambda: np.zeros((0, 3), np.float32), r"`source` is empty \(0 samples\)"),
         (lambda: CountingSource(0), r"`source` is empty \(0 samples\)"),
-        (lambda: fp.from_generator(index_generator(0)), r"empty.*generator yielded no sample"),
+        (lambda: fp.from_generator(sharded_range(0)), r"empty.*generator yielded no sample"),
         (lambda: tf.data.Dataset.range(0), r"empty.*0 elements"),
         (lambda: index_pydataset(0, 4), r"empty.*0 batches"),
     ],
@@ -1145,7 +1142,7 @@ def test_len_is_the_steps_per_epoch(devices):
     assert len(fp.Feeder(index_arrays(13), 4, devices=devices[:1])) == 4
     with pytest.warns(UserWarning):
         assert len(fp.Feeder(index_arrays(13), 4, devices=devices[:1], remainder="drop")) == 3
-    generator = fp.Feeder(fp.from_generator(index_generator(13)), 4, devices=devices[:1])
+    generator = fp.Feeder(fp.from_generator(sharded_range(13)), 4, devices=devices[:1])
     with pytest.raises(TypeError, match="number of steps is unknown"):
         len(generator)
     dataset = fp.Feeder(tf.data.Dataset.from_tensor_slices(index_arrays(13)), 4)

@@ -18,7 +18,7 @@ from feedpipe.core.source import (
     TFDatasetSource,
     as_source,
 )
-from tests.fakes import CountingSource, index_arrays, index_generator, index_pydataset
+from tests.fakes import CountingSource, index_arrays, index_pydataset, sharded_range
 
 
 def test_spec_reads_structure_shapes_and_dtypes():
@@ -162,7 +162,7 @@ def test_generator_source_calls_fn_once_per_epoch_with_one_shard():
 
     def generate(shard, num_shards):
         calls.append((shard, num_shards))
-        yield from index_generator(3)(shard, num_shards)
+        yield from sharded_range(3)(shard, num_shards)
 
     source = fp.from_generator(generate)
     assert [int(s[1]) for s in source.samples(0)] == [0, 1, 2]
@@ -175,7 +175,7 @@ def test_a_generator_that_takes_three_arguments_is_told_the_epoch():
 
     def generate(shard, num_shards, epoch):
         calls.append((shard, num_shards, epoch))
-        yield from index_generator(3)(shard, num_shards)
+        yield from sharded_range(3)(shard, num_shards)
 
     source = fp.from_generator(generate)
     for epoch in (0, 5):
@@ -190,7 +190,7 @@ def test_from_generator_refuses_what_is_not_callable():
 
 def test_empty_generator_is_refused():
     with pytest.raises(ValueError, match="generator yielded no sample"):
-        fp.from_generator(index_generator(0)).first_sample()
+        fp.from_generator(sharded_range(0)).first_sample()
 
 
 @pytest.mark.parametrize(
@@ -252,7 +252,7 @@ def test_tf_dataset_of_unknown_length_is_a_stream():
         (lambda: tf.zeros((3, 2)), ArraySource),
         (lambda: CountingSource(3), MapSource),
         (lambda: index_pydataset(3, 2), PyDatasetSource),
-        (lambda: fp.from_generator(index_generator(3)), GeneratorSource),
+        (lambda: fp.from_generator(sharded_range(3)), GeneratorSource),
         (lambda: tf.data.Dataset.range(3), TFDatasetSource),
     ],
     ids=["array", "tuple", "dict", "tensor", "map", "pydataset", "generator", "tfdata"],
@@ -263,7 +263,7 @@ def test_each_kind_of_input_gets_its_source(make, kind):
 
 def test_a_generator_function_passed_bare_is_refused_with_the_fix():
     with pytest.raises(TypeError, match=r"wrap a generator function as fp.from_generator\(fn\)"):
-        as_source(index_generator(3))
+        as_source(sharded_range(3))
 
 
 def test_an_unsupported_source_is_refused():

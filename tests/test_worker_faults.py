@@ -234,7 +234,7 @@ def deaths() -> dict[str, dict]:
     crashes with SIGSEGV, each in its own feeder; measured in one fresh interpreter."""
     reports, _ = run_isolated(
         """
-        feeder = fp.Feeder(wf.SleepySource(400, 0.01), 4, devices=DEVICES, workers=2)
+        feeder = fp.Feeder(wf.SlowSource(400, 0.01), 4, devices=DEVICES, workers=2)
         pids = worker_pids()
         killed = {}
 
@@ -869,7 +869,7 @@ def interrupted() -> dict[str, dict]:
     """Ctrl-C as a terminal sends it: SIGINT to the training process and to every worker."""
     reports, _ = run_isolated(
         """
-        feeder = fp.Feeder(wf.SleepySource(64, 0.002), 4, devices=DEVICES, workers=2)
+        feeder = fp.Feeder(wf.SlowSource(64, 0.002), 4, devices=DEVICES, workers=2)
         pids = worker_pids()
         ids = []
         try:

@@ -1,14 +1,19 @@
-"""Sources, generators and transforms for worker processes: numpy only, never TensorFlow.
+"""Fake sources, generators and transforms whose samples carry their own index: numpy only.
 
-Worker processes unpickle these by module reference, so this module must not import
-TensorFlow (`tests.fakes` does). Every field of sample `i` holds `i`, as in `tests.fakes`.
+Every field of sample `i` made here holds the value `i` (features filled with it, label = it),
+so the ids a batch delivered can be read from any field, and a row whose fields disagree is a
+row mixed up by the pipeline. Worker processes unpickle these by module reference, and
+`tests/core` and `tests/jax_layer` run where TensorFlow is not installed, so this module imports
+no framework; `tests.fakes` names the ones TensorFlow tests use beside its TensorFlow helpers.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -17,7 +22,39 @@ FEATURE_SHAPE = (3,)
 
 
 def index_sample(index: int) -> tuple[np.ndarray, np.int64]:
+    """Sample `index`: `(features filled with index, label=index)`."""
     return np.full(FEATURE_SHAPE, index, np.float32), np.int64(index)
+
+
+def index_arrays(length: int) -> tuple[np.ndarray, np.ndarray]:
+    """The whole dataset of `index_sample`s as `(features [N, 3], labels [N])`."""
+    labels = np.arange(length, dtype=np.int64)
+    features = np.repeat(labels.astype(np.float32)[:, None], FEATURE_SHAPE[0], axis=1)
+    return features, labels
+
+
+def index_pairs(length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Samples that carry their own index in JAX's default 32-bit types: `x[i] = [i, i]`,
+    `y[i] = i`."""
+    index = np.arange(length)
+    return np.stack([index, index], 1).astype(np.float32), index.astype(np.int32)
+
+
+def sharded_range(length: int):
+    """A generator function for `fp.from_generator`: shard `s` of `n` yields `index_sample(i)`
+    for i = s, s+n, ... below `length`."""
+
+    def generate(shard: int, num_shards: int):
+        for index in range(shard, length, num_shards):
+            yield index_sample(index)
+
+    return generate
+
+
+def uneven_shards(shard: int, num_shards: int):
+    """Shard `s` yields 5 * (s + 1) + 3 samples, numbered so that ids never repeat."""
+    for k in range(5 * (shard + 1) + 3):
+        yield index_sample(1000 * shard + k)
 
 
 class IndexSource:
@@ -33,6 +70,57 @@ class IndexSource:
         if not 0 <= index < self.length:
             raise IndexError(index)
         return index_sample(index)
+
+
+class CountingSource(IndexSource):
+    """An `IndexSource` that counts how often each index is read, and by which threads (it
+    holds a lock, so it cannot be sent to a worker process)."""
+
+    def __init__(self, length: int):
+        super().__init__(length)
+        self.reads: collections.Counter[int] = collections.Counter()
+        self.reader_threads: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __getitem__(self, index: int):
+        sample = super().__getitem__(index)
+        with self._lock:
+            self.reads[index] += 1
+            self.reader_threads.add(threading.current_thread().name)
+        return sample
+
+
+class SourceBroke(Exception):
+    """Raised by `FailingSource`: a type of its own, so tests can see it survive the trip."""
+
+
+class TransformBroke(ArithmeticError):
+    """Raised by the tests' transforms: a type of its own, so tests can see it survive."""
+
+
+class FailingSource(IndexSource):
+    """Raises `SourceBroke` at sample `fail_at`."""
+
+    def __init__(self, length: int, fail_at: int):
+        super().__init__(length)
+        self.fail_at = fail_at
+
+    def __getitem__(self, index: int):
+        if index == self.fail_at:
+            raise SourceBroke(f"sample {index} is broken")
+        return super().__getitem__(index)
+
+
+class SlowSource(IndexSource):
+    """Each sample costs `delay_s` of GIL-free time (an expensive decode)."""
+
+    def __init__(self, length: int, delay_s: float):
+        super().__init__(length)
+        self.delay_s = delay_s
+
+    def __getitem__(self, index: int):
+        time.sleep(self.delay_s)
+        return super().__getitem__(index)
 
 
 class EmptyArraySource(IndexSource):
@@ -64,23 +152,6 @@ class AddressSpaceLimited(IndexSource):
         if not 0 <= index < self.length:
             raise IndexError(index)
         return np.full(1 << 18, index, np.float32), np.int64(index)
-
-
-class SourceBroke(Exception):
-    """Raised by `FailingSource`: a type of its own, so tests can see it survive the trip."""
-
-
-class FailingSource(IndexSource):
-    """Raises `SourceBroke` at sample `fail_at`."""
-
-    def __init__(self, length: int, fail_at: int):
-        super().__init__(length)
-        self.fail_at = fail_at
-
-    def __getitem__(self, index: int):
-        if index == self.fail_at:
-            raise SourceBroke(f"sample {index} is broken")
-        return super().__getitem__(index)
 
 
 class UnpicklableError(Exception):
@@ -119,18 +190,6 @@ class ActionSource(IndexSource):
         return super().__getitem__(index)
 
 
-class SleepySource(IndexSource):
-    """Each sample costs `sample_s` of GIL-free time."""
-
-    def __init__(self, length: int, sample_s: float):
-        super().__init__(length)
-        self.sample_s = sample_s
-
-    def __getitem__(self, index: int):
-        time.sleep(self.sample_s)
-        return super().__getitem__(index)
-
-
 class TensorFlowProbe(IndexSource):
     """Sample `i` is `(i, 1 if TensorFlow is loaded in the process that made it else 0)`."""
 
@@ -156,22 +215,6 @@ class WrongShapeAt(IndexSource):
         if index == self.at:
             return np.zeros(4, np.float32), np.int64(index)
         return super().__getitem__(index)
-
-
-def sharded_range(length: int):
-    """A generator function: shard `s` of `n` yields `index_sample(i)` for i = s, s+n, ..."""
-
-    def generate(shard: int, num_shards: int):
-        for index in range(shard, length, num_shards):
-            yield index_sample(index)
-
-    return generate
-
-
-def uneven_shards(shard: int, num_shards: int):
-    """Shard `s` yields 5 * (s + 1) + 3 samples, numbered so that ids never repeat."""
-    for k in range(5 * (shard + 1) + 3):
-        yield index_sample(1000 * shard + k)
 
 
 def add_noise(sample, rng):

@@ -23,17 +23,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 import feedpipe as fp
-
-
-def counting(length: int) -> tuple[np.ndarray, np.ndarray]:
-    """Samples that carry their own index: `x[i] = [i, i]`, `y[i] = i` (test_jax_feeder.py's)."""
-    index = np.arange(length)
-    return np.stack([index, index], 1).astype(np.float32), index.astype(np.int32)
+from tests.worker_fakes import index_pairs
 
 
 def feeder(args: dict) -> fp.Feeder:
     return fp.Feeder(
-        counting(args["length"]),
+        index_pairs(args["length"]),
         args["global_batch"],
         devices=jax.devices(),
         shuffle=True,

@@ -24,8 +24,8 @@ import numpy as np  # noqa: E402
 
 import feedpipe as fp  # noqa: E402
 from tests.cluster import free_ports  # noqa: E402
-from tests.jax_layer.distributed_worker import counting  # noqa: E402
 from tests.processes import REPO_ROOT, log_tail, run_at_once  # noqa: E402
+from tests.worker_fakes import index_pairs  # noqa: E402
 
 WORKER = str(REPO_ROOT / "tests" / "jax_layer" / "distributed_worker.py")
 DEVICES_PER_PROCESS = 2
@@ -64,9 +64,9 @@ def run_processes(out: Path, processes: int, args: dict) -> list[dict]:
 
 def one_process_stream(devices, args: dict) -> list[tuple]:
     """(epoch, step, ids, masks, num_valid) of every step of a feeder on one device."""
-    stream = []
+    stream, source = [], index_pairs(args["length"])
     with fp.Feeder(
-        counting(args["length"]), args["global_batch"], devices=devices[:1], shuffle=True, seed=SEED
+        source, args["global_batch"], devices=devices[:1], shuffle=True, seed=SEED
     ) as feeder:
         for _ in range(EPOCHS):
             for batch in feeder:

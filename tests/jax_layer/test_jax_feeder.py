@@ -17,16 +17,11 @@ import pytest
 import feedpipe as fp
 from feedpipe.core.sampler import Sampler
 from tests.processes import REPO_ROOT
-
-
-def counting(length: int) -> tuple[np.ndarray, np.ndarray]:
-    """Samples that carry their own index: `x[i] = [i, i]`, `y[i] = i`."""
-    index = np.arange(length)
-    return np.stack([index, index], 1).astype(np.float32), index.astype(np.int32)
+from tests.worker_fakes import index_pairs
 
 
 def test_the_feeder_of_jax_devices_stages_jax_arrays(devices):
-    with fp.Feeder(counting(16), 8, devices=devices) as feeder:
+    with fp.Feeder(index_pairs(16), 8, devices=devices) as feeder:
         assert feeder.layer.name == "jax"
         batch = next(iter(feeder))
         assert len(batch.replicas) == 4
@@ -37,7 +32,7 @@ def test_the_feeder_of_jax_devices_stages_jax_arrays(devices):
 
 
 def test_each_replica_gets_its_own_rows(devices):
-    with fp.Feeder(counting(16), 8, devices=devices) as feeder:
+    with fp.Feeder(index_pairs(16), 8, devices=devices) as feeder:
         for batch in feeder:
             for replica, (_, y) in enumerate(batch.replicas):
                 first = batch.step * 8 + replica * 2
@@ -45,7 +40,7 @@ def test_each_replica_gets_its_own_rows(devices):
 
 
 def test_the_global_batch_is_sharded_along_axis_0_over_the_devices(devices):
-    with fp.Feeder(counting(16), 8, devices=devices) as feeder:
+    with fp.Feeder(index_pairs(16), 8, devices=devices) as feeder:
         batch = next(iter(feeder))
         (x, y), mask = batch.distributed()
         assert x.shape == (8, 2) and y.shape == (8,) and mask.shape == (8,)
@@ -59,14 +54,14 @@ def test_the_global_batch_is_sharded_along_axis_0_over_the_devices(devices):
 
 def test_a_mesh_given_is_the_sharding(devices):
     mesh = jax.sharding.Mesh(np.array(devices[::-1]), ("data",))
-    with fp.Feeder(counting(8), 8, devices=mesh) as feeder:
+    with fp.Feeder(index_pairs(8), 8, devices=mesh) as feeder:
         (_x, y), _ = next(iter(feeder)).distributed()
         assert [s.device for s in y.addressable_shards] == list(devices[::-1])
         assert np.asarray(y).tolist() == list(range(8))
 
 
 def test_another_sharding_moves_the_shards_there(devices):
-    with fp.Feeder(counting(8), 8, devices=devices) as feeder:
+    with fp.Feeder(index_pairs(8), 8, devices=devices) as feeder:
         batch = next(iter(feeder))
         replicated = jax.sharding.NamedSharding(feeder.layer.mesh, jax.sharding.PartitionSpec())
         (_x, y), _mask = batch.distributed(replicated)
@@ -74,7 +69,7 @@ def test_another_sharding_moves_the_shards_there(devices):
 
 
 def test_pad_masks_exactly_the_padding_and_num_valid_counts_real_samples(devices):
-    with fp.Feeder(counting(10), 8, devices=devices) as feeder:
+    with fp.Feeder(index_pairs(10), 8, devices=devices) as feeder:
         batches = list(feeder)
         assert [b.num_valid for b in batches] == [8, 2]
         (_, y), mask = batches[1].distributed()
@@ -86,7 +81,7 @@ def test_pad_masks_exactly_the_padding_and_num_valid_counts_real_samples(devices
 def test_every_sample_once_per_epoch_in_the_cores_order(devices, workers):
     length, size = 37, 8
     with fp.Feeder(
-        counting(length), size, devices=devices, shuffle=True, seed=3, workers=workers
+        index_pairs(length), size, devices=devices, shuffle=True, seed=3, workers=workers
     ) as feeder:
         plan = Sampler(length, size, shuffle=True, seed=3)
         for epoch in range(2):
@@ -100,7 +95,7 @@ def test_every_sample_once_per_epoch_in_the_cores_order(devices, workers):
 
 
 def test_resume_mid_epoch_from_a_json_state_gives_the_same_stream(devices):
-    source = counting(40)
+    source = index_pairs(40)
 
     def labels(batches):
         return [np.asarray(b.distributed()[0][1]).tolist() for b in batches]
@@ -119,11 +114,11 @@ def test_resume_mid_epoch_from_a_json_state_gives_the_same_stream(devices):
 
 
 def test_a_restore_into_another_seed_names_the_field(devices):
-    with fp.Feeder(counting(16), 8, devices=devices, seed=1) as a:
+    with fp.Feeder(index_pairs(16), 8, devices=devices, seed=1) as a:
         state = a.get_state()
     message = "the state has seed=1 but this feeder has seed=2"
     with (
-        fp.Feeder(counting(16), 8, devices=devices, seed=2) as b,
+        fp.Feeder(index_pairs(16), 8, devices=devices, seed=2) as b,
         pytest.raises(ValueError, match=message),
     ):
         b.set_state(state)
@@ -131,16 +126,16 @@ def test_a_restore_into_another_seed_names_the_field(devices):
 
 def test_a_global_batch_that_does_not_divide_among_the_devices_is_refused(devices):
     with pytest.raises(ValueError, match=r"`global_batch_size`=6 is not divisible by the 4"):
-        fp.Feeder(counting(16), 6, devices=devices)
+        fp.Feeder(index_pairs(16), 6, devices=devices)
 
 
 def test_a_strategy_mixed_devices_or_an_unknown_framework_are_refused(devices):
     with pytest.raises(TypeError, match=r"must be a tf\.distribute strategy"):
-        fp.Feeder(counting(16), 8, strategy=object())
+        fp.Feeder(index_pairs(16), 8, strategy=object())
     with pytest.raises(TypeError, match="one kind only"):
-        fp.Feeder(counting(16), 8, devices=[devices[0], "/cpu:0"])
+        fp.Feeder(index_pairs(16), 8, devices=[devices[0], "/cpu:0"])
     with pytest.raises(ValueError, match="`framework`='torch' must be one of"):
-        fp.Feeder(counting(16), 8, framework="torch")
+        fp.Feeder(index_pairs(16), 8, framework="torch")
 
 
 def test_the_jax_path_never_imports_tensorflow():
@@ -175,7 +170,7 @@ def test_import_feedpipe_imports_no_framework():
 
 
 def test_stats_on_cpu_devices_report_no_copies(devices):
-    with fp.Feeder(counting(16), 8, devices=devices) as feeder:
+    with fp.Feeder(index_pairs(16), 8, devices=devices) as feeder:
         list(feeder)
         stats = feeder.stats()
     assert stats.steps == 2 and stats.copies == 0 and stats.page_locked is None
@@ -184,7 +179,7 @@ def test_stats_on_cpu_devices_report_no_copies(devices):
 
 @pytest.mark.parametrize("depth", [1, 3])
 def test_at_most_depth_batches_wait_and_depth_plus_two_slots_hold_them(devices, depth):
-    with fp.Feeder(counting(48), 8, devices=devices, depth=depth) as feeder:
+    with fp.Feeder(index_pairs(48), 8, devices=devices, depth=depth) as feeder:
         seen = []
         for _ in range(2):
             for _batch in feeder:
@@ -197,7 +192,7 @@ def test_at_most_depth_batches_wait_and_depth_plus_two_slots_hold_them(devices, 
 
 def test_a_kept_batch_keeps_its_values_while_its_slot_would_be_reused(devices):
     # Slots are written again while earlier batches are kept: those must keep their values.
-    with fp.Feeder(counting(64), 8, devices=devices, depth=1) as feeder:
+    with fp.Feeder(index_pairs(64), 8, devices=devices, depth=1) as feeder:
         kept = []
         for _ in range(2):
             for batch in feeder:
@@ -210,7 +205,7 @@ def test_a_kept_batch_keeps_its_values_while_its_slot_would_be_reused(devices):
 
 
 def test_a_loop_on_another_thread_while_one_runs_is_refused(devices):
-    with fp.Feeder(counting(32), 8, devices=devices) as feeder:
+    with fp.Feeder(index_pairs(32), 8, devices=devices) as feeder:
         loop = iter(feeder)
         next(loop)
         errors = []
