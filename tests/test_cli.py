@@ -44,6 +44,7 @@ def tiny_target():
     return (np.zeros((4, 3), np.float32) for _ in range(1000)), lambda batch: None
 
 
+@pytest.mark.slow
 def test_the_command_prints_no_tensorflow_start_up_lines():
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     command = [sys.executable, "-m", "feedpipe", "diagnose", "tests.test_cli:tiny_target"]

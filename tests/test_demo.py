@@ -14,6 +14,7 @@ from feedpipe import cli, demo
 from feedpipe.tf import demo as tf_demo
 
 
+@pytest.mark.slow
 def test_the_demo_trains_the_same_model_both_ways_and_reports_both():
     # As a user runs it: no TF_CPP_MIN_LOG_LEVEL of their own.
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}

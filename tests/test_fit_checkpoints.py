@@ -150,6 +150,7 @@ def saved(path: Path) -> tuple[list[np.ndarray], int]:
         return [arrays[f"weight_{i}"] for i in range(count)], int(arrays["iterations"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("strategy", "steps_per_execution"),
     [("none", 1), ("none", 2), ("mirrored", 1)],

@@ -22,6 +22,8 @@ from tests.cluster import logs, run_cluster
 from tests.cluster_worker import regression_feeder, regression_model, train_logged
 from tests.fakes import all_ids, index_arrays
 
+pytestmark = pytest.mark.slow  # every test starts a cluster of 2 or 3 processes
+
 
 def one_host_stream(devices, length, global_batch, epochs, *, shuffle=True, seed=5):
     """(epoch, step, ids, masks, num_valid) of every step of a feeder on one device."""

@@ -21,6 +21,8 @@ import pytest
 from tests import resume_worker as worker
 from tests.processes import log_tail, run_at_once
 
+pytestmark = pytest.mark.slow  # four interpreters that each train
+
 DEADLINE_S = 120.0
 """Hard deadline of one worker process: ~3 s of TensorFlow import and a few of training."""
 RTOL = 1e-6

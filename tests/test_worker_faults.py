@@ -4,7 +4,8 @@ process, thread or shared memory left behind.
 
 Scenarios that kill or hang a process run in a fresh interpreter with a hard deadline
 (`run_isolated`), so a hang fails the test instead of freezing the suite; the interpreter
-prints its measured figures as JSON and the test asserts on them.
+prints its measured figures as JSON and the test asserts on them. Those tests are marked
+`slow`: each interpreter loads TensorFlow, seconds apiece on a small machine.
 """
 
 from __future__ import annotations
@@ -269,6 +270,7 @@ DEATHS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("death", list(DEATHS))
 def test_a_dead_worker_raises_worker_error_naming_pid_and_cause_within_two_seconds(deaths, death):
     got = deaths[death]
@@ -285,6 +287,7 @@ def test_a_dead_worker_raises_worker_error_naming_pid_and_cause_within_two_secon
     assert got["ids"] == list(range(0, 4 * len(got["ids"]), 4))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("death", list(DEATHS))
 def test_after_a_worker_death_close_is_quick_and_leaves_nothing(deaths, death):
     got = deaths[death]
@@ -314,6 +317,7 @@ def unmappable() -> dict:
     return reports["ENOMEM"]
 
 
+@pytest.mark.slow
 def test_a_worker_that_cannot_map_a_host_slot_raises_its_os_error_with_errno_and_fix(unmappable):
     got = unmappable
     assert got["type"] == "OSError"
@@ -330,6 +334,7 @@ def test_a_worker_that_cannot_map_a_host_slot_raises_its_os_error_with_errno_and
     assert got["error_s"] < 2.0, f"{got['error_s']:.2f} s to the error"
 
 
+@pytest.mark.slow
 def test_after_a_worker_cannot_map_a_host_slot_close_leaves_nothing(unmappable):
     got = unmappable
     assert len(got["pids"]) == 2
@@ -389,6 +394,7 @@ def hangs() -> dict[str, dict]:
     return reports
 
 
+@pytest.mark.slow
 def test_a_hung_worker_raises_timeout_error_naming_worker_and_sample(hangs):
     got = hangs["timeout"]
     assert got["type"] == "TimeoutError"
@@ -404,6 +410,7 @@ def test_a_hung_worker_raises_timeout_error_naming_worker_and_sample(hangs):
     assert wait_gone(got["pids"])[0] == []
 
 
+@pytest.mark.slow
 def test_close_ends_a_hung_worker_within_five_seconds(hangs):
     got = hangs["no timeout"]
     assert got["stuck"], "the worker was not hung when close() was called"
@@ -420,6 +427,7 @@ def test_close_ends_a_hung_worker_within_five_seconds(hangs):
 # ---- the parent dies --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("death", ["os._exit(0)", "os.kill(os.getpid(), signal.SIGKILL)"])
 def test_workers_exit_when_the_parent_process_dies(death):
     reports, returncode = run_isolated(
@@ -582,6 +590,7 @@ EMPTY_SOURCES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(EMPTY_SOURCES))
 def test_a_source_whose_arrays_are_all_empty_delivers_every_sample_with_workers(case):
     source, shown = EMPTY_SOURCES[case]
@@ -708,6 +717,7 @@ def script_errors() -> dict[str, dict]:
     return reports
 
 
+@pytest.mark.slow
 def test_an_exception_class_defined_in_the_script_keeps_its_class(script_errors):
     got = script_errors["script"]
     assert got["caught"], f"arrived as {got['type']}: {got['message']}"
@@ -760,6 +770,7 @@ def first_sample_faults() -> dict[str, dict]:
     return reports
 
 
+@pytest.mark.slow
 def test_a_crash_on_sample_zero_is_a_worker_error_not_a_dead_training_process(first_sample_faults):
     got = first_sample_faults["segv"]
     assert got["is_worker_error"], got
@@ -767,6 +778,7 @@ def test_a_crash_on_sample_zero_is_a_worker_error_not_a_dead_training_process(fi
     assert got["processes_left"] == {}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["hang", "load"])
 def test_a_hang_before_the_first_batch_is_a_timeout_at_construction(first_sample_faults, case):
     got = first_sample_faults[case]
@@ -804,6 +816,7 @@ def stopped() -> dict[str, dict]:
     return reports
 
 
+@pytest.mark.slow
 def test_a_worker_stopped_between_samples_is_a_timeout(stopped):
     got = stopped["stopped"]
     assert got["type"] == "TimeoutError", got
@@ -815,6 +828,7 @@ def test_a_worker_stopped_between_samples_is_a_timeout(stopped):
     assert wait_gone(got["pids"])[0] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stuck", ["SIGSTOP", "GIL-holding C call"])
 def test_a_stuck_worker_dies_with_its_parent(stuck):
     freeze = (
@@ -896,6 +910,7 @@ def interrupted() -> dict[str, dict]:
     return reports
 
 
+@pytest.mark.slow
 def test_ctrl_c_interrupts_the_loop_and_the_next_loop_goes_on(interrupted):
     got = interrupted["ctrl-c"]
     assert got["interrupted"]
@@ -945,6 +960,7 @@ def test_batches_kept_by_the_consumer_hold_no_file_descriptor(devices):
         del batches, kept
 
 
+@pytest.mark.slow
 def test_many_kept_batches_fit_a_small_descriptor_limit():
     reports, _ = run_isolated(
         """

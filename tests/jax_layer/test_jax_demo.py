@@ -38,6 +38,7 @@ def test_the_feeder_trains_the_same_weights_as_synchronous_feeding(devices):
     assert not np.allclose(np.asarray(after_sync["w2"]), np.asarray(initial["w2"]))
 
 
+@pytest.mark.slow
 def test_the_command_runs_the_demo_on_jax_without_tensorflow_or_keras():
     # A fresh process, as a user starts it: the demo makes its own 4 host devices.
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TF_CPP_MIN_LOG_LEVEL")}

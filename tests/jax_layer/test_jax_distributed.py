@@ -27,6 +27,8 @@ from tests.cluster import free_ports  # noqa: E402
 from tests.processes import REPO_ROOT, log_tail, run_at_once  # noqa: E402
 from tests.worker_fakes import index_pairs  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every test reads a jax.distributed cluster of 2 or 3 processes
+
 WORKER = str(REPO_ROOT / "tests" / "jax_layer" / "distributed_worker.py")
 DEVICES_PER_PROCESS = 2
 DEADLINE_S = 120
