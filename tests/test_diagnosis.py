@@ -464,6 +464,7 @@ slows, stays a small part of it."""
         ("keras", 0.0, "not input-bound"),
     ],
 )
+@pytest.mark.slow  # competing CPU-load processes
 def test_diagnose_verdict_holds_under_competing_cpu_load(step, batch_s, expected):
     """Under load, the verdict is the truth or, where the load makes the step alone too
     uncertain, "cannot tell" with a bound that reaches the truth: never a wrong band."""
@@ -482,6 +483,7 @@ def test_diagnose_verdict_holds_under_competing_cpu_load(step, batch_s, expected
         assert diagnosis.input_bound_range[1] >= 0.2, str(diagnosis)
 
 
+@pytest.mark.slow  # competing CPU-load processes
 def test_load_that_starts_after_the_consumer_alone_is_not_read_as_input_wait(monkeypatch):
     """The input is in memory, so the step never waits for it; competing load starts once the
     consumer alone has been timed (with the producer alone, before together) and slows the

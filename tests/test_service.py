@@ -27,6 +27,8 @@ from feedpipe.service import client as service_module
 from tests.service_cluster import service_cluster
 from tests.test_fit_checkpoints import InterruptAfter
 
+pytestmark = pytest.mark.slow  # each starts tf.data service servers
+
 
 def records(length: int) -> tuple[np.ndarray, np.ndarray]:
     """Small per-sample records (the kind a service source holds): a feature row and a label."""

@@ -20,6 +20,8 @@ from tests.processes import log_tail, run_at_once
 from tests.service_cluster import service_cluster
 from tests.test_service import feeder, records, scaled, stream
 
+pytestmark = pytest.mark.slow  # a tf.data service cluster with hosts in their own processes
+
 DEADLINE_S = 120.0
 """Hard deadline of one process: a few seconds of TensorFlow import and a few of feeding."""
 

@@ -19,6 +19,8 @@ import tensorflow as tf
 
 from tests.service_cluster import REPO_ROOT, service_cluster
 
+pytestmark = pytest.mark.slow  # tf.data service servers and `feedpipe service` processes
+
 EXPECTED = list(range(0, 200, 2))
 READ_DEADLINE_S = 30.0
 """How long a job of 100 elements may take on loopback (it takes well under a second)."""
