@@ -30,7 +30,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+__version__ = "0.3.0"
+"""The release: pyproject.toml reads it from here (one place), `feedpipe --version` prints it."""
 
 _EXPORTS = {
     "Batch": "feedpipe.tf.batch",

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.metadata
 import io
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import keras
 import pytest
@@ -208,3 +210,21 @@ def test_the_readme_layout_names_every_module():
     )
     missing = [name for name in modules if f"`{name}`" not in layout]
     assert missing == [], f"README's layout does not name {missing}"
+
+
+def test_the_version_is_written_once_and_the_installed_package_says_it(capsys):
+    metadata = importlib.metadata.metadata("feedpipe")
+    assert metadata["Version"] == fp.__version__ != "0.1.0"
+    with pytest.raises(SystemExit):
+        cli.main(["--version"])
+    assert capsys.readouterr().out.strip() == f"feedpipe {fp.__version__}"
+    pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject and '\nversion = "' not in pyproject
+
+
+def test_the_license_is_apache_2_and_shipped():
+    metadata = importlib.metadata.metadata("feedpipe")
+    assert metadata["License-Expression"] == "Apache-2.0"
+    assert metadata["Author"] or metadata["Author-email"]
+    text = (Path(__file__).resolve().parent.parent / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License") and "Version 2.0, January 2004" in text
