@@ -228,3 +228,25 @@ def test_the_license_is_apache_2_and_shipped():
     assert metadata["Author"] or metadata["Author-email"]
     text = (Path(__file__).resolve().parent.parent / "LICENSE").read_text()
     assert text.lstrip().startswith("Apache License") and "Version 2.0, January 2004" in text
+
+
+def test_the_light_test_path_installs_no_dali_and_the_readme_gives_it():
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+    def requirements(extra: str) -> set[str]:
+        found = set()
+        for requirement in extras[extra]:
+            if requirement.startswith("feedpipe["):
+                for name in requirement[len("feedpipe[") : -1].split(","):
+                    found |= requirements(name)
+            else:
+                found.add(requirement)
+        return found
+
+    assert not [r for r in requirements("test-light") if "dali" in r]
+    assert any("dali" in r for r in requirements("test"))  # CI's full path keeps DALI
+    readme = (root / "README.md").read_text()
+    assert '.venv/bin/pip install -q -e ".[test-light]" && .venv/bin/python -m pytest -q -m "not slow"' in readme
