@@ -234,7 +234,8 @@ def test_the_light_test_path_installs_no_dali_and_the_readme_gives_it():
     import tomllib
 
     root = Path(__file__).resolve().parent.parent
-    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
 
     def requirements(extra: str) -> set[str]:
         found = set()
@@ -249,4 +250,8 @@ def test_the_light_test_path_installs_no_dali_and_the_readme_gives_it():
     assert not [r for r in requirements("test-light") if "dali" in r]
     assert any("dali" in r for r in requirements("test"))  # CI's full path keeps DALI
     readme = (root / "README.md").read_text()
-    assert '.venv/bin/pip install -q -e ".[test-light]" && .venv/bin/python -m pytest -q -m "not slow"' in readme
+    light = (
+        '.venv/bin/pip install -q -e ".[test-light]" && '
+        '.venv/bin/python -m pytest -q -m "not slow"'
+    )
+    assert light in readme
