@@ -251,7 +251,6 @@ def test_the_light_test_path_installs_no_dali_and_the_readme_gives_it():
     assert any("dali" in r for r in requirements("test"))  # CI's full path keeps DALI
     readme = (root / "README.md").read_text()
     light = (
-        '.venv/bin/pip install -q -e ".[test-light]" && '
-        '.venv/bin/python -m pytest -q -m "not slow"'
+        '.venv/bin/pip install -q -e ".[test-light]" && .venv/bin/python -m pytest -q -m "not slow"'
     )
     assert light in readme
