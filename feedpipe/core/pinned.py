@@ -189,8 +189,6 @@ class PageLocker:
         self._reason = reason
         self.library = library
         """The path of the CUDA library that page-locks, or None."""
-        self.failures = 0
-        """Registrations that failed (their memory stayed pageable)."""
         self.lock_s = 0.0
         """Seconds spent registering memory, failures included."""
 
@@ -254,7 +252,6 @@ class PageLocker:
             self.lock_s += elapsed
             if code:
                 self._claimed.discard(address)
-                self.failures += 1
                 self._reason = (
                     f"{self._api.call} returned {code} ({self._api.describe(code)}) for "
                     f"{_size(nbytes)}"
