@@ -62,6 +62,20 @@ class Layer(Protocol):
         copies it can time in `stats`."""
 
 
+def refuse_unstageable(spec: SampleSpec, framework: str, device: Any, place: Callable) -> None:
+    """Refuses, at construction, a field whose dtype `place` (one array onto `device`) cannot
+    handle, naming the field and the fix, instead of failing at the first batch."""
+    for leaf in spec.leaves:
+        try:
+            place(np.zeros(1, leaf.dtype))
+        except Exception as error:
+            raise TypeError(
+                f"Field {leaf.name} has dtype {leaf.dtype}, which {framework} cannot stage on "
+                f"{device} ({type(error).__name__}: {str(error).splitlines()[0][:120]}); cast "
+                "it in `transform` or beforehand, e.g. to float16, bfloat16 or int8."
+            ) from error
+
+
 class Imported:
     """A batch already in memory another library owns: `replicas[replica][field]`, each an
     object that speaks DLPack and holds `per_replica` rows. It takes no slot."""

@@ -29,7 +29,7 @@ from feedpipe.core.sampler import Step
 from feedpipe.core.slots import SlotLayout
 from feedpipe.core.source import SampleSpec
 from feedpipe.core.split import HostShare
-from feedpipe.core.stage import Imported, MaskCache
+from feedpipe.core.stage import Imported, MaskCache, refuse_unstageable
 from feedpipe.core.stats import StatsRecorder
 from feedpipe.jax.batch import Batch
 
@@ -107,16 +107,10 @@ class JaxLayer:
         self.page_lock = page_locker() if self.accelerated else None
 
     def check_stageable(self, spec: SampleSpec) -> None:
-        for leaf in spec.leaves:
-            try:
-                jax.device_put(np.zeros(1, leaf.dtype), self.devices[0]).block_until_ready()
-            except Exception as error:
-                raise TypeError(
-                    f"Field {leaf.name} has dtype {leaf.dtype}, which JAX cannot place on "
-                    f"{self.devices[0]} ({type(error).__name__}: "
-                    f"{str(error).splitlines()[0][:120]}); cast it in `transform` or beforehand, "
-                    "e.g. to float16, bfloat16 or int8."
-                ) from error
+        device = self.devices[0]
+        refuse_unstageable(
+            spec, "JAX", device, lambda array: jax.device_put(array, device).block_until_ready()
+        )
 
     def stager(self, layout: SlotLayout, stats: StatsRecorder) -> Stager:
         return Stager(self, layout, stats)

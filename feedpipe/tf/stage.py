@@ -23,7 +23,7 @@ from feedpipe.core.sampler import Step
 from feedpipe.core.slots import SlotLayout
 from feedpipe.core.source import SampleSpec
 from feedpipe.core.split import HostShare
-from feedpipe.core.stage import Imported, MaskCache
+from feedpipe.core.stage import Imported, MaskCache, refuse_unstageable
 from feedpipe.tf.batch import Batch
 
 _DLPACK_KINDS = frozenset("biufc")
@@ -49,14 +49,7 @@ def check_stageable(spec: SampleSpec, device: str) -> None:
                 "TensorFlow takes native byte order only: convert it once, e.g. "
                 f"array.astype(array.dtype.newbyteorder('=')), or in `transform`."
             )
-        try:
-            to_device(np.zeros(1, leaf.dtype), device)
-        except Exception as error:
-            raise TypeError(
-                f"Field {leaf.name} has dtype {leaf.dtype}, which TensorFlow cannot stage on "
-                f"{device} ({type(error).__name__}: {str(error).splitlines()[0][:120]}); cast "
-                "it in `transform` or beforehand, e.g. to float16, bfloat16 or int8."
-            ) from error
+    refuse_unstageable(spec, "TensorFlow", device, lambda array: to_device(array, device))
 
 
 def import_to_device(tensor: Any, device: str) -> tf.Tensor:
