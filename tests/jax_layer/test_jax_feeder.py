@@ -204,6 +204,15 @@ def test_a_kept_batch_keeps_its_values_while_its_slot_would_be_reused(devices):
             assert np.asarray(global_labels).tolist() == list(range(step * 8, step * 8 + 8))
 
 
+def test_on_cpu_devices_a_kept_batch_holds_no_slot(devices):
+    # The regions are copied out on a CPU device, so the slot returns once its batch is staged.
+    with fp.Feeder(index_pairs(64), 8, devices=devices, depth=1) as feeder:
+        kept = list(feeder)
+        stats = feeder.stats()
+    assert len(kept) == 8
+    assert stats.overflow_slots == 0 and stats.slots_allocated <= 3
+
+
 def test_a_loop_on_another_thread_while_one_runs_is_refused(devices):
     with fp.Feeder(index_pairs(32), 8, devices=devices) as feeder:
         loop = iter(feeder)
