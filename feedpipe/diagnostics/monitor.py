@@ -330,15 +330,17 @@ class StarvationMonitor(keras.callbacks.Callback):
 
     def _wrap(self, original):
         # TensorFlow's train function takes the input; JAX's takes the state, then the input.
+        # Runs every call of every fit: `_started` is already None here (each batch's end and
+        # each epoch's begin clear it), so only a timed call sets it.
         def train_function(*args):
             self._fit_calls += 1
             self._epoch_calls += 1
             if self._resident is None and self._fit_calls >= 2:
-                self._started = None
                 return self._take_headspace_batch(original, *args)
-            if self._epoch_calls > 1 and self._epoch_other_load is None:
-                self._epoch_other_load = OtherLoadSpan()
-            self._started = time.perf_counter() if self._epoch_calls > 1 else None
+            if self._epoch_calls > 1:  # an epoch's first call is not timed
+                if self._epoch_other_load is None:
+                    self._epoch_other_load = OtherLoadSpan()
+                self._started = time.perf_counter()
             return original(*args)
 
         setattr(train_function, _ORIGINAL, original)
