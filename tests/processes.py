@@ -63,3 +63,16 @@ def run_at_once(
 
 def log_tail(out: Path, name: str) -> str:
     return (out / f"{name}.log").read_text()[-4000:]
+
+
+def assert_demo_trained_alike(stdout: str) -> None:
+    """`feedpipe demo`'s report has a row for each way of feeding, and both end at the same
+    loss: the same training, fed two ways."""
+    rows = {
+        name: line.split()[-1]
+        for line in stdout.splitlines()
+        for name in ("synchronous feeding", "fp.Feeder")
+        if line.startswith(name)
+    }
+    assert set(rows) == {"synchronous feeding", "fp.Feeder"}, stdout
+    assert rows["synchronous feeding"] == rows["fp.Feeder"], stdout

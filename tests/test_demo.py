@@ -12,6 +12,7 @@ import pytest
 
 from feedpipe import cli, demo
 from feedpipe.tf import demo as tf_demo
+from tests.processes import assert_demo_trained_alike
 
 
 @pytest.mark.slow
@@ -30,14 +31,7 @@ def test_the_demo_trains_the_same_model_both_ways_and_reports_both():
         assert piece not in result.stderr
     # Without a GPU the demo says so itself.
     assert re.search(r"on 4 replicas \((GPUs|logical CPU devices: no GPU found)\)", result.stdout)
-    rows = {
-        name: line.split()[-1]
-        for line in result.stdout.splitlines()
-        for name in ("synchronous feeding", "fp.Feeder")
-        if line.startswith(name)
-    }
-    assert set(rows) == {"synchronous feeding", "fp.Feeder"}
-    assert rows["synchronous feeding"] == rows["fp.Feeder"]  # the same training, to the loss
+    assert_demo_trained_alike(result.stdout)
     assert re.search(r"so that reading a batch takes about half a step here", result.stdout)
 
 

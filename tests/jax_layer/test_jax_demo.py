@@ -15,6 +15,7 @@ import pytest
 
 from feedpipe import cli, demo
 from feedpipe.jax import demo as jax_demo
+from tests.processes import assert_demo_trained_alike
 
 
 def test_the_feeder_trains_the_same_weights_as_synchronous_feeding(devices):
@@ -58,14 +59,7 @@ def test_the_command_runs_the_demo_on_jax_without_tensorflow_or_keras():
         r"MLP in JAX on 4 replicas \((GPUs|TPUs|logical CPU devices: no GPU or TPU found)\)",
         result.stdout,
     )
-    rows = {
-        name: line.split()[-1]
-        for line in result.stdout.splitlines()
-        for name in ("synchronous feeding", "fp.Feeder")
-        if line.startswith(name)
-    }
-    assert set(rows) == {"synchronous feeding", "fp.Feeder"}
-    assert rows["synchronous feeding"] == rows["fp.Feeder"]  # the same training, to the loss
+    assert_demo_trained_alike(result.stdout)
     assert re.search(r"speedup with the feeder: \d+\.\d\dx on 4 replicas", result.stdout)
 
 
