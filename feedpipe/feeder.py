@@ -411,8 +411,8 @@ class Feeder:
         (`as_dataset`, Keras's adapter) left early does not count unless a `FitTracker` says
         which of its batches the step used, because TensorFlow prefetches batches the step never
         takes and Keras peeks at a batch to build the model: the next pass starts again where
-        it began. Such a
-        pass, if TensorFlow finalises it late, is superseded, and raises if read again.
+        it began. Such a pass, if TensorFlow finalises it late, is superseded, and raises if
+        read again.
         """
         if self._closed:
             if self._failure is not None:
@@ -428,7 +428,7 @@ class Feeder:
         if not fit:
             self._end_interrupted_fit()
         if steps is not None:
-            self._check_pass_steps(steps)
+            self._check_passes_from(self._position, steps, None)
         self._passes += 1
         this = _Pass(fit, self._position, self._stats.consumer_counters(), self._passes)
         self._active = this
@@ -733,11 +733,6 @@ class Feeder:
         if self._plan is None:
             return None
         return len(self._plan) - self._position_state(self._position)["step"]
-
-    def _check_pass_steps(self, steps: int | None, epochs: int | None = None) -> None:
-        """Refuses passes of `steps` batches (`epochs` of them) that are not the feeder's next,
-        from where the next pass starts."""
-        self._check_passes_from(self._position, steps, epochs)
 
     def _check_fit_epochs(self, steps: int | None, epochs: int) -> None:
         """Refuses a tracked fit's `epochs` epochs of `steps` batches that are not the feeder's
