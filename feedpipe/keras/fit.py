@@ -44,6 +44,9 @@ class FitTracker(keras.callbacks.Callback):
         running step read (a checkpoint in `on_train_batch_end` saves the step it follows)."""
         self.finished = 0
         """Steps of this Keras epoch whose step returned: what a fit that raised trained on."""
+        self.epoch_steps: int | None = None
+        """Steps Keras runs per epoch (None: the length is unknown); an epoch's last call may
+        run fewer than `steps_per_execution`."""
 
     def on_train_begin(self, logs=None):
         self.earlier, self.steps, self.finished = 0, 0, 0
@@ -56,14 +59,14 @@ class FitTracker(keras.callbacks.Callback):
         self.earlier += self.steps
         self.first_pass, self.steps, self.finished = self.feeder._passes, 0, 0
         params = self.params or {}
-        self.feeder._check_fit_epochs(params.get("steps"), params.get("epochs", epoch + 1) - epoch)
+        self.epoch_steps = params.get("steps")
+        self.feeder._check_fit_epochs(self.epoch_steps, params.get("epochs", epoch + 1) - epoch)
 
     def on_train_batch_begin(self, batch, logs=None):
         self.feeder._raise_failure()
-        total = (self.params or {}).get("steps")  # an epoch's last call may run fewer steps
         self.steps = batch + self.model.steps_per_execution
-        if total:
-            self.steps = min(self.steps, total)
+        if self.epoch_steps:
+            self.steps = min(self.steps, self.epoch_steps)
 
     def on_train_batch_end(self, batch, logs=None):
         self.finished = self.steps
