@@ -513,11 +513,15 @@ class _Rows:
         if step not in self.open and step < self.delivered + self.window:
             slot = self.supply.try_acquire()
             if slot is not None:
-                self.open[step] = slot
-                lo = self._first(step)
-                for position in [p for p in self.kept if lo <= p < self.ends[step]]:
-                    self._write(slot, position - lo, self.kept.pop(position))
+                self._open(step, slot)
         return self.open.get(step)
+
+    def _open(self, step: int, slot: HostSlot) -> None:
+        """Opens `slot` for `step`, writing into it the step's rows kept so far."""
+        self.open[step] = slot
+        lo = self._first(step)
+        for position in [p for p in self.kept if lo <= p < self.ends[step]]:
+            self._write(slot, position - lo, self.kept.pop(position))
 
     @staticmethod
     def _write(slot: HostSlot, row: int, leaves: list[np.ndarray]) -> None:
@@ -553,10 +557,7 @@ class _Rows:
                 return
             slot = self._slot(step)
             if slot is None:
-                self.open[step] = slot = self.supply.acquire()
-                lo = self._first(step)
-                for position in range(lo, int(self.ends[step])):
-                    self._write(slot, position - lo, self.kept.pop(position))
+                self._open(step, slot := self.supply.acquire())
             del self.open[step]
             self.delivered += 1
             slot.pad(len(self.steps[step].rows))
