@@ -20,8 +20,6 @@ from feedpipe import __version__
 from feedpipe.core.description import FeederDescription
 from feedpipe.diagnostics.verdict import SCHEMA_VERSION, Diagnosis
 
-PLOTS = ("timeline.png", "occupancy.png", "rates.png")
-
 GLOSSARY = {
     "verdict": "the TensorFlow profiler's bands for the input-bound fraction: under 5 % not "
     "input-bound, 5-20 % moderately, 20 % or more highly; cannot tell when the fraction's "
