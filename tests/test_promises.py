@@ -1,7 +1,8 @@
 """Promises a determined user tested by breaking them: a step that raises trains nothing, a
 fit run again after Ctrl-C goes on from what it trained, a loop of exactly `len(feeder)`
-batches leaves the next loop a whole epoch, a state past an epoch's end is refused, and a
-dataset repeated and prefetched keeps the state exact."""
+batches leaves the next loop a whole epoch, a state past an epoch's end is refused, a
+dataset repeated and prefetched keeps the state exact, and so does a fit over a generator,
+whose epochs' length is unknown."""
 
 from __future__ import annotations
 
@@ -203,3 +204,46 @@ def test_a_generator_sources_epochs_end_without_keras_warning_the_input_ran_out(
     short = tf.data.Dataset.from_tensor_slices((ids_data()[0], ids_data()[1])).batch(BATCH)
     with pytest.warns(UserWarning, match="ran out of data"):
         dense_model().fit(short, steps_per_epoch=STEPS + 2, epochs=1, verbose=0)
+
+
+class StateAtEachEpochBegin(StateAtEachStep):
+    """The feeder's state as each epoch begins, before its first batch is read."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        pass
+
+    def on_epoch_begin(self, epoch, logs=None):
+        super().on_train_batch_end(0)
+
+
+def test_a_generator_sources_fit_state_is_the_batches_trained_at_each_step_and_after():
+    # The epoch's length is unknown: the state counts the steps of each pass of the dataset,
+    # which a prefetch reads ahead of the step.
+    with fp.Feeder(fp.from_generator(counting), BATCH) as feeder:
+        steps, epochs = StateAtEachStep(feeder), StateAtEachEpochBegin(feeder)
+        dense_model().fit(
+            feeder.as_dataset().prefetch(2),
+            epochs=3,
+            verbose=0,
+            callbacks=[feeder.fit_callback(), steps, epochs],
+        )
+        # At an epoch's last step the pass may not have met its end yet: (e, STEPS) is (e + 1, 0).
+        assert [epoch * STEPS + step for epoch, step in steps.states] == list(
+            range(1, 3 * STEPS + 1)
+        )
+        assert epochs.states == [(0, 0), (1, 0), (2, 0)]
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (3, 0)
+        assert rest_of_epoch(feeder) == list(range(LENGTH))
+
+
+def test_a_generator_sources_fit_after_ctrl_c_goes_on_from_what_it_trained():
+    with fp.Feeder(fp.from_generator(counting), BATCH) as feeder:
+        with pytest.raises(KeyboardInterrupt):
+            dense_model().fit(
+                feeder.as_dataset(),
+                epochs=2,
+                verbose=0,
+                callbacks=[feeder.fit_callback(), InterruptAfter(2)],
+            )
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (0, 3)
+        assert rest_of_epoch(feeder) == list(range(3 * BATCH, LENGTH))
