@@ -15,6 +15,7 @@ from feedpipe.core.sampler import Step
 from feedpipe.core.slots import HostSlot, SlotLayout
 from feedpipe.core.source import SampleSpec
 from feedpipe.core.split import ReplicaSplit
+from feedpipe.core.stage import HostStager
 from feedpipe.tf.batch import Batch
 from feedpipe.tf.devices import resolve_devices
 from feedpipe.tf.stage import Stager, to_device
@@ -127,6 +128,18 @@ def test_masks_follow_each_replicas_own_real_rows(devices):
     step = Step(0, 0, None, 5, replica_valid=(2, 1, 0, 2))
     masks = [m.numpy().tolist() for m in stager.masks(step)]
     assert masks == [[True, True], [True, False], [False, False], [True, True]]
+
+
+def test_a_host_batch_marks_each_replicas_own_real_rows_with_one_read_only_mask():
+    spec = SampleSpec.of((np.zeros(2, np.float32), np.int64(0)))
+    layout = SlotLayout(spec, ReplicaSplit(8, 4), contiguous=True)
+    stager = HostStager(layout)
+    step = Step(0, 0, None, 5, replica_valid=(2, 1, 0, 2))
+    first = stager.stage(step, HostSlot(layout).buffer)
+    again = stager.stage(Step(1, 0, None, 5, replica_valid=(2, 1, 0, 2)), HostSlot(layout).buffer)
+    assert first.real.tolist() == [True, True, True, False, False, False, True, True]
+    assert again.real is first.real and not first.real.flags.writeable
+    assert stager.stage(Step(0, 1, None, 5), HostSlot(layout).buffer).real is None
 
 
 def test_distributed_needs_a_strategy(devices):

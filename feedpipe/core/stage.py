@@ -130,6 +130,9 @@ class HostStager:
     def __init__(self, layout: SlotLayout, copy: bool = False):
         self.layout = layout
         self.copy = copy
+        split = layout.split
+        self._real = MaskCache(split.num_replicas, split.per_replica, _read_only_rows)
+        """A step's real rows, where they are not simply the first `num_valid`."""
 
     def stage(self, step: Step, leased: np.ndarray | Imported) -> HostBatch:
         if isinstance(leased, Imported):  # one copy: the replicas' rows joined in fresh memory
@@ -139,11 +142,17 @@ class HostStager:
             arrays = self.layout.global_views(leased)
             if self.copy:
                 arrays = [array.copy() for array in arrays]
-        split = self.layout.split
         real = None
         if step.replica_valid is not None or step.first_row:
-            real = step.real_rows(split.num_replicas, split.per_replica)
+            real = self._real(step)
         return HostBatch(arrays, step.num_valid, step.epoch, step.index, real)
+
+
+def _read_only_rows(parts: np.ndarray) -> np.ndarray:
+    """The real rows of the batch as one boolean array, read-only since batches share it."""
+    rows = parts.reshape(-1)
+    rows.flags.writeable = False
+    return rows
 
 
 class MaskCache:
