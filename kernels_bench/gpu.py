@@ -71,6 +71,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import itertools
 import math
 import os
 import shutil
@@ -454,25 +455,15 @@ def calibrate_step(features, hidden, batch, device, seed, target_s) -> tuple[Cal
     for _ in range(3):
         step = make_train_step(repeat)
         params = init_params(features, hidden, device, seed)
-        params, _ = _run_steps(step, params, _forever((x, y)), 3)  # compile, warm
+        params, _ = _run_steps(step, params, itertools.repeat((x, y)), 3)  # compile, warm
         count = max(3, min(20, round(0.5 / max(target_s, 1e-3))))
-        params, elapsed = _run_steps(step, params, _forever((x, y)), count)
+        params, elapsed = _run_steps(step, params, itertools.repeat((x, y)), count)
         step_s = elapsed / count
         wanted = max(1, round(repeat * target_s / step_s))
         if abs(wanted - repeat) <= max(1, 0.1 * repeat):
             return step, repeat, step_s
         repeat = wanted
     return make_train_step(repeat), repeat, step_s
-
-
-def _forever(item):
-    while True:
-        yield item
-
-
-def _cycle(items: list) -> Iterator:
-    while True:
-        yield from items
 
 
 def run_rs(report: Report, settings: harness.Settings, device) -> None:
@@ -498,7 +489,7 @@ def run_rs(report: Report, settings: harness.Settings, device) -> None:
     ]
     feeder = fp.Feeder((x, y), batch, devices=[device], depth=2, shuffle=True, seed=settings.seed)
     fed = (b.replicas[0] for b in harness.endless(feeder))
-    peers = {"real": fed, "synthetic": _cycle(staged)}
+    peers = {"real": fed, "synthetic": itertools.cycle(staged)}
     params = init_params(features, args.hidden, device, settings.seed)
     for batches in peers.values():
         params, _ = _run_steps(step, params, batches, 3)
