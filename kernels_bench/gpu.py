@@ -192,15 +192,6 @@ def configure_environment() -> None:
         raise SystemExit(f"KERAS_BACKEND={backend}: this benchmark runs Keras on JAX; unset it.")
 
 
-def _version(package: str) -> str | None:
-    import importlib.metadata as md
-
-    try:
-        return md.version(package)
-    except md.PackageNotFoundError:
-        return None
-
-
 def _torch():
     """PyTorch with a CUDA device, or None (it is optional)."""
     try:
@@ -245,7 +236,7 @@ def accelerator() -> dict:
         "device_kind": device.device_kind,
         "devices": [str(d) for d in jax.devices()],
         "versions": {
-            p: _version(p)
+            p: harness.version(p)
             for p in (
                 "jax",
                 "jaxlib",

@@ -275,16 +275,20 @@ def _cpu_model() -> str | None:
     return platform.processor() or None
 
 
-def environment() -> dict:
-    """Versions, cores, devices, commit and machine load: what a reader needs to weigh a figure."""
+def version(package: str) -> str | None:
+    """The installed version of `package`, or None where it is not installed."""
     import importlib.metadata as md
 
-    versions = {}
-    for package in ("tensorflow", "keras", "numpy", "optree", "psutil", "grain", "feedpipe"):
-        try:
-            versions[package] = md.version(package)
-        except md.PackageNotFoundError:
-            versions[package] = None
+    try:
+        return md.version(package)
+    except md.PackageNotFoundError:
+        return None
+
+
+def environment() -> dict:
+    """Versions, cores, devices, commit and machine load: what a reader needs to weigh a figure."""
+    packages = ("tensorflow", "keras", "numpy", "optree", "psutil", "grain", "feedpipe")
+    versions = {package: version(package) for package in packages}
     env: dict[str, Any] = {
         "python": platform.python_version(),
         "implementation": platform.python_implementation(),
