@@ -16,7 +16,7 @@ import mmap
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -142,15 +142,23 @@ class HostSlot:
         for field in range(len(self.layout.spec.leaves)):
             self.row(field, row)[...] = source.row(field, source_row)
 
+    def runs(self, start: int, count: int) -> Iterator[tuple[list[np.ndarray], int, int]]:
+        """Global rows `start:start+count`, one run per replica they cross: that replica's
+        regions, each cut to the run's rows, and where the run begins (`0` for row `start`)
+        and how many rows it has."""
+        b = self.layout.split.per_replica
+        done = 0
+        while done < count:
+            replica, offset = divmod(start + done, b)
+            n = min(count - done, b - offset)
+            yield [region[offset : offset + n] for region in self.regions[replica]], done, n
+            done += n
+
     def write_rows(self, start: int, leaves: list[np.ndarray], lo: int, count: int) -> None:
         """Copies rows `lo:lo+count` of `leaves` to global rows `start:start+count`."""
-        b = self.layout.split.per_replica
-        while count:
-            replica, offset = divmod(start, b)
-            n = min(count, b - offset)
-            for region, leaf in zip(self.regions[replica], leaves, strict=True):
-                region[offset : offset + n] = leaf[lo : lo + n]
-            start, lo, count = start + n, lo + n, count - n
+        for outs, done, n in self.runs(start, count):
+            for out, leaf in zip(outs, leaves, strict=True):
+                out[...] = leaf[lo + done : lo + done + n]
 
     def pad(self, written: int) -> None:
         """Fills rows `written:` by repeating the rows `0:written` in order."""

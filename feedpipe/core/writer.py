@@ -198,13 +198,8 @@ class SampleWriter:
 
     def fill_rows(self, slot: HostSlot, epoch: int, first_row: int, indices: np.ndarray) -> None:
         """Writes samples `indices` to global rows `first_row`, `first_row + 1`, ... of `slot`."""
-        b = slot.layout.split.per_replica
-        done = 0
-        while done < len(indices):
-            replica, offset = divmod(first_row + done, b)
-            count = min(len(indices) - done, b - offset)
+        for outs, done, count in slot.runs(first_row, len(indices)):
             rows = indices[done : done + count]
-            outs = [out[offset : offset + count] for out in slot.regions[replica]]
             if self.vectorised:
                 self.mark(int(rows[0]), epoch)
                 self.source.take(rows, outs)
@@ -212,7 +207,6 @@ class SampleWriter:
                 for row, index in enumerate(rows.tolist()):
                     for out, leaf in zip(outs, self.read(index, epoch), strict=True):
                         out[row] = leaf
-            done += count
         self.mark(-1, epoch)
 
     def fill(self, slot: HostSlot, step: Step) -> None:
