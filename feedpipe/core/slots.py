@@ -162,8 +162,13 @@ class HostSlot:
 
     def pad(self, written: int) -> None:
         """Fills rows `written:` by repeating the rows `0:written` in order."""
-        for row in range(written, self.layout.split.global_batch_size):
-            self.copy_row(row, self, row % written)
+        size = self.layout.split.global_batch_size
+        if written >= size:
+            return
+        runs = [outs for outs, _, _ in self.runs(0, written)]
+        real = [np.concatenate(parts) for parts in zip(*runs, strict=True)]
+        for start in range(written, size, written):
+            self.write_rows(start, real, 0, min(written, size - start))
 
     def lease(self, on_free: Callable[[HostSlot], None]) -> np.ndarray:
         """This slot's bytes, calling `on_free(slot)` once they and every view of them are gone.
