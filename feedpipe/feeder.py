@@ -37,6 +37,7 @@ from feedpipe.core.source import SampleSpec, TFDatasetSource, as_source, field_n
 from feedpipe.core.stage import HostStager, Layer
 from feedpipe.core.state import Position, Stream
 from feedpipe.core.stats import FeedStats, StatsRecorder
+from feedpipe.core.weights import weighting
 from feedpipe.core.writer import SampleWriter, first_look
 
 WORKER_MODES = ("process", "thread")
@@ -117,6 +118,20 @@ class _Pass:
     """Batches handed to the consumer; a pass's batches are consecutive steps of one epoch."""
     end: Position | None = None
     """Where the next pass starts, once this one has reached the end of its epoch."""
+    taken: Any = None
+    """For a pass whose batches the framework gathers itself (see `Feeder._gathered_pass`):
+    what its consumer took, as the framework's threads record it (`TakenBatches`); None where
+    this feeder hands out the batches and counts them as it does."""
+
+    def catch_up(self, steps_per_epoch: int) -> None:
+        """Reads how far the consumer of a gathered pass has got: `handed`, and `end` once it
+        took the epoch's last batch."""
+        if self.taken is None:
+            return
+        step = self.taken.after(self.number)
+        self.handed = 0 if step is None else step - self.start.step
+        if step == steps_per_epoch:
+            self.end = Position(self.start.epoch + 1, 0)
 
     def after(self, count: int) -> Position:
         """The position once the consumer has used the first `count` batches of this pass."""
@@ -152,6 +167,19 @@ class Feeder:
             cls = feeder_class(kwargs.get("framework"), devices, strategy)
         return super().__new__(cls)
 
+    @property
+    def _active(self) -> _Pass | None:
+        """The pass being iterated, if any."""
+        return self._active_pass
+
+    @_active.setter
+    def _active(self, this: _Pass | None) -> None:
+        # Whatever ends a gathered pass, its batches still waiting in the framework's threads
+        # must be refused when taken, as `_iterate` refuses a superseded pass's.
+        left, self._active_pass = self._active_pass, this
+        if left is not None and left is not this and left.taken is not None:
+            left.taken.revoke(left.number)
+
     def _layer(self, devices: Any, strategy: Any, global_batch_size: int) -> Layer:
         """The framework layer that stages this feeder's batches (each framework's subclass)."""
         raise NotImplementedError
@@ -176,6 +204,7 @@ class Feeder:
         framework: str | None = None,
     ):
         self._pipeline: Pipeline | None = None
+        self._active_pass: _Pass | None = None
         self._workers = None
         self._producer = None
         self._pools: dict[bool, SlotPool] = {}
@@ -206,7 +235,7 @@ class Feeder:
         self.source = source
         """The source as it was given (the arrays, the dataset, the generator source)."""
         self._source = as_source(source, text=transform is not None)
-        rule = Remainder(remainder, global_batch_size)
+        rule = self._rule = Remainder(remainder, global_batch_size)
         own_producer = self._source.producer(self.share, self.devices, rule)
         if self.share.num_hosts > 1 and not self._source.indexed and own_producer is None:
             raise ValueError(
@@ -221,6 +250,15 @@ class Feeder:
                 "transform=None and transpose=None, and do that work in the DALI pipeline "
                 "(its num_threads sets the parallelism)."
             )
+        self._rows_as_given = (
+            own_producer is None
+            and not workers
+            and transform is None
+            and transpose is None
+            and service is None
+        )
+        """Each batch is the source's rows as they are, made in this process: nothing runs
+        per sample, so a framework may gather the rows itself (`_gathered_pass`)."""
         if shuffle and not self._source.indexed:
             raise ValueError(
                 f"`shuffle`=True, but a {type(self._source).__name__} has no indices to shuffle; "
@@ -286,8 +324,7 @@ class Feeder:
             raise
         self._stats = StatsRecorder(depth)
         self._position = Position(0, 0)
-        self._active: _Pass | None = None
-        """The pass being iterated, if any."""
+        self._active = None
         self._passes = 0
         self._last_fit: _Pass | None = None
         """The latest pass of `as_dataset`, ended or not: what a `fit` has been reading."""
@@ -414,27 +451,7 @@ class Feeder:
         it began. Such a pass, if TensorFlow finalises it late, is superseded, and raises if
         read again.
         """
-        if self._closed:
-            if self._failure is not None:
-                raise self._failure
-            raise RuntimeError("The feeder is closed; build a new fp.Feeder to read again.")
-        if self._active is not None:
-            if not self._active.fit:
-                raise RuntimeError(
-                    "The feeder is already being iterated; finish or break that loop first "
-                    "(one consumer per feeder)."
-                )
-            self._supersede()
-        if not fit:
-            self._end_interrupted_fit()
-        if steps is not None:
-            self._check_passes_from(self._position, steps, None)
-        self._passes += 1
-        this = _Pass(fit, self._position, self._stats.consumer_counters(), self._passes)
-        self._active = this
-        if fit:
-            self._last_fit = this
-            self._untracked = self._untracked or self._tracker is None
+        this = self._begin_pass(fit=fit, steps=steps)
         pipeline = self._start(host)
         try:
             while True:
@@ -465,6 +482,48 @@ class Feeder:
                     self._stop_pipeline()  # staged batches are made again by the next loop
                     self._settle()
 
+    def _begin_pass(self, *, fit: bool, steps: int | None, taken: Any = None) -> _Pass:
+        """Begins a pass from the consumer's position, superseding a `fit` pass still open."""
+        if self._closed:
+            if self._failure is not None:
+                raise self._failure
+            raise RuntimeError("The feeder is closed; build a new fp.Feeder to read again.")
+        if self._active is not None:
+            if not self._active.fit:
+                raise RuntimeError(
+                    "The feeder is already being iterated; finish or break that loop first "
+                    "(one consumer per feeder)."
+                )
+            self._supersede()
+        if not fit:
+            self._end_interrupted_fit()
+        if steps is not None:
+            self._check_passes_from(self._position, steps, None)
+        self._passes += 1
+        this = _Pass(
+            fit, self._position, self._stats.consumer_counters(), self._passes, taken=taken
+        )
+        self._active = this
+        if fit:
+            self._last_fit = this
+            self._untracked = self._untracked or self._tracker is None
+        return this
+
+    def _gathered_pass(self, steps: int, taken: Any) -> tuple[_Pass, Any, Any]:
+        """Begins a pass of `as_dataset()` whose batches the framework gathers itself from the
+        source's arrays, in its own threads, with no Python per batch: the pass, the rows of
+        each of its `steps` batches (padded as a slot pads: the real rows repeated in
+        order, so `HostSlot.pad` and this agree row for row) and each batch's real rows.
+
+        The consumer's position follows from what `taken` records of the pass (see
+        `_Pass.catch_up`), read when the pass ends; until then `_position` is where it began.
+        """
+        this = self._begin_pass(fit=True, steps=steps, taken=taken)
+        self._stop_pipeline()  # nothing this feeder's thread stages is read in such a pass
+        rows, valid = self._plan.padded_rows(this.start.epoch, this.start.step)
+        taken.open(this.number)
+        return this, rows, valid
+
     def _next(self, pipeline: Pipeline) -> Any:
         """The next item of the hand-off; a failure closes the feeder and raises its error."""
         item = pipeline.get()
@@ -483,19 +542,28 @@ class Feeder:
             self._settle()
 
     def _supersede(self) -> None:
-        """Ends the pass of `as_dataset` being read: the consumer's position is what a tracker
-        says it used, else where the pass began (its batches will be made and taken again)."""
+        """Ends the pass of `as_dataset` being read: the consumer's position is the end of its
+        epoch where a gathered pass's last batch was taken, else what a tracker says it used,
+        else where the pass began (its batches will be made and taken again)."""
         left, self._active = self._active, None
         self._stop_pipeline()
-        if self._tracker is not None:
+        if left is not None and self._plan is not None:
+            left.catch_up(len(self._plan))
+        if left is not None and left.end is not None:
+            self._position = left.end  # a gathered pass whose last batch was taken
+        elif self._tracker is not None:
             self._position = self._tracked()
-        elif left is not None and left.end is None:
+        elif left is not None:
             self._position = left.start
             self._stats.restore_consumer(left.counters)
 
     def _settle(self) -> None:
         self._settled = (self._position, self._passes)
         self._untracked = False
+
+    def _weighting(self) -> str | None:
+        """How a `fit`'s batches weigh padding (see `feedpipe.core.weights.weighting`)."""
+        return weighting(self.spec, self._rule, self._source.length)
 
     def fit_callback(self) -> Any:
         """A Keras callback for `model.fit(feeder.as_dataset(), callbacks=[...])`: with it,

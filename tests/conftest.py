@@ -56,6 +56,16 @@ def devices() -> list[str]:
     return [f"/cpu:{i}" for i in range(NUM_CPU_DEVICES)]
 
 
+@pytest.fixture(params=["gathered", "handed over"])
+def as_dataset_path(request, monkeypatch) -> str:
+    """Both ways `as_dataset()` serves arrays: gathered by TensorFlow's own threads (arrays in
+    memory) and handed over from the feeder's thread (every other source), for the tests of
+    promises that either must keep."""
+    if request.param == "handed over":
+        monkeypatch.setattr("feedpipe.tf.feeder.GATHER_MAX_BYTES", -1)
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def strategy(devices):
     """A MirroredStrategy with one replica per logical CPU device."""

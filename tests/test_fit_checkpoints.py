@@ -20,6 +20,9 @@ from tests import fit_resume_worker as worker
 from tests.fakes import regression_data
 from tests.processes import log_tail, run_at_once
 
+# Each promise holds on both ways as_dataset() serves arrays.
+pytestmark = pytest.mark.usefixtures("as_dataset_path")
+
 DEADLINE_S = 240.0
 """Hard deadline of one worker process: ~5 s of TensorFlow import and a few of training, on a
 machine shared with other test runs."""

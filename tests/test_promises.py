@@ -18,6 +18,9 @@ import feedpipe as fp
 from tests.test_fit_checkpoints import InterruptAfter
 from tests.worker_fakes import FEATURE_SHAPE, FailingSource, SourceBroke
 
+# Each promise holds on both ways as_dataset() serves arrays.
+pytestmark = pytest.mark.usefixtures("as_dataset_path")
+
 LENGTH, BATCH = 64, 8
 STEPS = LENGTH // BATCH
 

@@ -39,6 +39,13 @@ class Remainder:
         """Whether a partial last batch is delivered (padded) rather than left out."""
         return self.policy == "pad"
 
+    def padding(self, length: int | None) -> int | None:
+        """Padding rows an epoch of `length` samples gets: 0 where every batch is whole or
+        the partial one is not delivered; None where the length is unknown (a stream)."""
+        if not self.pads:
+            return 0
+        return None if length is None else -length % self.global_batch_size
+
     def steps(self, length: int) -> int:
         """Global batches in an epoch of `length` samples."""
         full, leftover = divmod(length, self.global_batch_size)

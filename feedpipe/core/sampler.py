@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -159,7 +160,7 @@ class Sampler:
             indices = range(lo, min(lo + chunk, len(self)))
             counts = [min(size, self.length - index * size) for index in indices]
             positions = [
-                index * size + (np.arange(count, dtype=np.int64) if mine is None else mine % count)
+                self._positions(index, count, np.arange(count) if mine is None else mine)
                 for index, count in zip(indices, counts, strict=True)
             ]
             located = locate(np.concatenate(positions))
@@ -169,6 +170,21 @@ class Sampler:
                 yield Step(
                     epoch, index, located[end - len(wanted) : end], count, first_row=first_row
                 )
+
+    def padded_rows(self, epoch: int, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """The whole global batches of `epoch` from step `start` on, at once: the sample
+        indices of each batch's rows, `[steps, global_batch_size]`, padded as `steps` pads a
+        host's share, and each batch's count of real samples."""
+        size = self.global_batch_size
+        indices = np.arange(start, len(self), dtype=np.int64)
+        counts = np.minimum(size, self.length - indices * size)
+        positions = self._positions(indices[:, None], counts[:, None], np.arange(size))
+        return self._locator(epoch)(positions.ravel()).reshape(positions.shape), counts
+
+    def _positions(self, index: Any, count: Any, rows: np.ndarray) -> np.ndarray:
+        """The positions in the epoch's order of `rows` of batch `index`, which holds `count`
+        real samples: a padding row (`rows` past `count`) repeats the real rows in order."""
+        return index * self.global_batch_size + rows.astype(np.int64) % count
 
     def _locator(self, epoch: int) -> Callable[[np.ndarray], np.ndarray]:
         """What gives the sample indices at positions of `epoch`'s order."""

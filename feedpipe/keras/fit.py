@@ -15,6 +15,7 @@ from typing import Any
 import keras
 
 from feedpipe._internals import keras_validation_input, unweighted_metrics
+from feedpipe.core.remainder import Remainder
 
 
 class FitTracker(keras.callbacks.Callback):
@@ -68,10 +69,6 @@ class FitTracker(keras.callbacks.Callback):
         if self.epoch_steps:
             self.steps = min(self.steps, self.epoch_steps)
 
-    def on_train_batch_end(self, batch, logs=None):
-        self.finished = self.steps
-        self.feeder._raise_failure()
-
     def on_test_begin(self, logs=None):
         self.feeder._raise_failure()
         self.feeder._refuse_as_validation(keras_validation_input(self.model))
@@ -93,13 +90,17 @@ class FitTracker(keras.callbacks.Callback):
         self.model.train_function = self._train_function
 
     def _train_function(self, *args):
+        # The step's end is marked here rather than in `on_train_batch_end`: a callback with
+        # that hook makes Keras run every callback's in the step's own thread, each step.
         try:
-            return self._original(*args)
+            logs = self._original(*args)
         except Exception as error:
             failure = self.feeder._failure
             if failure is None or failure is error:
                 raise
             raise failure from None
+        self.finished = self.steps
+        return logs
 
     def interrupted(self) -> None:
         """The fit raised (in a step, a callback, or Ctrl-C): a step that never returned
@@ -136,12 +137,14 @@ _KERAS_EPOCHS = r"keras\.src\.trainers\.epoch_iterator"
 
 def _warn_unweighted_metrics(model: keras.Model, feeder: Any) -> None:
     """Warns when the compiled `metrics` (which ignore sample_weight) will count padding."""
-    length, size = feeder._source.length, feeder.options.global_batch_size
-    if feeder.options.remainder != "pad" or (length is not None and length % size == 0):
+    options = feeder.options
+    rule = Remainder(options.remainder, options.global_batch_size)
+    padding = rule.padding(feeder._source.length)
+    if padding == 0:
         return
     unweighted = unweighted_metrics(model)
     if unweighted:
-        padding = "padding rows" if length is None else f"{-length % size} padding rows"
+        padding = "padding rows" if padding is None else f"{padding} padding rows"
         warnings.warn(
             f"model.compile(metrics={unweighted!r}) ignores sample_weight, so these metrics "
             f"count the {padding} feedpipe adds to each epoch; pass them as "

@@ -17,9 +17,11 @@ import tensorflow as tf
 
 from feedpipe import feeder as core
 from feedpipe._internals import dataset_pipeline
+from feedpipe.core.source import ArraySource
 from feedpipe.core.stage import HostBatch
-from feedpipe.core.weights import row_weights, weighting, with_weights
+from feedpipe.core.weights import row_weights, with_weights
 from feedpipe.tf.agreement import check_hosts_agree
+from feedpipe.tf.gather import GATHER_MAX_BYTES, TakenBatches, gathered_dataset, weight_spec
 from feedpipe.tf.layer import TensorFlowLayer
 
 
@@ -34,6 +36,9 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
     def __init__(self, *args: Any, **kwargs: Any):
         self._datasets: weakref.WeakSet = weakref.WeakSet()
         """The datasets `as_dataset()` made, while they live: what reads this feeder."""
+        self._tensors: list[tf.Tensor] | None = None
+        """The source's arrays as tensors, made once, for gathered passes (`_gathers`)."""
+        self._taken = TakenBatches()
         super().__init__(*args, **kwargs)
         if self.share.num_hosts > 1:
             self._check_hosts_agree()
@@ -61,12 +66,18 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
         Each complete pass over the dataset is the feeder's next epoch; a pass left early does
         not count (see `_iterate`). Under `model.fit`, pass `callbacks=[feeder.fit_callback()]`
         so that the feeder's state (and a checkpoint holding it) is the batches the step
-        trained on. With `remainder="pad"` an `(x, y)` source gets a third element,
+        trained on. Where an epoch has padding (`remainder="pad"` and a length that is not a
+        multiple of the global batch, or unknown), an `(x, y)` source gets a third element,
         `sample_weight`: 0 on padding rows, and real rows scaled by `global_batch_size /
         num_valid` so the batch's mean loss is the mean over its real samples (an `(x, y, w)`
         source has its weights scaled the same way). The weight of a label field of shape `s`
         has shape `[batch, 1, ..., 1]` with `len(s)` ones, so that it broadcasts against
         per-element losses (per pixel, per timestep) as well as per-sample ones.
+
+        Arrays in memory read as they are (no `transform`, `transpose` or workers) are
+        gathered by TensorFlow's own threads in the feeder's order, with no Python per batch
+        (see `feedpipe.tf.gather`); every other source's batches are handed over from the
+        feeder's thread.
 
         Under a MultiWorkerMirroredStrategy it is a `tf.distribute.DistributedDataset` made by
         `distribute_datasets_from_function`: each host makes only its replicas' rows, and the
@@ -78,6 +89,7 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
         frees the workers and memory.
         """
         self._end_interrupted_fit()
+        self._end_open_pass()
         hosts = self.share.num_hosts > 1
         rows = self.split.per_replica if hosts else self.options.global_batch_size
         signature = self.spec.unflatten(
@@ -86,10 +98,13 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
                 for leaf in self.spec.leaves
             ]
         )
-        how = weighting(self.spec, self.options.remainder)
+        how = self._weighting()
         if how == "add":
-            signature = (*signature, optree.tree_map(_weight_spec, signature[1]))
+            signature = (*signature, optree.tree_map(weight_spec, signature[1]))
         steps = None if hosts else self._steps_left()
+        if self._gathers(how):
+            dataset = gathered_dataset(self, signature, how, steps, core._SUPERSEDED)
+            return self._as_dataset(dataset, steps)
         feeder = weakref.ref(self)  # TensorFlow keeps `generate` for the life of the process
 
         def generate():
@@ -111,19 +126,25 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
                         yield optree.tree_map(lambda a, lo=lo: a[lo : lo + per_replica], sample)
 
         dataset = tf.data.Dataset.from_generator(generate, output_signature=signature)
-        if steps is not None:
-            dataset = dataset.apply(tf.data.experimental.assert_cardinality(steps))
         if hosts:
             dataset = dataset.apply(
                 tf.data.experimental.assert_cardinality(tf.data.INFINITE_CARDINALITY)
             )
+        return self._as_dataset(dataset, steps)
+
+    def _as_dataset(self, dataset: tf.data.Dataset, steps: int | None) -> tf.data.Dataset:
+        """`dataset`, of this feeder's batches (`steps` a pass, where known), made ready for a
+        strategy and Keras."""
+        hosts = self.share.num_hosts > 1
+        if steps is not None:
+            dataset = dataset.apply(tf.data.experimental.assert_cardinality(steps))
         options = tf.data.Options()
         # On one host elements are global batches: a strategy splits each among its replicas.
         # (Under a multi-worker strategy the dataset is this host's alone: nothing to shard.)
         policy = tf.data.experimental.AutoShardPolicy.DATA
         options.experimental_distribute.auto_shard_policy = policy
-        # The feeder stages `depth` batches ahead in its own thread: a prefetch that TensorFlow
-        # would add only takes more batches before the step asks.
+        # The feeder stages `depth` batches ahead in its own thread, or a parallel map gathers
+        # them: a prefetch that TensorFlow would add only takes batches before the step asks.
         options.experimental_optimization.inject_prefetch = False
         dataset = dataset.with_options(options)
         dataset._feedpipe_feeder = self  # the feeder lives as long as its dataset
@@ -140,6 +161,25 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
             dataset = self._per_host(dataset)
             self._datasets.add(dataset)
         return dataset
+
+    def _gathers(self, how: str | None) -> bool:
+        """Whether TensorFlow's own threads gather this feeder's batches (see
+        `feedpipe.tf.gather`): arrays in memory up to `GATHER_MAX_BYTES`, read as they are,
+        on one host, with no weights of the source's own to scale."""
+        return (
+            self._rows_as_given
+            and isinstance(self._source, ArraySource)
+            and self.share.num_hosts == 1
+            and how != "scale"
+            and sum(array.nbytes for array in self._source.arrays) <= GATHER_MAX_BYTES
+        )
+
+    def _source_tensors(self) -> list[tf.Tensor]:
+        """The source's arrays as tensors on the host, made on first use."""
+        if self._tensors is None:
+            with tf.device("/cpu:0"):
+                self._tensors = [tf.convert_to_tensor(a) for a in self._source.arrays]
+        return self._tensors
 
     def _reads_this(self, data: Any) -> bool:
         """Whether `data` reads this feeder: it, or a dataset built on one it made."""
@@ -181,8 +221,3 @@ def _weighted(feeder: Feeder, batch: HostBatch, how: str | None) -> Any:
     real = slice(batch.num_valid) if batch.real is None else batch.real
     size = feeder.options.global_batch_size
     return with_weights(sample, row_weights(len(batch.arrays[0]), real, batch.num_valid, size), how)
-
-
-def _weight_spec(label: tf.TensorSpec) -> tf.TensorSpec:
-    """The sample weight of a label field: `[batch, 1, ..., 1]`, of the label's rank."""
-    return tf.TensorSpec((label.shape[0],) + (1,) * (label.shape.rank - 1), tf.float32)

@@ -1,0 +1,150 @@
+"""`as_dataset()` over arrays in memory: TensorFlow's own threads gather each batch's rows, in
+the feeder's order, with no Python per batch.
+
+The feeder plans a pass in one Python call (`Feeder._gathered_pass`): every batch's rows and
+real rows. A parallel `map` gathers the rows from tensors made once per feeder, and a last,
+synchronous `map` runs as the consumer takes each batch: it refuses a batch of a pass that was
+superseded and records which batch was taken (`TakenBatches`). From that record the feeder
+learns the consumer's position, as the batches it hands out tell it on its own path.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import numpy as np
+import optree
+import tensorflow as tf
+
+from feedpipe._internals import map_in_calling_thread
+from feedpipe.core.weights import broadcastable, row_weights
+
+GATHER_MAX_BYTES = 1 << 30
+"""Arrays above this many bytes in all stay on the feeder's own path. Gathering copies them
+into TensorFlow's memory once, a second copy of the data for the life of the feeder (numpy
+memory cannot be shared: TensorFlow needs it aligned), and a dataset graph that holds them
+cannot be serialised past protobuf's 2 GiB. Below it, the copy is what `from_tensor_slices`
+makes too."""
+
+STEPS_PER_PASS = 1 << 32
+"""A taken batch is recorded as one int64, `pass * STEPS_PER_PASS + step + 1`, so that the pass
+and the step are written together."""
+
+_OPEN, _LAST = 0, 1
+
+
+class TakenBatches:
+    """What the consumer of gathered passes took, kept where TensorFlow's threads write it:
+    the pass whose batches may still be taken, and the last batch taken (its pass and step).
+
+    A lookup table rather than a `tf.Variable`: under a strategy's scope a variable would be
+    made one per replica.
+    """
+
+    def __init__(self):
+        with tf.device("/cpu:0"):
+            self._table = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, 0)
+
+    def _read(self, key: int) -> int:
+        return int(self._table.lookup(tf.constant(key, tf.int64)))
+
+    def _write(self, key: int, value: int) -> None:
+        self._table.insert(tf.constant(key, tf.int64), tf.constant(value, tf.int64))
+
+    def open(self, number: int) -> None:
+        """Pass `number` begins: the batches of every earlier pass are refused from now on."""
+        self._write(_OPEN, number)
+
+    def revoke(self, number: int) -> None:
+        """Pass `number` has ended: its batches still waiting are refused when taken."""
+        if self._read(_OPEN) == number:
+            self._write(_OPEN, 0)
+
+    def after(self, number: int) -> int | None:
+        """The step after the last batch of pass `number` taken; None if none was."""
+        pass_taken, step = divmod(self._read(_LAST), STEPS_PER_PASS)
+        return step if pass_taken == number else None
+
+    def tags(self, number: tf.Tensor, first: tf.Tensor, count: tf.Tensor) -> tf.Tensor:
+        """In the dataset's graph: what each of `count` batches of pass `number`, from step
+        `first` on, records once taken."""
+        return number * STEPS_PER_PASS + first + tf.range(count) + 1
+
+    def take(self, tag: tf.Tensor, message: str) -> tf.Operation:
+        """In the dataset's graph: refuses the batch `tag` if its pass is no longer open, with
+        `message`, then records it as taken."""
+        is_open = tf.equal(self._table.lookup(tf.constant(_OPEN, tf.int64)), tag // STEPS_PER_PASS)
+        with tf.control_dependencies([tf.debugging.Assert(is_open, [message])]):
+            return self._table.insert(tf.constant(_LAST, tf.int64), tag)
+
+
+def gathered_dataset(
+    feeder: Any, signature: Any, how: str | None, steps: int, superseded: str
+) -> tf.data.Dataset:
+    """The batches of `feeder`'s next pass of `steps` steps, gathered by TensorFlow, each
+    element `signature` (with an added sample weight where `how` is "add"); a batch of a
+    superseded pass raises `superseded` when taken."""
+    tensors = feeder._source_tensors()
+    taken, spec = feeder._taken, feeder.spec
+    size = feeder.options.global_batch_size
+    labels = optree.tree_structure(signature[1]) if how == "add" else None
+    label_ranks = [] if labels is None else [y.shape.rank for y in optree.tree_leaves(signature[1])]
+    owner = weakref.ref(feeder)  # TensorFlow keeps `plan` for the life of the process
+
+    def plan() -> list[np.ndarray]:
+        """The pass's number, first step and rows, and the weights of each label field."""
+        this = owner()
+        if this is None:
+            raise RuntimeError(
+                "The fp.Feeder of this dataset was closed and collected; keep the feeder "
+                "while its dataset is read."
+            )
+        this_pass, rows, valid = this._gathered_pass(steps, taken)
+        planned = [np.int64(this_pass.number), np.int64(this_pass.start.step), rows]
+        if label_ranks:
+            by_count = {v: row_weights(size, slice(v), v, size) for v in set(valid.tolist())}
+            weights = np.stack([by_count[v] for v in valid.tolist()])
+            planned += [broadcastable(weights, rank) for rank in label_ranks]
+        return planned
+
+    def pass_steps(_) -> tuple:
+        """One element per step of the pass: its tag (see `TakenBatches.tags`), its rows and
+        its weights."""
+        types = [tf.int64] * 3 + [tf.float32] * len(label_ranks)
+        number, first, rows, *weights = tf.numpy_function(plan, [], types, stateful=True)
+        rows = tf.ensure_shape(rows, [None, size])
+        count = tf.shape(rows, out_type=tf.int64)[0]
+        element = (taken.tags(number, first, count), rows)
+        if labels is None:
+            return element
+        weights = [
+            tf.ensure_shape(w, [None, size] + [1] * (rank - 1))
+            for w, rank in zip(weights, label_ranks, strict=True)
+        ]
+        return (*element, optree.tree_unflatten(labels, weights))
+
+    def gather(tag, rows, *weights):
+        sample = spec.unflatten([tf.gather(tensor, rows) for tensor in tensors])
+        return tag, sample if not weights else (*sample, weights[0])
+
+    def take_batch(tag, sample):
+        with tf.control_dependencies([taken.take(tag, superseded)]):
+            return tf.nest.map_structure(tf.identity, sample)
+
+    gathered = (
+        tf.data.Dataset.range(1)
+        .map(pass_steps)
+        .unbatch()
+        .map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        .prefetch(tf.data.AUTOTUNE)
+    )
+    options = tf.data.Options()
+    # A gather's ops would otherwise spread over the cores the step's own ops run on.
+    options.threading.max_intra_op_parallelism = 1
+    return map_in_calling_thread(gathered.with_options(options), take_batch)
+
+
+def weight_spec(label: tf.TensorSpec) -> tf.TensorSpec:
+    """The sample weight of a label field: `[batch, 1, ..., 1]`, of the label's rank."""
+    return tf.TensorSpec((label.shape[0],) + (1,) * (label.shape.rank - 1), tf.float32)

@@ -1,0 +1,144 @@
+"""`as_dataset()` over arrays in memory: TensorFlow's threads gather the feeder's own batches,
+and they are the batches, weights and positions of the feeder's own path."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import feedpipe as fp
+
+
+def handed_over(monkeypatch) -> None:
+    """Every later feeder's `as_dataset()` hands its batches over from the feeder's thread."""
+    monkeypatch.setattr("feedpipe.tf.feeder.GATHER_MAX_BYTES", -1)
+
+
+def sources(length: int) -> dict:
+    rows = np.arange(length)
+    x = np.stack([rows, -rows], axis=1).astype(np.float32)
+    return {
+        "(x, y)": (x, (rows % 3).astype(np.int64)[:, None]),
+        "(x, per-pixel y)": (x, np.repeat(rows, 4).reshape(length, 2, 2).astype(np.int32)),
+        "dict": {"image": x, "label": rows.astype(np.int64)},
+        "one array": x,
+        "(x, nested y)": (x, {"a": rows.astype(np.float64), "b": x}),
+    }
+
+
+def two_epochs(feeder: fp.Feeder) -> list:
+    dataset = feeder.as_dataset()
+    return [tf.nest.map_structure(np.asarray, element) for _ in range(2) for element in dataset]
+
+
+@pytest.mark.filterwarnings('ignore:remainder="drop" leaves out')
+@pytest.mark.parametrize("kind", list(sources(4)))
+@pytest.mark.parametrize(
+    ("length", "remainder", "shuffle"),
+    [(40, "pad", True), (37, "pad", True), (37, "pad", False), (37, "drop", True)],
+)
+def test_gathered_batches_are_the_feeders_own(monkeypatch, kind, length, remainder, shuffle):
+    """Rows, order, padding and weights: two epochs of each path, element for element."""
+    options = {"remainder": remainder, "shuffle": shuffle, "seed": 5}
+    with fp.Feeder(sources(length)[kind], 8, **options) as feeder:
+        assert feeder._gathers(feeder._weighting())
+        gathered, spec = two_epochs(feeder), feeder.as_dataset().element_spec
+    handed_over(monkeypatch)
+    with fp.Feeder(sources(length)[kind], 8, **options) as feeder:
+        assert not feeder._gathers(feeder._weighting())
+        handed, handed_spec = two_epochs(feeder), feeder.as_dataset().element_spec
+    assert spec == handed_spec
+    assert len(gathered) == len(handed) > 0
+    for mine, theirs in zip(gathered, handed, strict=True):
+        tf.nest.map_structure(np.testing.assert_array_equal, mine, theirs)
+
+
+def test_a_gathered_dataset_made_after_a_restore_mid_epoch_serves_the_rest_of_it(monkeypatch):
+    def rest(feeder):
+        feeder.set_state(state)
+        return [element[0].numpy()[:, 0].tolist() for element in feeder.as_dataset()]
+
+    x, y = sources(37)["(x, y)"]
+    with fp.Feeder((x, y), 8, shuffle=True) as feeder:
+        state = next(iter(feeder)) and feeder.get_state()
+        state = {**state, "epoch": 3, "step": 2}
+        gathered = rest(feeder)
+    handed_over(monkeypatch)
+    with fp.Feeder((x, y), 8, shuffle=True) as feeder:
+        assert rest(feeder) == gathered and len(gathered) == len(feeder) - 2
+
+
+def test_fit_trains_alike_on_gathered_and_handed_batches(monkeypatch):
+    """The padded epoch's weights included: the same weights to the last bit."""
+
+    def trained():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(True))
+        with fp.Feeder(sources(37)["(x, y)"], 8, shuffle=True) as feeder:
+            model.fit(feeder.as_dataset(), epochs=2, callbacks=[feeder.fit_callback()], verbose=0)
+            assert feeder.get_state()["epoch"] == 2
+        return model.get_weights()
+
+    gathered = trained()
+    handed_over(monkeypatch)
+    for mine, theirs in zip(gathered, trained(), strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+
+
+def test_arrays_in_memory_are_gathered_and_sources_with_work_per_sample_are_not(monkeypatch):
+    x, y = sources(40)["(x, y)"]
+    w = np.ones(40, np.float32)
+
+    def gathers(source, **options) -> bool:
+        with fp.Feeder(source, 8, **options) as feeder:
+            return feeder._gathers(feeder._weighting())
+
+    assert gathers((x, y)) and gathers(x) and gathers((x, y, w))
+    assert not gathers((x, y), transform=lambda sample: sample)
+    assert not gathers((x, y), workers=1, worker_mode="thread")
+    assert not gathers(fp.from_generator(lambda shard, num_shards: iter(x)))
+    assert not gathers((x[:37], y[:37], w[:37]))  # its own weights to scale on padding
+    monkeypatch.setattr("feedpipe.tf.feeder.GATHER_MAX_BYTES", x.nbytes + y.nbytes - 1)
+    assert not gathers((x, y))  # a second copy of the data would cost too much memory
+
+
+@pytest.mark.parametrize(("length", "elements"), [(40, 2), (37, 3)])
+def test_a_sample_weight_is_added_only_where_an_epoch_has_padding(length, elements):
+    with fp.Feeder(sources(length)["(x, y)"], 8) as feeder:
+        assert len(feeder.as_dataset().element_spec) == elements
+
+
+def test_a_batch_waiting_in_a_pass_that_set_state_ended_is_refused():
+    with fp.Feeder(sources(40)["(x, y)"], 8) as feeder:
+        state = feeder.get_state()
+        loop = iter(feeder.as_dataset())
+        assert next(loop)[0].numpy()[:, 0].tolist() == list(range(8))
+        feeder.set_state(state)
+        with pytest.raises(tf.errors.OpError, match=r"was superseded.*one consumer"):
+            next(loop)
+        assert [batch.step for batch in feeder] == list(range(5))  # from the state restored
+
+
+def test_an_untracked_pass_moves_the_feeder_on_only_once_its_last_batch_is_taken():
+    with fp.Feeder(sources(40)["(x, y)"], 8, shuffle=True) as feeder:
+        dataset = feeder.as_dataset()
+        next(iter(dataset))  # a look at one batch, as Keras may take: it trains nothing
+        assert [(batch.epoch, batch.step) for batch in feeder][0] == (0, 0)
+        assert len(list(dataset)) == 5  # a whole pass: epoch 1, after the loop's epoch 0
+        assert {batch.epoch for batch in feeder} == {2}
+
+
+def test_dropping_a_feeder_and_its_gathered_dataset_frees_both():
+    feeder = fp.Feeder(sources(40)["(x, y)"], 8)
+    dataset = feeder.as_dataset()
+    next(iter(dataset))
+    gone = weakref.ref(feeder)
+    del feeder, dataset
+    gc.collect()
+    assert gone() is None
