@@ -129,7 +129,8 @@ def test_an_untracked_pass_moves_the_feeder_on_only_once_its_last_batch_is_taken
     with fp.Feeder(sources(40)["(x, y)"], 8, shuffle=True) as feeder:
         dataset = feeder.as_dataset()
         next(iter(dataset))  # a look at one batch, as Keras may take: it trains nothing
-        assert [(batch.epoch, batch.step) for batch in feeder][0] == (0, 0)
+        epoch = [(batch.epoch, batch.step) for batch in feeder]  # a whole loop: epoch 0
+        assert epoch[0] == (0, 0)
         assert len(list(dataset)) == 5  # a whole pass: epoch 1, after the loop's epoch 0
         assert {batch.epoch for batch in feeder} == {2}
 
