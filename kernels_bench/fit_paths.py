@@ -257,9 +257,7 @@ def steps_per_epoch(settings) -> dict[str, int]:
         return {model: settings.pick(*STEPS[model]) for model in MODELS}
     values = [int(v) for v in settings.args.steps.split(",")]
     if len(values) != len(MODELS) or min(values) < 1:
-        raise SystemExit(
-            f"--steps={settings.args.steps}: give three counts >= 1, e.g. 30,200,20."
-        )
+        raise SystemExit(f"--steps={settings.args.steps}: give three counts >= 1, e.g. 30,200,20.")
     return dict(zip(MODELS, values, strict=True))
 
 
