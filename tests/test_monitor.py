@@ -556,3 +556,16 @@ def test_repr_shows_the_settings():
     assert repr(fp.StarvationMonitor(headspace_steps=4, verbose=0, log_dir="logs")) == (
         "StarvationMonitor(headspace_steps=4, verbose=0, log_dir='logs', feeder=None)"
     )
+
+
+def test_a_feeder_whose_arrays_tensorflow_gathers_adds_no_feeder_figures():
+    """No batch passes through such a feeder: a 0 % wait from it would read as a measurement."""
+    model = sleeping_model(STEP_S)
+    x, y = np.zeros((STEPS * BATCH, 3), np.float32), np.zeros((STEPS * BATCH, 1), np.float32)
+    with fp.Feeder((x, y), BATCH, devices=["/cpu:0"]) as feeder:
+        assert feeder._gathers(feeder._weighting())
+        monitor = fp.StarvationMonitor(verbose=0, feeder=feeder)
+        model.fit(feeder.as_dataset(), epochs=1, verbose=0, callbacks=[monitor])
+    (epoch,) = monitor.epochs
+    assert epoch.feeder_wait_fraction is None and epoch.producer_samples_per_s is None
+    assert "feeder.stats()" not in str(epoch)

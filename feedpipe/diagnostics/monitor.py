@@ -88,10 +88,12 @@ class EpochStarvation:
     count it."""
     producer_samples_per_s: float | None = None
     """What the monitored `Feeder`'s producer alone sustains (see `FeedStats`); None
-    without a feeder."""
+    without a feeder, or where no batch of the epoch passed through it (TensorFlow gathers
+    arrays in memory under `as_dataset()` itself)."""
     feeder_wait_fraction: float | None = None
     """The share of this epoch the monitored `Feeder`'s consumer waited for a staged batch,
-    as `feeder.stats()` counts it; None without a feeder. Under `fit` that consumer is the
+    as `feeder.stats()` counts it; None without a feeder, or where no batch of the epoch
+    passed through it. Under `fit` that consumer is the
     train function taking its batch, so it sees the same wait as the monitor, less what only
     the monitor sees: the framework taking the batch from the feeder, and the input's
     threads competing with the step for the CPU. A `prefetch` added after `as_dataset()`
@@ -378,8 +380,10 @@ class StarvationMonitor(keras.callbacks.Callback):
             other_load_s=other_load_s,
         )
         producer = feeder_wait = None
-        if self.feeder is not None:
-            stats = self.feeder.stats()
+        stats = None if self.feeder is None else self.feeder.stats()
+        # A feeder whose batches TensorFlow gathered itself (arrays under as_dataset) handed
+        # none over this epoch: it saw no wait and made nothing, so it has nothing to say.
+        if stats is not None and stats.steps > self._feeder_at_begin.steps:
             producer = stats.producer_samples_per_s
             feeder_wait = _wait_fraction_between(self._feeder_at_begin, stats)
         result = EpochStarvation(
