@@ -139,10 +139,7 @@ def gathered_dataset(
         .map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         .prefetch(tf.data.AUTOTUNE)
     )
-    options = tf.data.Options()
-    # A gather's ops would otherwise spread over the cores the step's own ops run on.
-    options.threading.max_intra_op_parallelism = 1
-    return map_in_calling_thread(gathered.with_options(options), take_batch)
+    return map_in_calling_thread(gathered, take_batch)
 
 
 def weight_spec(label: tf.TensorSpec) -> tf.TensorSpec:
