@@ -513,7 +513,8 @@ class Feeder:
         """Begins a pass of `as_dataset()` whose batches the framework gathers itself from the
         source's arrays, in its own threads, with no Python per batch: the pass, the rows of
         each of its `steps` batches (padded as a slot pads: the real rows repeated in
-        order, so `HostSlot.pad` and this agree row for row) and each batch's real rows.
+        order, so `HostSlot.pad` and this agree row for row) and each batch's count of real
+        rows.
 
         The consumer's position follows from what `taken` records of the pass (see
         `_Pass.catch_up`), read when the pass ends; until then `_position` is where it began.

@@ -93,12 +93,11 @@ class EpochStarvation:
     feeder_wait_fraction: float | None = None
     """The share of this epoch the monitored `Feeder`'s consumer waited for a staged batch,
     as `feeder.stats()` counts it; None without a feeder, or where no batch of the epoch
-    passed through it. Under `fit` that consumer is the
-    train function taking its batch, so it sees the same wait as the monitor, less what only
-    the monitor sees: the framework taking the batch from the feeder, and the input's
-    threads competing with the step for the CPU. A `prefetch` added after `as_dataset()`
-    moves the consumer to tf.data's thread, which waits while the step computes too: then it
-    reads higher than the step's wait."""
+    passed through it. Under `fit` that consumer is the train function taking its batch, so
+    it sees the same wait as the monitor, less what only the monitor sees: the framework
+    taking the batch from the feeder, and the input's threads competing with the step for
+    the CPU. A `prefetch` added after `as_dataset()` moves the consumer to tf.data's thread,
+    which waits while the step computes too: then it reads higher than the step's wait."""
     backend: str = "tensorflow"
     """Keras's backend: it names what takes each batch from the feeder."""
 
