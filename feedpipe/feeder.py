@@ -37,7 +37,6 @@ from feedpipe.core.source import SampleSpec, TFDatasetSource, as_source, field_n
 from feedpipe.core.stage import HostStager, Layer
 from feedpipe.core.state import Position, Stream
 from feedpipe.core.stats import FeedStats, StatsRecorder
-from feedpipe.core.weights import weighting
 from feedpipe.core.writer import SampleWriter, first_look
 
 WORKER_MODES = ("process", "thread")
@@ -561,10 +560,6 @@ class Feeder:
     def _settle(self) -> None:
         self._settled = (self._position, self._passes)
         self._untracked = False
-
-    def _weighting(self) -> str | None:
-        """How a `fit`'s batches weigh padding (see `feedpipe.core.weights.weighting`)."""
-        return weighting(self.spec, self._rule, self._source.length)
 
     def fit_callback(self) -> Any:
         """A Keras callback for `model.fit(feeder.as_dataset(), callbacks=[...])`: with it,

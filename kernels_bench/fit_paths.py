@@ -8,9 +8,9 @@ loss, optimizer and metric, each shuffling every epoch:
 * `tfdata`: `model.fit` on `from_tensor_slices((x, y)).shuffle(N).batch(B).prefetch(AUTOTUNE)`
   (a full shuffle buffer: the uniform order of the others);
 * `feeder`: `model.fit(feeder.as_dataset(), callbacks=[feeder.fit_callback()])` over
-  `fp.Feeder((x, y), B, shuffle=True)` (its defaults otherwise: `remainder="pad"`; the data
-  hold whole batches, so no epoch pads and the dataset yields `(x, y)`). Arrays in memory are
-  gathered by TensorFlow's threads in the feeder's order (`feedpipe/tf/gather.py`);
+  `fp.Feeder((x, y), B, shuffle=True)` (its defaults otherwise: `remainder="pad"`, so the
+  dataset yields `(x, y, sample_weight)`). Arrays in memory are gathered by TensorFlow's
+  threads in the feeder's order (`feedpipe/tf/gather.py`);
 * `train`: `fp.train(model, feeder, ...)` over the same kind of feeder, its batches staged on
   the replicas' devices.
 

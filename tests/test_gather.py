@@ -46,11 +46,11 @@ def test_gathered_batches_are_the_feeders_own(monkeypatch, kind, length, remaind
     """Rows, order, padding and weights: two epochs of each path, element for element."""
     options = {"remainder": remainder, "shuffle": shuffle, "seed": 5}
     with fp.Feeder(sources(length)[kind], 8, **options) as feeder:
-        assert feeder._gathers(feeder._weighting())
+        assert feeder._gathers()
         gathered, spec = two_epochs(feeder), feeder.as_dataset().element_spec
     handed_over(monkeypatch)
     with fp.Feeder(sources(length)[kind], 8, **options) as feeder:
-        assert not feeder._gathers(feeder._weighting())
+        assert not feeder._gathers()
         handed, handed_spec = two_epochs(feeder), feeder.as_dataset().element_spec
     assert spec == handed_spec
     assert len(gathered) == len(handed) > 0
@@ -97,21 +97,21 @@ def test_arrays_in_memory_are_gathered_and_sources_with_work_per_sample_are_not(
 
     def gathers(source, **options) -> bool:
         with fp.Feeder(source, 8, **options) as feeder:
-            return feeder._gathers(feeder._weighting())
+            return feeder._gathers()
 
-    assert gathers((x, y)) and gathers(x) and gathers((x, y, w))
+    assert gathers((x, y)) and gathers(x) and gathers((x, y, w), remainder="drop")
     assert not gathers((x, y), transform=lambda sample: sample)
     assert not gathers((x, y), workers=1, worker_mode="thread")
     assert not gathers(fp.from_generator(lambda shard, num_shards: iter(x)))
-    assert not gathers((x[:37], y[:37], w[:37]))  # its own weights to scale on padding
+    assert not gathers((x, y, w))  # its own weights to scale on padding
     monkeypatch.setattr("feedpipe.tf.feeder.GATHER_MAX_BYTES", x.nbytes + y.nbytes - 1)
     assert not gathers((x, y))  # a second copy of the data would cost too much memory
 
 
-@pytest.mark.parametrize(("length", "elements"), [(40, 2), (37, 3)])
-def test_a_sample_weight_is_added_only_where_an_epoch_has_padding(length, elements):
+@pytest.mark.parametrize("length", [40, 37])
+def test_a_padded_feeders_x_y_gets_a_sample_weight_whether_or_not_an_epoch_pads(length):
     with fp.Feeder(sources(length)["(x, y)"], 8) as feeder:
-        assert len(feeder.as_dataset().element_spec) == elements
+        assert feeder._gathers() and len(feeder.as_dataset().element_spec) == 3
 
 
 def test_a_batch_waiting_in_a_pass_that_set_state_ended_is_refused():

@@ -563,7 +563,7 @@ def test_a_feeder_whose_arrays_tensorflow_gathers_adds_no_feeder_figures():
     model = sleeping_model(STEP_S)
     x, y = np.zeros((STEPS * BATCH, 3), np.float32), np.zeros((STEPS * BATCH, 1), np.float32)
     with fp.Feeder((x, y), BATCH, devices=["/cpu:0"]) as feeder:
-        assert feeder._gathers(feeder._weighting())
+        assert feeder._gathers()
         monitor = fp.StarvationMonitor(verbose=0, feeder=feeder)
         model.fit(feeder.as_dataset(), epochs=1, verbose=0, callbacks=[monitor])
     (epoch,) = monitor.epochs

@@ -1,9 +1,9 @@
 """Weights: how padding rows are kept out of a Keras loss, for every framework.
 
-Keras weighs each row of `(x, y)` or `(x, y, w)` by its sample weight. Where an epoch has
-padding, a batch gets a weight of 0 on its padding rows and `global_batch_size / num_valid` on
-its real ones, so the batch's mean loss is the mean over its real samples (an `(x, y, w)` source
-has its own weights scaled the same way).
+Keras weighs each row of `(x, y)` or `(x, y, w)` by its sample weight. A padded batch gets a
+weight of 0 on its padding rows and `global_batch_size / num_valid` on its real ones, so the
+batch's mean loss is the mean over its real samples (an `(x, y, w)` source has its own weights
+scaled the same way).
 """
 
 from __future__ import annotations
@@ -13,16 +13,14 @@ from typing import Any
 import numpy as np
 import optree
 
-from feedpipe.core.remainder import Remainder
 from feedpipe.core.source import SampleSpec
 
 
-def weighting(spec: SampleSpec, rule: Remainder, length: int | None) -> str | None:
+def weighting(spec: SampleSpec, remainder: str) -> str | None:
     """How padding is weighted: "add" a sample weight to `(x, y)`, "scale" the `w` of
-    `(x, y, w)`, or None: nothing to weigh, or no batch of an epoch of `length` samples is
-    padded, where weights would all be 1, change no loss, and still cost every step."""
+    `(x, y, w)`, or None (nothing to weigh, or no padding)."""
     treespec = spec.treespec
-    if rule.padding(length) == 0 or treespec.kind != optree.PyTreeKind.TUPLE:
+    if remainder != "pad" or treespec.kind != optree.PyTreeKind.TUPLE:
         return None
     return {2: "add", 3: "scale"}.get(treespec.num_children)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from feedpipe.core.weights import added_weights, scaled_weights
+from feedpipe.core.weights import added_weights, scaled_weights, weighting
 
 
 def _check_distribution(feeder: Any) -> None:
@@ -50,7 +50,7 @@ def keras_batches(feeder: Any) -> Iterator[Any]:
     devices once per pattern (the stager's masks are made once per pattern too) and reused.
     """
     _check_distribution(feeder)
-    how = feeder._weighting()
+    how = weighting(feeder.spec, feeder.options.remainder)
     size = feeder.options.global_batch_size
     made: dict[int, tuple[Any, Any]] = {}
     """Per pattern, keyed by its masks (kept, so that the key stays theirs): rows or weights."""

@@ -15,7 +15,6 @@ from typing import Any
 import keras
 
 from feedpipe._internals import keras_validation_input, unweighted_metrics
-from feedpipe.core.remainder import Remainder
 
 
 class FitTracker(keras.callbacks.Callback):
@@ -137,9 +136,7 @@ _KERAS_EPOCHS = r"keras\.src\.trainers\.epoch_iterator"
 
 def _warn_unweighted_metrics(model: keras.Model, feeder: Any) -> None:
     """Warns when the compiled `metrics` (which ignore sample_weight) will count padding."""
-    options = feeder.options
-    rule = Remainder(options.remainder, options.global_batch_size)
-    padding = rule.padding(feeder._source.length)
+    padding = feeder._rule.padding(feeder._source.length)
     if padding == 0:
         return
     unweighted = unweighted_metrics(model)

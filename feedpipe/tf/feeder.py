@@ -19,7 +19,7 @@ from feedpipe import feeder as core
 from feedpipe._internals import dataset_pipeline
 from feedpipe.core.source import ArraySource
 from feedpipe.core.stage import HostBatch
-from feedpipe.core.weights import row_weights, with_weights
+from feedpipe.core.weights import row_weights, weighting, with_weights
 from feedpipe.tf.agreement import check_hosts_agree
 from feedpipe.tf.gather import GATHER_MAX_BYTES, TakenBatches, gathered_dataset, weight_spec
 from feedpipe.tf.layer import TensorFlowLayer
@@ -66,8 +66,7 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
         Each complete pass over the dataset is the feeder's next epoch; a pass left early does
         not count (see `_iterate`). Under `model.fit`, pass `callbacks=[feeder.fit_callback()]`
         so that the feeder's state (and a checkpoint holding it) is the batches the step
-        trained on. Where an epoch has padding (`remainder="pad"` and a length that is not a
-        multiple of the global batch, or unknown), an `(x, y)` source gets a third element,
+        trained on. With `remainder="pad"` an `(x, y)` source gets a third element,
         `sample_weight`: 0 on padding rows, and real rows scaled by `global_batch_size /
         num_valid` so the batch's mean loss is the mean over its real samples (an `(x, y, w)`
         source has its weights scaled the same way). The weight of a label field of shape `s`
@@ -98,11 +97,11 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
                 for leaf in self.spec.leaves
             ]
         )
-        how = self._weighting()
+        how = weighting(self.spec, self.options.remainder)
         if how == "add":
             signature = (*signature, optree.tree_map(weight_spec, signature[1]))
         steps = None if hosts else self._steps_left()
-        if self._gathers(how):
+        if self._gathers():
             dataset = gathered_dataset(self, signature, how, steps, core._SUPERSEDED)
             return self._as_dataset(dataset, steps)
         feeder = weakref.ref(self)  # TensorFlow keeps `generate` for the life of the process
@@ -162,7 +161,7 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
             self._datasets.add(dataset)
         return dataset
 
-    def _gathers(self, how: str | None) -> bool:
+    def _gathers(self) -> bool:
         """Whether TensorFlow's own threads gather this feeder's batches (see
         `feedpipe.tf.gather`): arrays in memory up to `GATHER_MAX_BYTES`, read as they are,
         on one host, with no weights of the source's own to scale."""
@@ -170,7 +169,7 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
             self._rows_as_given
             and isinstance(self._source, ArraySource)
             and self.share.num_hosts == 1
-            and how != "scale"
+            and weighting(self.spec, self.options.remainder) != "scale"
             and sum(array.nbytes for array in self._source.arrays) <= GATHER_MAX_BYTES
         )
 
