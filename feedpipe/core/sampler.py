@@ -152,6 +152,7 @@ class Sampler:
         locate = self._locator(epoch)
         size, share = self.global_batch_size, self.share
         mine = None if share is None else np.arange(share.start, share.stop, dtype=np.int64)
+        rows_of_batch = np.arange(size, dtype=np.int64)
         first_row = 0 if share is None else share.start
         # A lazy order costs ~25 us a call whatever its size: plan several steps per call.
         rows = size if share is None else len(share)
@@ -160,7 +161,7 @@ class Sampler:
             indices = range(lo, min(lo + chunk, len(self)))
             counts = [min(size, self.length - index * size) for index in indices]
             positions = [
-                self._positions(index, count, np.arange(count) if mine is None else mine)
+                self._positions(index, count, rows_of_batch[:count] if mine is None else mine)
                 for index, count in zip(indices, counts, strict=True)
             ]
             located = locate(np.concatenate(positions))
@@ -178,13 +179,15 @@ class Sampler:
         size = self.global_batch_size
         indices = np.arange(start, len(self), dtype=np.int64)
         counts = np.minimum(size, self.length - indices * size)
-        positions = self._positions(indices[:, None], counts[:, None], np.arange(size))
+        rows = np.arange(size, dtype=np.int64)
+        positions = self._positions(indices[:, None], counts[:, None], rows)
         return self._locator(epoch)(positions.ravel()).reshape(positions.shape), counts
 
     def _positions(self, index: Any, count: Any, rows: np.ndarray) -> np.ndarray:
-        """The positions in the epoch's order of `rows` of batch `index`, which holds `count`
-        real samples: a padding row (`rows` past `count`) repeats the real rows in order."""
-        return index * self.global_batch_size + rows.astype(np.int64) % count
+        """The positions in the epoch's order of `rows` (int64) of batch `index`, which holds
+        `count` real samples: a padding row (`rows` past `count`) repeats the real rows in
+        order."""
+        return index * self.global_batch_size + rows % count
 
     def _locator(self, epoch: int) -> Callable[[np.ndarray], np.ndarray]:
         """What gives the sample indices at positions of `epoch`'s order."""

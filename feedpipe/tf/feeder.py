@@ -21,7 +21,7 @@ from feedpipe.core.source import ArraySource
 from feedpipe.core.stage import HostBatch
 from feedpipe.core.weights import row_weights, weighting, with_weights
 from feedpipe.tf.agreement import check_hosts_agree
-from feedpipe.tf.gather import GATHER_MAX_BYTES, TakenBatches, gathered_dataset, weight_spec
+from feedpipe.tf.gather import GATHER_MAX_BYTES, gathered_dataset, weight_spec
 from feedpipe.tf.layer import TensorFlowLayer
 
 
@@ -38,7 +38,6 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
         """The datasets `as_dataset()` made, while they live: what reads this feeder."""
         self._tensors: list[tf.Tensor] | None = None
         """The source's arrays as tensors, made once, for gathered passes (`_gathers`)."""
-        self._taken = TakenBatches()
         super().__init__(*args, **kwargs)
         if self.share.num_hosts > 1:
             self._check_hosts_agree()

@@ -35,8 +35,9 @@ _OPEN, _LAST = 0, 1
 
 
 class TakenBatches:
-    """What the consumer of gathered passes took, kept where TensorFlow's threads write it:
-    the pass whose batches may still be taken, and the last batch taken (its pass and step).
+    """What the consumer of one dataset's gathered passes took, kept where TensorFlow's threads
+    write it: the pass whose batches may still be taken, and the last batch taken (its pass
+    and step).
 
     A lookup table rather than a `tf.Variable`: under a strategy's scope a variable would be
     made one per replica.
@@ -86,7 +87,9 @@ def gathered_dataset(
     element `signature` (with an added sample weight where `how` is "add"); a batch of a
     superseded pass raises `superseded` when taken."""
     tensors = feeder._source_tensors()
-    taken, spec = feeder._taken, feeder.spec
+    # The dataset's own record: a pass of another dataset ends this one's through
+    # `TakenBatches.revoke`, as any pass's end does.
+    taken, spec = TakenBatches(), feeder.spec
     size = feeder.options.global_batch_size
     labels = optree.tree_structure(signature[1]) if how == "add" else None
     label_ranks = [] if labels is None else [y.shape.rank for y in optree.tree_leaves(signature[1])]
