@@ -114,6 +114,13 @@ def test_a_padded_feeders_x_y_gets_a_sample_weight_whether_or_not_an_epoch_pads(
         assert feeder._gathers() and len(feeder.as_dataset().element_spec) == 3
 
 
+def test_a_dataset_made_after_a_look_at_another_serves_the_whole_epoch(as_dataset_path):
+    with fp.Feeder(sources(40)["(x, y)"], 8) as feeder:
+        look = iter(feeder.as_dataset())
+        next(look)  # as Keras may take, to build a model: it trains nothing
+        assert len(list(feeder.as_dataset())) == len(feeder)
+
+
 def test_a_batch_waiting_in_a_pass_that_set_state_ended_is_refused():
     with fp.Feeder(sources(40)["(x, y)"], 8) as feeder:
         state = feeder.get_state()

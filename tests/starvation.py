@@ -1,0 +1,18 @@
+"""What every backend's monitor must read of an input slower than the step (no framework is
+imported here: the JAX tests run without TensorFlow)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def assert_reads_the_slower_input(epoch, step_s: float, producer_s: float, steps: int, rel: float):
+    """`epoch`, a `StarvationMonitor` epoch of `steps` steps of `step_s` fed by an input making
+    a batch every `producer_s`, reads highly input-bound, its wait bracketed around the truth
+    and its step alone within `rel` of `step_s`."""
+    truth = 1 - step_s / producer_s  # the input overlaps the step: it waits P - S of every P
+    assert epoch.verdict == "highly input-bound"
+    low, high = epoch.input_wait_range
+    assert low - 0.1 <= truth <= high + 0.1
+    assert epoch.steps == steps
+    assert epoch.step_alone_s == pytest.approx(step_s, rel=rel)
