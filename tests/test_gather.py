@@ -142,6 +142,24 @@ def test_an_untracked_pass_moves_the_feeder_on_only_once_its_last_batch_is_taken
         assert {batch.epoch for batch in feeder} == {2}
 
 
+def test_every_function_of_a_gathered_dataset_is_declared_single_device():
+    """Keras makes two iterators an epoch, and each instantiates the dataset's functions anew:
+    one tf.data may spread over devices goes through Grappler each time (~2 ms)."""
+    from feedpipe._internals import dataset_pipeline
+
+    with fp.Feeder(sources(40)["(x, y)"], 8) as feeder:
+        dataset = feeder.as_dataset()
+        attribute = "experimental_ints_on_device"
+        declared = [
+            (type(node).__name__, attribute in wrapper.function.function_def.attr)
+            for node in dataset_pipeline(dataset)
+            for wrapper in node._functions()
+        ]
+        assert declared.count(("SingleDeviceMap", True)) == 3  # plan, gather, take
+        assert set(declared) - {("SingleDeviceMap", True)} <= {("_MapDataset", False)}  # unbatch's
+        assert len(list(dataset)) == len(feeder)
+
+
 def test_dropping_a_feeder_and_its_gathered_dataset_frees_both():
     feeder = fp.Feeder(sources(40)["(x, y)"], 8)
     dataset = feeder.as_dataset()

@@ -17,7 +17,7 @@ import numpy as np
 import optree
 import tensorflow as tf
 
-from feedpipe._internals import map_in_calling_thread
+from feedpipe._internals import single_device_map
 from feedpipe.core.weights import broadcastable, row_weights
 
 GATHER_MAX_BYTES = 1 << 30
@@ -135,14 +135,9 @@ def gathered_dataset(
         with tf.control_dependencies([taken.take(tag, superseded)]):
             return tf.nest.map_structure(tf.identity, sample)
 
-    gathered = (
-        tf.data.Dataset.range(1)
-        .map(pass_steps)
-        .unbatch()
-        .map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        .prefetch(tf.data.AUTOTUNE)
-    )
-    return map_in_calling_thread(gathered, take_batch)
+    planned = single_device_map(tf.data.Dataset.range(1), pass_steps).unbatch()
+    gathered = single_device_map(planned, gather, parallel=True).prefetch(tf.data.AUTOTUNE)
+    return single_device_map(gathered, take_batch, in_calling_thread=True)
 
 
 def weight_spec(label: tf.TensorSpec) -> tf.TensorSpec:
