@@ -394,13 +394,11 @@ class Feeder:
         if host not in self._pools:
             layout = SlotLayout(self.spec, self.split, contiguous=host)
             capacity = self._slot_capacity()
-            # Batches handed to tf.data get memory of their own, except from shared slots,
-            # which are copied out instead (see HostStager).
-            reuse = self._shared or not host
+            # Batches handed to tf.data lease their slot as the device path's do: TensorFlow
+            # takes the aligned arrays without a copy, and the slot returns when it frees them.
             self._pools[host] = SlotPool(
                 layout,
                 capacity,
-                reuse=reuse,
                 shared=self._shared,
                 page_lock=None if host else self.layer.page_lock,
             )
@@ -417,10 +415,7 @@ class Feeder:
         self._stop_pipeline()
         self._stats.stream_started()
         pool = self._pool(host)
-        if host:
-            stager = HostStager(pool.layout, copy=self._shared)
-        else:
-            stager = self.layer.stager(pool.layout, self._stats)
+        stager = HostStager(pool.layout) if host else self.layer.stager(pool.layout, self._stats)
         self._pipeline = Pipeline(
             self._producer,
             stager,

@@ -160,6 +160,31 @@ def test_every_function_of_a_gathered_dataset_is_declared_single_device():
         assert len(list(dataset)) == len(feeder)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"workers": 2}, {"workers": 1, "worker_mode": "thread"}],
+    ids=["worker processes", "a worker thread"],
+)
+def test_handed_over_batches_share_their_slot_and_keep_their_rows_while_held(options):
+    """TensorFlow takes a handed-over batch's arrays without a copy; the slot goes back to the
+    pool only once TensorFlow frees them, so batches held keep their rows."""
+    source = sources(40)["(x, y)"]
+    with fp.Feeder(source, 8, shuffle=True, seed=3, **options) as feeder:
+        assert not feeder._gathers()
+        for _ in feeder.as_dataset():  # one batch at a time: the pooled slots suffice
+            pass
+        pool = feeder._pools[True]
+        assert pool.overflow_allocations == 0 and pool.allocated <= pool.capacity
+        held = list(feeder.as_dataset())  # every batch of an epoch kept
+        assert pool.overflow_allocations > 0
+        kept = [tf.nest.map_structure(np.asarray, element) for element in held]
+    with fp.Feeder(source, 8, shuffle=True, seed=3) as reference:
+        expected = two_epochs(reference)[len(kept) :]
+    for mine, theirs in zip(kept, expected, strict=True):
+        for a, b in zip(tf.nest.flatten(mine), tf.nest.flatten(theirs), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_dropping_a_feeder_and_its_gathered_dataset_frees_both():
     feeder = fp.Feeder(sources(40)["(x, y)"], 8)
     dataset = feeder.as_dataset()

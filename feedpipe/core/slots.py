@@ -190,13 +190,11 @@ class SlotPool:
     taken), the producer asks for a one-off `overflow` slot rather than deadlock; it is dropped
     when freed.
 
-    With `reuse=False` every batch gets fresh memory that its consumer keeps: for batches handed
-    to TensorFlow's own input pipeline, which holds them for as long as it prefetches. With
-    `shared`, slots are memory that worker processes can map.
+    With `shared`, slots are memory that worker processes can map.
 
     With `page_lock`, each pooled slot is page-locked once, when it is allocated, so that it
     copies to an accelerator at the link's speed, and unregistered before its memory is freed.
-    One-off slots (overflow, and every slot with `reuse=False`) stay pageable: registering
+    One-off (overflow) slots stay pageable: registering
     costs ~0.75 ms per MB, more than the one copy it would speed up saves.
     """
 
@@ -205,13 +203,11 @@ class SlotPool:
         layout: SlotLayout,
         capacity: int,
         *,
-        reuse: bool = True,
         shared: bool = False,
         page_lock: PageLocker | None = None,
     ):
         self.layout = layout
         self.capacity = capacity
-        self.reuse = reuse
         self.shared = shared
         self.page_lock = page_lock
         """Page-locks the pooled slots, or None to leave them pageable."""
@@ -233,8 +229,6 @@ class SlotPool:
         `Stopped` if `stop` is set."""
         if stop.is_set():
             raise Stopped
-        if not self.reuse:
-            return HostSlot(self.layout, overflow=True, shared=self.shared)
         with self._cond:
             if self._free:
                 return self._free.pop()

@@ -121,15 +121,12 @@ class HostBatch:
 
 class HostStager:
     """Keeps batches on the host as whole arrays (for a framework's own input pipeline): the
-    global batch, or this host's rows of it under a multi-host setup.
-
-    With `copy`, the arrays are copied out of the slot, which then returns to the pool at once:
-    for slots shared with worker processes, which cannot be handed to a framework to keep.
+    global batch, or this host's rows of it under a multi-host setup. The arrays are views of
+    the leased slot, which returns to the pool once the framework frees the last of them.
     """
 
-    def __init__(self, layout: SlotLayout, copy: bool = False):
+    def __init__(self, layout: SlotLayout):
         self.layout = layout
-        self.copy = copy
         split = layout.split
         self._real = MaskCache(split.num_replicas, split.per_replica, _read_only_rows)
         """A step's real rows, where they are not simply the first `num_valid`."""
@@ -140,8 +137,6 @@ class HostStager:
             arrays = [np.concatenate([host_array(part) for part in field]) for field in fields]
         else:
             arrays = self.layout.global_views(leased)
-            if self.copy:
-                arrays = [array.copy() for array in arrays]
         real = None
         if step.replica_valid is not None or step.first_row:
             real = self._real(step)

@@ -16,7 +16,7 @@ import optree
 import tensorflow as tf
 
 from feedpipe import feeder as core
-from feedpipe._internals import dataset_pipeline
+from feedpipe._internals import dataset_pipeline, generator_dataset
 from feedpipe.core.source import ArraySource
 from feedpipe.core.stage import HostBatch
 from feedpipe.core.weights import row_weights, weighting, with_weights
@@ -123,7 +123,7 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
                     for lo in range(0, len(batch.arrays[0]), per_replica):
                         yield optree.tree_map(lambda a, lo=lo: a[lo : lo + per_replica], sample)
 
-        dataset = tf.data.Dataset.from_generator(generate, output_signature=signature)
+        dataset = generator_dataset(generate, signature)
         if hosts:
             dataset = dataset.apply(
                 tf.data.experimental.assert_cardinality(tf.data.INFINITE_CARDINALITY)

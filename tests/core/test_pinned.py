@@ -181,22 +181,19 @@ locker = page_locker()
 facts["locker"] = [locker.available, locker.reason, locker.library]
 
 layout = SlotLayout(SampleSpec.of(np.zeros(1 << 16, np.uint8)), ReplicaSplit(16, 2))
-pool = SlotPool(
-    layout, 3, reuse=config["reuse"], shared=config["shared"], page_lock=locker
-)
+pool = SlotPool(layout, 3, shared=config["shared"], page_lock=locker)
 stop = threading.Event()
 slots = [pool.take(stop) for _ in range(3)]
 for slot in slots:
     owners[slot.buffer.ctypes.data] = weakref.ref(slot.buffer.base)
 facts["pooled"] = [[s.buffer.ctypes.data, s.buffer.nbytes] for s in slots if not s.overflow]
-if config["reuse"]:
-    assert pool.take(stop) is None
-    for slot in slots:
-        pool.give_back(slot)
-    slots = [pool.take(stop) for _ in range(3)]  # the same slots, not registered again
-    leased = slots[0].lease(pool.give_back)
-    del leased  # its finalizer gives the slot back
-    slots[0] = pool.take(stop)
+assert pool.take(stop) is None
+for slot in slots:
+    pool.give_back(slot)
+slots = [pool.take(stop) for _ in range(3)]  # the same slots, not registered again
+leased = slots[0].lease(pool.give_back)
+del leased  # its finalizer gives the slot back
+slots[0] = pool.take(stop)
 extra = pool.overflow()
 facts["overflow"] = extra.buffer.ctypes.data
 for value, slot in enumerate([*slots, extra]):
@@ -253,7 +250,6 @@ def run_scenario(
     load: list[str],
     *,
     shared: bool = True,
-    reuse: bool = True,
     keep_until_exit: bool = False,
     load_later: list[str] | None = None,
     env: dict[str, str] | None = None,
@@ -265,7 +261,6 @@ def run_scenario(
     config = {
         "load": load,
         "shared": shared,
-        "reuse": reuse,
         "keep_until_exit": keep_until_exit,
         "load_later": load_later or [],
     }
@@ -332,12 +327,6 @@ def test_slots_still_alive_at_exit_are_unregistered_before_unmapped(tmp_path, fa
     assert len(registered) == 3
     assert sorted(row[1:3] for row in unregistered) == sorted(row[1:3] for row in registered)
     assert all(mapped for _, _, _, _, mapped, _ in unregistered)
-
-
-def test_one_off_slots_are_not_registered(tmp_path, fake_cuda):
-    facts, rows = run_scenario(tmp_path, [fake_cuda["runtime"]], reuse=False)
-    assert rows == [], "a slot used once costs more to register than its one copy saves"
-    assert facts["pool"][2] == 0
 
 
 def test_a_refused_registration_leaves_every_slot_pageable_and_says_why(tmp_path, fake_cuda):
