@@ -13,14 +13,19 @@ ways of taking the same whole passes (8 batches each), flat out, in one repetiti
 * `dataset`: `for batch in feeder.as_dataset()`, eager, each pass a new iterator;
 * `floor`: `tf.data.Dataset.from_generator` over batches already made (the same arrays, fresh
   numpy arrays every batch, as a source without the feeder would hand them): what tf.data
-  itself costs to take a numpy batch in.
+  itself costs to take a numpy batch in;
+* `bare`: the dataset `as_dataset()` builds (`feedpipe._internals.generator_dataset`) over 8
+  batches already made in 64-byte aligned memory and handed over again and again: what the
+  hand-over's TensorFlow side costs (a `numpy_function` call and an eager `get_next` per
+  batch), without the feeder.
 
 Measured per batch: wall time and this process's CPU (`time.process_time`, every thread; the
 worker processes' CPU is theirs and not counted). `hand_over_us` is the dataset's CPU per batch
 beyond the loop's: the hand-over's own cost, and `hand_over_us_per_mb` the same per MB of
-batch, which a copy would make grow with the batch. The figures per batch count the batches
-after each pass's first; the time from `iter()` to a pass's first batch (a new iterator, a new
-pass) is `start_ms`, the median over passes. Beside them,
+batch, which a copy would make grow with the batch. Of it, `bare_cpu_us` is TensorFlow's side,
+and `feeder_side_us` (the hand-over less `bare`) the feeder's Python per batch on this path.
+The figures per batch count the batches after each pass's first; the time from `iter()` to a
+pass's first batch (a new iterator, a new pass) is `start_ms`, the median over passes. Beside them,
 `overflow` counts the one-off slots the feeder had to allocate because tf.data still held
 every pooled one.
 
@@ -43,6 +48,8 @@ import time
 
 import numpy as np
 
+from feedpipe._internals import generator_dataset
+from feedpipe.core.slots import _aligned_buffer
 from kernels_bench import harness
 
 FEATURES = 1024
@@ -98,10 +105,24 @@ def repetition(fp, tf, x, y, rows: int, options: dict, passes: int, seed: int) -
         tf.TensorSpec((rows,), tf.int32),
     )
     floor = tf.data.Dataset.from_generator(made_batches, output_signature=signature)
+    aligned = []
+    for start in range(0, len(x) - rows + 1, rows):
+        fields = []
+        for array in (x[start : start + rows], y[start : start + rows]):
+            out = np.frombuffer(_aligned_buffer(array.nbytes), array.dtype).reshape(array.shape)
+            out[...] = array
+            fields.append(out)
+        aligned.append(tuple(fields))
+    bare = generator_dataset(lambda: iter(aligned), signature)
     measured = {}
     with fp.Feeder((x, y), rows, shuffle=True, seed=seed, **options) as feeder:
         dataset = feeder.as_dataset()
-        peers = {"loop": lambda: feeder, "dataset": lambda: dataset, "floor": lambda: floor}
+        peers = {
+            "loop": lambda: feeder,
+            "dataset": lambda: dataset,
+            "floor": lambda: floor,
+            "bare": lambda: bare,
+        }
         for name in harness.rotate(list(peers), seed):
             gc.collect()
             measured[name] = timed(peers[name], passes)
@@ -112,6 +133,7 @@ def repetition(fp, tf, x, y, rows: int, options: dict, passes: int, seed: int) -
         measured["dataset"],
         measured["floor"],
     )
+    _, _, bare_cpu = measured["bare"]
     copy_us_per_mb = memcpy_us_per_mb(x, rows)
     hand_over_us_per_mb = (data_cpu - loop_cpu) * 1e6 / mb
     return {
@@ -121,6 +143,8 @@ def repetition(fp, tf, x, y, rows: int, options: dict, passes: int, seed: int) -
         "dataset_cpu_us": data_cpu * 1e6,
         "floor_us": floor_s * 1e6,
         "floor_cpu_us": floor_cpu * 1e6,
+        "bare_cpu_us": bare_cpu * 1e6,
+        "feeder_side_us": (data_cpu - loop_cpu - bare_cpu) * 1e6,
         "dataset_over_loop": data_s / loop_s,
         "dataset_cpu_over_loop": data_cpu / loop_cpu,
         "hand_over_us": (data_cpu - loop_cpu) * 1e6,
@@ -182,6 +206,8 @@ def main(argv=None) -> None:
         columns=[
             "dataset_cpu_over_loop",
             "hand_over_us",
+            "bare_cpu_us",
+            "feeder_side_us",
             "hand_over_us_per_mb",
             "memcpy_us_per_mb",
             "floor_cpu_us",
