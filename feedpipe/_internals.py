@@ -21,9 +21,10 @@ def copy_to_device(tensor: Any, device: str) -> Any:
 def single_device_map(
     dataset: Any, function: Any, *, parallel: bool = False, in_calling_thread: bool = False
 ) -> Any:
-    """`dataset.map(function)` (deterministic; `parallel`: with `AUTOTUNE` calls), its function
-    declared to run on the dataset's one device, and, `in_calling_thread`, its ops run in the
-    thread that asks for the element.
+    """`dataset.map(function)` (deterministic; `parallel`: with `AUTOTUNE` calls, as many as
+    TensorFlow's threads where autotuning is off), its function declared to run on the
+    dataset's one device, and, `in_calling_thread`, its ops run in the thread that asks for the
+    element.
 
     Every new iterator instantiates a dataset's functions afresh, and a function tf.data may
     spread over devices goes through Grappler each time: ~2 ms a function on 2 cores, against

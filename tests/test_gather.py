@@ -185,6 +185,15 @@ def test_handed_over_batches_share_their_slot_and_keep_their_rows_while_held(opt
             np.testing.assert_array_equal(a, b)
 
 
+def test_a_feeders_dataset_sizes_its_own_buffers_without_autotuning(as_dataset_path):
+    """Freeing an iterator whose autotuning runs waits for its model thread, ~1 s at many of
+    Keras's epoch boundaries; the feeder's datasets run without it, on both paths."""
+    with fp.Feeder(sources(40)["(x, y)"], 8) as feeder:
+        dataset = feeder.as_dataset()
+        assert dataset.options().autotune.enabled is False
+        assert len(list(dataset)) == len(feeder)
+
+
 def test_dropping_a_feeder_and_its_gathered_dataset_frees_both():
     feeder = fp.Feeder(sources(40)["(x, y)"], 8)
     dataset = feeder.as_dataset()

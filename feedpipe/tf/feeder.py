@@ -144,6 +144,10 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
         # The feeder stages `depth` batches ahead in its own thread, or a parallel map gathers
         # them: a prefetch that TensorFlow would add only takes batches before the step asks.
         options.experimental_optimization.inject_prefetch = False
+        # Freeing an iterator whose autotuning runs waits for its model thread: ~1 s at many
+        # of Keras's epoch boundaries (two iterators made, one freed, each epoch). The feeder
+        # sizes its own buffers (`depth`); `with_options` can turn autotuning back on.
+        options.autotune.enabled = False
         dataset = dataset.with_options(options)
         dataset._feedpipe_feeder = self  # the feeder lives as long as its dataset
         self._datasets.add(dataset)

@@ -136,7 +136,7 @@ def gathered_dataset(
             return tf.nest.map_structure(tf.identity, sample)
 
     planned = single_device_map(tf.data.Dataset.range(1), pass_steps).unbatch()
-    gathered = single_device_map(planned, gather, parallel=True).prefetch(tf.data.AUTOTUNE)
+    gathered = single_device_map(planned, gather, parallel=True).prefetch(feeder.options.depth)
     return single_device_map(gathered, take_batch, in_calling_thread=True)
 
 
