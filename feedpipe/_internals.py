@@ -18,6 +18,20 @@ def copy_to_device(tensor: Any, device: str) -> Any:
     return tensor._copy_to_device(device)
 
 
+def _single_device_function(function: Any, transformation: str, **structure: Any) -> Any:
+    """`function` traced as tf.data traces a dataset's function, declared to run on the
+    dataset's one device (see `single_device_map`); `structure` is its input, as
+    `StructuredFunctionWrapper` takes it (`dataset=` or `input_structure=`)."""
+    from tensorflow.python.data.ops import structured_function
+
+    return structured_function.StructuredFunctionWrapper(
+        function,
+        transformation,
+        defun_kwargs={"experimental_ints_on_device": True},
+        **structure,
+    )
+
+
 def single_device_map(
     dataset: Any, function: Any, *, parallel: bool = False, in_calling_thread: bool = False
 ) -> Any:
@@ -34,18 +48,13 @@ def single_device_map(
     `get_next`, on TensorFlow's inter-op pool: ~60 µs an element of hand-offs, against ~5 µs in
     the calling thread (`use_inter_op_parallelism=False`). No public argument sets either."""
     try:
-        from tensorflow.python.data.ops import dataset_ops, structured_function
+        from tensorflow.python.data.ops import dataset_ops
         from tensorflow.python.ops import gen_dataset_ops
 
         class SingleDeviceMap(dataset_ops.UnaryDataset):
             def __init__(self):
                 self._name = None
-                self._map_func = structured_function.StructuredFunctionWrapper(
-                    function,
-                    "Dataset.map()",
-                    dataset=dataset,
-                    defun_kwargs={"experimental_ints_on_device": True},
-                )
+                self._map_func = _single_device_function(function, "Dataset.map()", dataset=dataset)
                 common = dict(
                     f=self._map_func.function,
                     use_inter_op_parallelism=not in_calling_thread,
@@ -123,15 +132,12 @@ def generator_dataset(make: Any, signature: Any) -> Any:
         return tf.numpy_function(finish, [number], tf.int64, stateful=True)
 
     try:
-        from tensorflow.python.data.ops import dataset_ops, structured_function
+        from tensorflow.python.data.ops import dataset_ops
         from tensorflow.python.ops import gen_dataset_ops
 
-        def wrapped(function: Any, input_structure: Any) -> Any:
-            return structured_function.StructuredFunctionWrapper(
-                function,
-                "Dataset.from_generator()",
-                input_structure=input_structure,
-                defun_kwargs={"experimental_ints_on_device": True},
+        def wrapped(function: Any, number: Any) -> Any:
+            return _single_device_function(
+                function, "Dataset.from_generator()", input_structure=number
             )
 
         class GeneratorDataset(dataset_ops.DatasetSource):

@@ -194,8 +194,8 @@ class SlotPool:
 
     With `page_lock`, each pooled slot is page-locked once, when it is allocated, so that it
     copies to an accelerator at the link's speed, and unregistered before its memory is freed.
-    One-off (overflow) slots stay pageable: registering
-    costs ~0.75 ms per MB, more than the one copy it would speed up saves.
+    One-off (overflow) slots stay pageable: registering costs ~0.75 ms per MB, more than the
+    one copy it would speed up saves.
     """
 
     def __init__(
