@@ -112,7 +112,8 @@ def test_host_outputs_are_staged_in_dalis_own_memory_without_a_copy(files, devic
     with fp.Feeder(indexed_images(files), 8, devices=devices) as feeder:
         batch = next(iter(feeder))
         staged = [buffer_address(leaf) for replica in batch.replicas for leaf in replica]
-        assert staged == dali_addresses
+        # the staging thread runs ahead: later batches may already be recorded after this one
+        assert staged == dali_addresses[: len(staged)]
         assert feeder.stats().slots_allocated == 0
         del batch
 
