@@ -26,9 +26,10 @@ it picks for CPU devices); the feeders are built with that strategy.
 
 A session is one fresh model (the same initial weights every time), its input built inside
 the timed call, and one `fit` (or `fp.train`) of `--epochs` epochs (3; 2 with --quick) of
-`--steps` steps each (the MNIST convnet 30, the MLP 200, the larger convnet 20; 12, 80 and 8
-with --quick: a steady epoch of at least ~2 s; the data hold exactly that many global
-batches). Before the repetitions,
+`--steps` steps each (the MNIST convnet 100, the MLP 1200, the larger convnet 20; 12, 80 and
+8 with --quick: a steady epoch of at least ~2 s without a strategy, so that a minute-to-minute
+change of the machine's speed moves all of a repetition's peers alike; the data hold exactly
+that many global batches). Before the repetitions,
 each peer runs one untimed session on 2 batches (what the process does once per kind of
 fit). A callback listed last reads the wall clock and the process CPU time
 (`time.process_time`: every thread of the process, TensorFlow's pools, tf.data's and the
@@ -55,7 +56,7 @@ and `fit(feeder.as_dataset())` / `fit(x, y)` >= 1.0 in steady steps/s. Reported 
 without a target: the first epoch's time, and the CPU per step of `fit(feeder.as_dataset())`
 over `fit(x, y)`.
 
-Run: `python -m kernels_bench.fit_paths [--quick] [--steps 30,200,20] [--epochs 3]`; writes
+Run: `python -m kernels_bench.fit_paths [--quick] [--steps 100,1200,20] [--epochs 3]`; writes
 `kernels_bench/results/fit_paths.json`.
 """
 
@@ -85,7 +86,7 @@ PEER_NAMES = {
     "train": "fp.train(model, fp.Feeder((x, y), 128, shuffle=True), ...)",
 }
 MODELS = ("mnist convnet", "mlp", "larger convnet")
-STEPS = {"mnist convnet": (12, 30), "mlp": (80, 200), "larger convnet": (8, 20)}
+STEPS = {"mnist convnet": (12, 100), "mlp": (80, 1200), "larger convnet": (8, 20)}
 """Steps per epoch (quick, full): a steady epoch of at least ~2 s of training, so that its
 input's restart does not dominate it."""
 
@@ -254,7 +255,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--steps",
         default=None,
         help="steps per epoch of the MNIST convnet, the MLP and the larger convnet, e.g. "
-        "30,200,20 (12,80,8 with --quick)",
+        "100,1200,20 (12,80,8 with --quick)",
     )
     parser.add_argument(
         "--epochs", type=int, default=None, help="epochs per session, >= 2 (3; 2 with --quick)"
@@ -266,7 +267,9 @@ def steps_per_epoch(settings) -> dict[str, int]:
         return {model: settings.pick(*STEPS[model]) for model in MODELS}
     values = [int(v) for v in settings.args.steps.split(",")]
     if len(values) != len(MODELS) or min(values) < 1:
-        raise SystemExit(f"--steps={settings.args.steps}: give three counts >= 1, e.g. 30,200,20.")
+        raise SystemExit(
+            f"--steps={settings.args.steps}: give three counts >= 1, e.g. 100,1200,20."
+        )
     return dict(zip(MODELS, values, strict=True))
 
 
