@@ -23,6 +23,7 @@ import pytest
 import tensorflow as tf
 
 import feedpipe as fp
+from feedpipe.core.handoff import Handoff
 from feedpipe.service import client as service_module
 from tests.service_cluster import service_cluster
 from tests.test_fit_checkpoints import InterruptAfter
@@ -211,10 +212,21 @@ def test_a_fit_on_the_service_interrupted_by_ctrl_c_and_run_again_goes_on(servic
 def test_ctrl_c_while_the_loop_waits_for_the_service_and_the_next_loop_goes_on(
     service, devices, monkeypatch
 ):
-    """Ctrl-C lands while the loop waits for a slow batch (elements of 8 rows: the later
-    steps' rows are still being made): the next loop takes the rest of the epoch, so the two
-    loops together are the uninterrupted stream."""
+    """Ctrl-C lands as the loop asks for the batch after step 1, inside the feeder's wait for
+    it (elements of 8 rows: the later steps' rows are still being made): the next loop takes
+    the rest of the epoch, so the two loops together are the uninterrupted stream. The
+    interrupt is sent from the wait itself: a timer raced the rows, which on a loaded machine
+    were sometimes all made before it fired."""
     monkeypatch.setattr(service_module, "ROWS_PER_ELEMENT", 8)
+    armed, waiting_for = threading.Event(), Handoff._get
+
+    def interrupted_wait(handoff, thread, stop):
+        if armed.is_set():
+            armed.clear()
+            _thread.interrupt_main()  # what Ctrl-C does: raised in this thread's next bytecode
+        return waiting_for(handoff, thread, stop)
+
+    monkeypatch.setattr(Handoff, "_get", interrupted_wait)
     expected = local_stream(128, devices)
     got = []
     with slow_feeder(service.address, 128, devices) as remote:
@@ -222,10 +234,10 @@ def test_ctrl_c_while_the_loop_waits_for_the_service_and_the_next_loop_goes_on(
             for batch in remote:
                 got += stream_of(batch)
                 if batch.step == 1:
-                    threading.Timer(0.01, _thread.interrupt_main).start()
+                    armed.set()
         interrupted_at = len(got)
         got += stream(remote, 1)
-    assert 2 <= interrupted_at < len(expected)
+    assert interrupted_at == 2
     assert got == expected
     wait_for_the_readers_to_end(within_s=10.0)
 
