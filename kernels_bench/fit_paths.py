@@ -56,8 +56,9 @@ and `fit(feeder.as_dataset())` / `fit(x, y)` >= 1.0 in steady steps/s. Reported 
 without a target: the first epoch's time, and the CPU per step of `fit(feeder.as_dataset())`
 over `fit(x, y)`.
 
-Run: `python -m kernels_bench.fit_paths [--quick] [--steps 100,1200,20] [--epochs 3]`; writes
-`kernels_bench/results/fit_paths.json`.
+Run: `python -m kernels_bench.fit_paths [--quick] [--steps 100,1200,20] [--epochs 3]
+[--models mlp] [--strategies none]` (a subset: more repetitions of one case in the same time);
+writes `kernels_bench/results/fit_paths.json`.
 """
 
 from __future__ import annotations
@@ -260,6 +261,25 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--epochs", type=int, default=None, help="epochs per session, >= 2 (3; 2 with --quick)"
     )
+    parser.add_argument(
+        "--models",
+        default=",".join(MODELS),
+        help=f"the models to run, of {', '.join(MODELS)} (default: all)",
+    )
+    parser.add_argument(
+        "--strategies",
+        default="none,mirrored",
+        help="without a strategy (none), under MirroredStrategy (mirrored), or both (default)",
+    )
+
+
+def chosen(given: str, allowed: tuple[str, ...], option: str) -> list[str]:
+    """The names in the comma-separated `given`, each one of `allowed`, in `allowed`'s order."""
+    names = [name.strip() for name in given.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(allowed))
+    if unknown or not names:
+        raise SystemExit(f"{option}={given!r}: name one or more of {', '.join(allowed)}.")
+    return [name for name in allowed if name in names]
 
 
 def steps_per_epoch(settings) -> dict[str, int]:
@@ -370,13 +390,15 @@ def main(argv=None) -> None:
     mirrored = tf.distribute.MirroredStrategy(
         devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
     )
-    for model_name in MODELS:
+    strategies = {"none": None, "mirrored": mirrored}
+    for model_name in chosen(settings.args.models, MODELS, "--models"):
         print(
             f"{model_name}: {steps[model_name]} steps of {GLOBAL_BATCH} x {IMAGE_SHAPE} per "
             f"epoch, {epochs} epochs per session (the first is start-up)",
             flush=True,
         )
-        for strategy in (None, mirrored):
+        for name in chosen(settings.args.strategies, tuple(strategies), "--strategies"):
+            strategy = strategies[name]
             run_case(report, settings, model_name, strategy, steps[model_name], epochs)
             gc.collect()
     report.note(
