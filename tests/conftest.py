@@ -1,6 +1,7 @@
 """Shared test setup: four logical CPU devices (TensorFlow's, where it is installed, and JAX's),
-a MirroredStrategy over TensorFlow's, a GPU marker, and a leak check that fails any test leaving
-a `feedpipe*` thread, worker process or shared-memory segment behind.
+a MirroredStrategy over TensorFlow's, a GPU marker, Ctrl-C handled as in a terminal, and a leak
+check that fails any test leaving a `feedpipe*` thread, worker process or shared-memory segment
+behind.
 
 It imports no framework of its own accord: `tests/core` and `tests/jax_layer` run where TensorFlow
 is not installed (the CI's JAX step), and the rest import TensorFlow themselves.
@@ -12,11 +13,18 @@ import contextlib
 import gc
 import importlib.util
 import os
+import signal
 import threading
 import time
 
 NUM_CPU_DEVICES = 4
 LEAK_WAIT_S = 2.0
+
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    # Ctrl-C raises KeyboardInterrupt here and in the processes the tests start, as in a
+    # terminal's Python: a shell starts a background job (`pytest ... &`) with SIGINT ignored,
+    # its children inherit that, and the Ctrl-C tests would then test nothing.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
