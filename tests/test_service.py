@@ -407,16 +407,22 @@ def test_a_service_worker_killed_mid_epoch_loses_no_row(tmp_path, devices, monke
 def test_a_stopped_service_worker_keeps_the_rows_held_bounded_and_loses_no_row(
     tmp_path, devices, monkeypatch
 ):
-    """One of two workers stopped (SIGSTOP) for 10 s after the first step: the rows the feeder
-    holds outside the slots stay within HELD_ROWS past the open steps (the other worker's rows
-    of the whole epoch were kept), the stats say the producer waited for a lagging worker, and
-    once it goes on (SIGCONT) the epoch is each sample once, in the local order and values."""
+    """One of two workers stopped (SIGSTOP) for 10 s as the first rows arrive: the rows the
+    feeder holds outside the slots stay within HELD_ROWS past the open steps (the other
+    worker's rows of the whole epoch were kept), the stats say the producer waited for a
+    lagging worker, and once it goes on (SIGCONT) the epoch is each sample once, in the local
+    order and values. Stopped from the feeder's own reading of the first rows: stopped after
+    the first step, on a loaded machine it had sometimes made all its rows already."""
     monkeypatch.setattr(service_module, "ROWS_PER_ELEMENT", 8)
     monkeypatch.setattr(service_module, "HELD_ROWS", 32)
-    held = []
+    held, stopped = [], threading.Event()
     arrived = service_module._Rows.arrived
 
     def counted(rows, positions, leaves):
+        if not stopped.is_set():
+            stopped.set()
+            os.kill(victim, signal.SIGSTOP)
+            resume.start()
         kept = arrived(rows, positions, leaves)
         held.append(len(rows.kept))
         return kept
@@ -431,9 +437,6 @@ def test_a_stopped_service_worker_keeps_the_rows_held_bounded_and_loses_no_row(
                 got = []
                 for batch in remote:
                     got += stream_of(batch)
-                    if batch.step == 0:
-                        os.kill(victim, signal.SIGSTOP)
-                        resume.start()
                 stats = remote.stats()
         finally:
             resume.cancel()
