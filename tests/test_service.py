@@ -379,24 +379,30 @@ def wait_for_the_readers_to_end(within_s: float = 60.0) -> None:
 
 
 def test_a_service_worker_killed_mid_epoch_loses_no_row(tmp_path, devices, monkeypatch):
-    """A worker SIGKILLed after the first step: the rows it held never come and its job never
-    ends (TensorFlow 2.21), so once no row came for STALL_S the feeder asks a new job for the
-    missing rows; the epoch is still each sample once, in the local order and values.
-    Elements of 8 rows keep both workers mid-epoch when the first step is in (with 64-row
-    elements both could have sent every row they would ever send by then)."""
+    """A worker SIGKILLed as the first rows arrive: the rows it held never come and its job
+    never ends (TensorFlow 2.21), so once no row came for STALL_S the feeder asks a new job for
+    the missing rows; the epoch is still each sample once, in the local order and values.
+    Killed from the feeder's own reading of the first rows, with elements of 8 rows, so that it
+    is mid-epoch (killed after the first step, on a loaded machine it could have sent every row
+    it would ever send)."""
     monkeypatch.setattr(service_module, "STALL_S", 2.0)
     monkeypatch.setattr(service_module, "ROWS_PER_ELEMENT", 8)
+    killed, arrived = [], service_module._Rows.arrived
+
+    def killing(rows, positions, leaves):
+        if not killed:
+            victim = cluster.workers[0]
+            killed.append(cluster.ports[victim.pid])
+            cluster.kill_worker(victim.pid)
+        return arrived(rows, positions, leaves)
+
+    monkeypatch.setattr(service_module._Rows, "arrived", killing)
     expected = local_stream(128, devices)
     with service_cluster(workers=2, logs=tmp_path) as cluster:
         with slow_feeder(cluster.address, 128, devices) as remote:
-            got = []
-            for batch in remote:
-                got += stream_of(batch)
-                if batch.step == 0:
-                    victim = cluster.workers[0]
-                    port = cluster.ports[victim.pid]
-                    cluster.kill_worker(victim.pid)
+            got = [row for batch in remote for row in stream_of(batch)]
             jobs = remote._producer.jobs
+        (port,) = killed
         # The abandoned job ends once a worker serves at the lost one's address again.
         cluster.add_worker(port=port)
         wait_for_the_readers_to_end()
