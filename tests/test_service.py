@@ -378,31 +378,44 @@ def wait_for_the_readers_to_end(within_s: float = 60.0) -> None:
         time.sleep(0.1)
 
 
+def at_the_first_rows(monkeypatch, act) -> list[float]:
+    """Calls `act()` once, as the feeder reads the service's first rows, and returns a list
+    that then holds when (`time.monotonic`). Acting after the first step instead, on a loaded
+    machine the service had sometimes made every row of the epoch by then."""
+    acted, arrived = [], service_module._Rows.arrived
+
+    def acting(rows, positions, leaves):
+        if not acted:
+            act()
+            acted.append(time.monotonic())
+        return arrived(rows, positions, leaves)
+
+    monkeypatch.setattr(service_module._Rows, "arrived", acting)
+    return acted
+
+
 def test_a_service_worker_killed_mid_epoch_loses_no_row(tmp_path, devices, monkeypatch):
     """A worker SIGKILLed as the first rows arrive: the rows it held never come and its job
     never ends (TensorFlow 2.21), so once no row came for STALL_S the feeder asks a new job for
     the missing rows; the epoch is still each sample once, in the local order and values.
-    Killed from the feeder's own reading of the first rows, with elements of 8 rows, so that it
-    is mid-epoch (killed after the first step, on a loaded machine it could have sent every row
-    it would ever send)."""
+    It is killed as the feeder reads the first rows (see `at_the_first_rows`), with elements of
+    8 rows, so that it is mid-epoch."""
     monkeypatch.setattr(service_module, "STALL_S", 2.0)
     monkeypatch.setattr(service_module, "ROWS_PER_ELEMENT", 8)
-    killed, arrived = [], service_module._Rows.arrived
+    ports = []
 
-    def killing(rows, positions, leaves):
-        if not killed:
-            victim = cluster.workers[0]
-            killed.append(cluster.ports[victim.pid])
-            cluster.kill_worker(victim.pid)
-        return arrived(rows, positions, leaves)
+    def kill():
+        victim = cluster.workers[0]
+        ports.append(cluster.ports[victim.pid])
+        cluster.kill_worker(victim.pid)
 
-    monkeypatch.setattr(service_module._Rows, "arrived", killing)
+    at_the_first_rows(monkeypatch, kill)
     expected = local_stream(128, devices)
     with service_cluster(workers=2, logs=tmp_path) as cluster:
         with slow_feeder(cluster.address, 128, devices) as remote:
             got = [row for batch in remote for row in stream_of(batch)]
             jobs = remote._producer.jobs
-        (port,) = killed
+        (port,) = ports
         # The abandoned job ends once a worker serves at the lost one's address again.
         cluster.add_worker(port=port)
         wait_for_the_readers_to_end()
@@ -417,18 +430,19 @@ def test_a_stopped_service_worker_keeps_the_rows_held_bounded_and_loses_no_row(
     feeder holds outside the slots stay within HELD_ROWS past the open steps (the other
     worker's rows of the whole epoch were kept), the stats say the producer waited for a
     lagging worker, and once it goes on (SIGCONT) the epoch is each sample once, in the local
-    order and values. Stopped from the feeder's own reading of the first rows: stopped after
-    the first step, on a loaded machine it had sometimes made all its rows already."""
+    order and values. It is stopped as the feeder reads the first rows (see
+    `at_the_first_rows`)."""
     monkeypatch.setattr(service_module, "ROWS_PER_ELEMENT", 8)
     monkeypatch.setattr(service_module, "HELD_ROWS", 32)
-    held, stopped = [], threading.Event()
-    arrived = service_module._Rows.arrived
+
+    def stop():
+        os.kill(victim, signal.SIGSTOP)
+        resume.start()
+
+    at_the_first_rows(monkeypatch, stop)
+    held, arrived = [], service_module._Rows.arrived
 
     def counted(rows, positions, leaves):
-        if not stopped.is_set():
-            stopped.set()
-            os.kill(victim, signal.SIGSTOP)
-            resume.start()
         kept = arrived(rows, positions, leaves)
         held.append(len(rows.kept))
         return kept
@@ -492,9 +506,11 @@ def test_a_dispatcher_restarted_mid_epoch_loses_no_row(tmp_path, devices, monkey
 
 def test_a_dispatcher_lost_for_good_fails_within_the_bound(tmp_path, devices, monkeypatch):
     """No row for DISPATCHER_LOST_S while the dispatcher does not answer: a ConnectionError
-    naming it and the step, after whole batches only; never a hang, never a short epoch."""
+    naming it and the step, after whole batches only; never a hang, never a short epoch. The
+    dispatcher is killed as the feeder reads the first rows (see `at_the_first_rows`)."""
     monkeypatch.setattr(service_module, "STALL_S", 1.0)
     monkeypatch.setattr(service_module, "DISPATCHER_LOST_S", 4.0)
+    killed = at_the_first_rows(monkeypatch, lambda: cluster.kill_dispatcher())
     expected = local_stream(256, devices)
     with service_cluster(workers=2, logs=tmp_path) as cluster:
         with slow_feeder(cluster.address, 256, devices) as remote:
@@ -502,10 +518,7 @@ def test_a_dispatcher_lost_for_good_fails_within_the_bound(tmp_path, devices, mo
             with pytest.raises(ConnectionError, match=r"dispatcher at .* has not answered") as lost:
                 for batch in remote:
                     got += stream_of(batch)
-                    if batch.step == 1:
-                        cluster.kill_dispatcher()
-                        killed = time.monotonic()
-            waited = time.monotonic() - killed
+            waited = time.monotonic() - killed[0]
         assert "of epoch 0" in str(lost.value)
         # The bound: DISPATCHER_LOST_S without a row, noticed within a wait slice and a
         # connect, and the jobs' release (RELEASE_S).
@@ -516,24 +529,28 @@ def test_a_dispatcher_lost_for_good_fails_within_the_bound(tmp_path, devices, mo
 
 
 def test_a_dispatcher_that_stops_answering_fails_within_the_bound(tmp_path, devices, monkeypatch):
-    """A dispatcher stopped (SIGSTOP) after step 1 still accepts connections (the kernel does)
+    """A dispatcher stopped (SIGSTOP) mid-epoch still accepts connections (the kernel does)
     but answers nothing: no row for DISPATCHER_LOST_S, then a ConnectionError naming it, never
     new jobs without end. A timer starts it again after 40 s, so a feeder that waits for it
-    goes on and the test fails instead of hanging."""
+    goes on and the test fails instead of hanging. It is stopped as the feeder reads the first
+    rows (see `at_the_first_rows`)."""
     monkeypatch.setattr(service_module, "STALL_S", 1.0)
     monkeypatch.setattr(service_module, "DISPATCHER_LOST_S", 4.0)
+
+    def stop():
+        os.kill(pid, signal.SIGSTOP)
+        guard.start()
+
+    stopped = at_the_first_rows(monkeypatch, stop)
     with service_cluster(workers=2, logs=tmp_path) as cluster:
         pid = cluster.dispatcher.pid
         guard = threading.Timer(40.0, os.kill, (pid, signal.SIGCONT))
         try:
             with slow_feeder(cluster.address, 256, devices) as remote:
                 with pytest.raises(ConnectionError, match=rf"{cluster.address} has not answered"):
-                    for batch in remote:
-                        if batch.step == 1:
-                            os.kill(pid, signal.SIGSTOP)
-                            guard.start()
-                            stopped = time.monotonic()
-                waited = time.monotonic() - stopped
+                    for _ in remote:
+                        pass
+                waited = time.monotonic() - stopped[0]
         finally:
             guard.cancel()
             os.kill(pid, signal.SIGCONT)
