@@ -64,6 +64,12 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def slot_buffers(nbytes: int) -> list[np.ndarray]:
+    """As many buffers of `nbytes` as the feeder has host slots (`DEPTH + 2`), each touched
+    once: the destinations `memcpy_s` rotates over."""
+    return [np.ones(nbytes, np.uint8) for _ in range(DEPTH + 2)]
+
+
 def memcpy_s(flat: np.ndarray, dsts: list[np.ndarray], copies: int, start: int) -> float:
     """Median CPU seconds of `np.copyto` of one batch's bytes from rotating offsets of `flat`.
 
@@ -222,8 +228,7 @@ def measure_size(
     batch_bytes = global_batch * ROW_BYTES
     count = int(min(max(work_bytes // batch_bytes, 20), 1000))
     copies = max(5, min(count, 200))
-    # As many destinations as the feeder has host slots, each touched once.
-    dsts = [np.ones(batch_bytes, np.uint8) for _ in range(DEPTH + 2)]
+    dsts = slot_buffers(batch_bytes)
     outs = [
         (np.ones((global_batch, FEATURES), np.float32), np.ones(global_batch, np.int32))
         for _ in range(DEPTH + 2)

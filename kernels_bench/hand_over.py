@@ -52,7 +52,7 @@ import numpy as np
 from feedpipe._internals import generator_dataset
 from feedpipe.core.slots import _aligned_buffer
 from kernels_bench import harness
-from kernels_bench.copy_cost import memcpy_s
+from kernels_bench.copy_cost import memcpy_s, slot_buffers
 
 FEATURES = 1024
 ROW_BYTES = FEATURES * 4 + 4
@@ -124,10 +124,8 @@ def repetition(fp, tf, x, y, rows: int, options: dict, passes: int, seed: int) -
         measured["floor"],
     )
     _, _, bare_cpu = measured["bare"]
-    # One copy of the batch's bytes, as copy_cost times it: into as many buffers as the
-    # feeder has host slots (depth 2, + 2), from rotating offsets of the data.
-    batch_bytes = rows * ROW_BYTES
-    buffers = [np.ones(batch_bytes, np.uint8) for _ in range(4)]
+    # One copy of the batch's bytes, as copy_cost times it.
+    buffers = slot_buffers(rows * ROW_BYTES)
     copy_us_per_mb = memcpy_s(x.reshape(-1).view(np.uint8), buffers, 8, seed) * 1e6 / mb
     hand_over_us_per_mb = (data_cpu - loop_cpu) * 1e6 / mb
     return {
