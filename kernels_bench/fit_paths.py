@@ -87,6 +87,8 @@ PEER_NAMES = {
     "train": "fp.train(model, fp.Feeder((x, y), 128, shuffle=True), ...)",
 }
 MODELS = ("mnist convnet", "mlp", "larger convnet")
+STRATEGIES = ("none", "mirrored")
+"""Without a strategy (Keras's default) and under MirroredStrategy on 2 logical CPUs."""
 STEPS = {"mnist convnet": (12, 100), "mlp": (80, 1200), "larger convnet": (8, 20)}
 """Steps per epoch (quick, full): a steady epoch of at least ~2 s of training, so that its
 input's restart does not dominate it."""
@@ -268,7 +270,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--strategies",
-        default="none,mirrored",
+        default=",".join(STRATEGIES),
         help="without a strategy (none), under MirroredStrategy (mirrored), or both (default)",
     )
 
@@ -373,6 +375,8 @@ def run_case(report, settings, model_name, strategy, steps, epochs) -> None:
 
 def main(argv=None) -> None:
     settings = harness.parse_settings(__doc__, add_args, argv)
+    models = chosen(settings.args.models, MODELS, "--models")
+    strategy_names = chosen(settings.args.strategies, STRATEGIES, "--strategies")
     devices = harness.configure_tf(2)
     import tensorflow as tf
 
@@ -390,16 +394,15 @@ def main(argv=None) -> None:
     mirrored = tf.distribute.MirroredStrategy(
         devices, cross_device_ops=tf.distribute.ReductionToOneDevice()
     )
-    strategies = {"none": None, "mirrored": mirrored}
-    for model_name in chosen(settings.args.models, MODELS, "--models"):
+    strategies = dict(zip(STRATEGIES, (None, mirrored), strict=True))
+    for model_name in models:
         print(
             f"{model_name}: {steps[model_name]} steps of {GLOBAL_BATCH} x {IMAGE_SHAPE} per "
             f"epoch, {epochs} epochs per session (the first is start-up)",
             flush=True,
         )
-        for name in chosen(settings.args.strategies, tuple(strategies), "--strategies"):
-            strategy = strategies[name]
-            run_case(report, settings, model_name, strategy, steps[model_name], epochs)
+        for name in strategy_names:
+            run_case(report, settings, model_name, strategies[name], steps[model_name], epochs)
             gc.collect()
     report.note(
         "Steady state: the epochs after the first of each session (each later epoch includes "
