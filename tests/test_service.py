@@ -395,11 +395,10 @@ def at_the_first_rows(monkeypatch, act) -> list[float]:
 
 
 def test_a_service_worker_killed_mid_epoch_loses_no_row(tmp_path, devices, monkeypatch):
-    """A worker SIGKILLed as the first rows arrive: the rows it held never come and its job
-    never ends (TensorFlow 2.21), so once no row came for STALL_S the feeder asks a new job for
-    the missing rows; the epoch is still each sample once, in the local order and values.
-    It is killed as the feeder reads the first rows (see `at_the_first_rows`), with elements of
-    8 rows, so that it is mid-epoch."""
+    """A worker SIGKILLed as the feeder reads the first rows (`at_the_first_rows`; elements of
+    8 rows, so that it is mid-epoch): the rows it held never come and its job never ends
+    (TensorFlow 2.21), so once no row came for STALL_S the feeder asks a new job for the
+    missing rows; the epoch is still each sample once, in the local order and values."""
     monkeypatch.setattr(service_module, "STALL_S", 2.0)
     monkeypatch.setattr(service_module, "ROWS_PER_ELEMENT", 8)
     ports = []
