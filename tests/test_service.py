@@ -16,11 +16,13 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator
+from unittest import mock
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.data.experimental.ops import testing
 
 import feedpipe as fp
 from feedpipe.core.handoff import Handoff
@@ -133,7 +135,7 @@ def test_a_transform_that_asks_for_a_numpy_rng_is_refused(service):
 
 def test_stats_say_how_long_the_producer_waited_for_the_service(service, devices):
     # 4 elements of 64 rows: the first makes the first batch (start-up, not counted).
-    with feeder(service.address, 256, 8, devices[:1], slow_scaled) as remote:
+    with slow_feeder(service.address, 256, devices) as remote:
         stream(remote, 1)
         stats = remote.stats()
     assert 0 < stats.service_wait_s <= stats.producer_busy_s
@@ -346,22 +348,31 @@ def test_a_transform_whose_shape_varies_is_refused(service):
         fp.Feeder(records(8), 4, transform=ragged, service=service.address)
 
 
-def slow_scaled(sample):
-    """`scaled`, after ~30 ms of TensorFlow work: rows are still owed when a worker dies."""
-    work = tf.random.stateless_uniform((256, 256), [1, 2])
-    for _ in range(6):
-        work = tf.matmul(work, work) / 256.0
-    features, label = scaled(sample)
-    return features + 0.0 * tf.reduce_sum(work), label
+ROW_S = 0.03
+"""How often a service worker sends a row in `slow_feeder`s."""
 
 
-def slow_feeder(address, length: int, devices) -> fp.Feeder:
-    """`length` records through `slow_scaled` in batches of 8 on one device."""
-    return feeder(address, length, 8, devices[:1], slow_scaled)
+@contextlib.contextmanager
+def slow_feeder(address, length: int, devices) -> Iterator[fp.Feeder]:
+    """`length` records through `scaled` in batches of 8 on one device, each service worker
+    sending a row every ROW_S (TensorFlow's own SleepDataset after the transform), however fast
+    the machine: rows are still owed when a worker or the dispatcher is lost. A pace set by the
+    work done instead (matmuls) was no pace on a fast machine: every row was made before the
+    first arrived."""
+    rows = service_module.ServiceWork._rows
+
+    def paced(work, *args, **kwargs):
+        return rows(work, *args, **kwargs).apply(testing.sleep(int(ROW_S * 1e6)))
+
+    with (
+        mock.patch.object(service_module.ServiceWork, "_rows", paced),
+        feeder(address, length, 8, devices[:1], scaled) as made,
+    ):
+        yield made
 
 
 def local_stream(length: int, devices) -> list[tuple]:
-    """The one-epoch stream of `slow_feeder`, made here (with `scaled`: the same values)."""
+    """The one-epoch stream of `slow_feeder`, made here."""
     with feeder(None, length, 8, devices[:1], scaled) as local:
         return stream(local, 1)
 
