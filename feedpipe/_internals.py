@@ -32,13 +32,9 @@ def _single_device_function(function: Any, transformation: str, **structure: Any
     )
 
 
-def single_device_map(
-    dataset: Any, function: Any, *, parallel: bool = False, in_calling_thread: bool = False
-) -> Any:
-    """`dataset.map(function)` (deterministic; `parallel`: with `AUTOTUNE` calls, as many as
-    TensorFlow's threads where autotuning is off), its function declared to run on the
-    dataset's one device, and, `in_calling_thread`, its ops run in the thread that asks for the
-    element.
+def single_device_map(dataset: Any, function: Any, *, in_calling_thread: bool = False) -> Any:
+    """`dataset.map(function)`, its function declared to run on the dataset's one device, and,
+    `in_calling_thread`, its ops run in the thread that asks for the element.
 
     Every new iterator instantiates a dataset's functions afresh, and a function tf.data may
     spread over devices goes through Grappler each time: ~2 ms a function on 2 cores, against
@@ -62,13 +58,7 @@ def single_device_map(
                     **self._common_args,
                 )
                 inputs = (dataset._variant_tensor, self._map_func.function.captured_inputs)
-                if parallel:
-                    variant = gen_dataset_ops.parallel_map_dataset_v2(
-                        *inputs, num_parallel_calls=-1, deterministic="true", **common
-                    )
-                else:
-                    variant = gen_dataset_ops.map_dataset(*inputs, **common)
-                super().__init__(dataset, variant)
+                super().__init__(dataset, gen_dataset_ops.map_dataset(*inputs, **common))
 
             def _functions(self):
                 return [self._map_func]
@@ -79,8 +69,6 @@ def single_device_map(
 
         return SingleDeviceMap()
     except (ImportError, AttributeError, TypeError):  # a TensorFlow without them: the public map
-        if parallel:
-            return dataset.map(function, num_parallel_calls=-1, deterministic=True)
         return dataset.map(function)
 
 
