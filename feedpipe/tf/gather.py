@@ -138,9 +138,9 @@ def gathered_dataset(
 
     planned = single_device_map(tf.data.Dataset.range(1), pass_steps).unbatch()
     # One gather at a time is enough: a batch's gather (~50 µs for 400 KB; TensorFlow's Gather
-    # spreads a large one over its intra-op threads) is far shorter than a step that uses it.
-    # Two at once (a parallel map, as many calls as cores without autotuning) took 4-6 % more
-    # of the process's CPU per step of a small MLP on 2 cores, and that CPU is the step's.
+    # spreads a large one over its intra-op threads) is far shorter than a step that uses it,
+    # and a second at once (a parallel map runs as many as there are cores without autotuning)
+    # only takes a core from the step on a small machine.
     gathered = single_device_map(planned, gather).prefetch(feeder.options.depth)
     return single_device_map(gathered, take_batch, in_calling_thread=True)
 
