@@ -143,9 +143,9 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
         # (Under a multi-worker strategy the dataset is this host's alone: nothing to shard.)
         policy = tf.data.experimental.AutoShardPolicy.DATA
         options.experimental_distribute.auto_shard_policy = policy
-        # The feeder stages `depth` batches ahead in its own thread, or a map gathers them
-        # ahead in a prefetch's: a prefetch that TensorFlow would add only takes batches
-        # before the step asks.
+        # The feeder stages `depth` batches ahead in its own thread, or `prefetch(depth)`'s
+        # thread gathers them: a prefetch that TensorFlow would add only takes batches before
+        # the step asks.
         options.experimental_optimization.inject_prefetch = False
         # Freeing an iterator whose autotuning runs waits for its model thread: ~1 s at many
         # of Keras's epoch boundaries (two iterators made, one freed, each epoch). The feeder
