@@ -194,6 +194,26 @@ def test_a_feeders_dataset_sizes_its_own_buffers_without_autotuning(as_dataset_p
         assert len(list(dataset)) == len(feeder)
 
 
+@pytest.mark.parametrize("depth", [1, 3])
+def test_a_gathered_dataset_holds_depth_batches_ahead_gathered_one_at_a_time(depth):
+    """Bounded memory on the gathered path: its one buffer is a prefetch of `depth` batches,
+    filled by one gather at a time in the prefetch's thread (a parallel map would hold one
+    batch more per core)."""
+    with fp.Feeder(sources(40)["(x, y)"], 8, depth=depth) as feeder:
+        dataset = feeder.as_dataset()
+        ignore = tf.data.experimental.ExternalStatePolicy.IGNORE
+        graph = tf.compat.v1.GraphDef.FromString(
+            dataset._as_serialized_graph(external_state_policy=ignore).numpy()
+        )
+        nodes = {node.name: node for node in graph.node}
+        ops = [node.op for node in graph.node if "Dataset" in node.op]
+        assert ops.count("PrefetchDataset") == 1 and ops.count("MapDataset") >= 3
+        assert not [op for op in ops if "Parallel" in op]
+        (prefetch,) = [node for node in graph.node if node.op == "PrefetchDataset"]
+        assert tf.make_ndarray(nodes[prefetch.input[1]].attr["value"].tensor) == depth
+        assert len(list(dataset)) == len(feeder)
+
+
 def test_dropping_a_feeder_and_its_gathered_dataset_frees_both():
     feeder = fp.Feeder(sources(40)["(x, y)"], 8)
     dataset = feeder.as_dataset()
