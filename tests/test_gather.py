@@ -199,12 +199,11 @@ def test_a_gathered_dataset_holds_depth_batches_ahead_gathered_one_at_a_time(dep
     """Bounded memory on the gathered path: its one buffer is a prefetch of `depth` batches,
     filled by one gather at a time in the prefetch's thread (a parallel map would hold one
     batch more per core)."""
+    from feedpipe._internals import dataset_graph
+
     with fp.Feeder(sources(40)["(x, y)"], 8, depth=depth) as feeder:
         dataset = feeder.as_dataset()
-        ignore = tf.data.experimental.ExternalStatePolicy.IGNORE
-        graph = tf.compat.v1.GraphDef.FromString(
-            dataset._as_serialized_graph(external_state_policy=ignore).numpy()
-        )
+        graph = dataset_graph(dataset)
         nodes = {node.name: node for node in graph.node}
         ops = [node.op for node in graph.node if "Dataset" in node.op]
         assert ops.count("PrefetchDataset") == 1 and ops.count("MapDataset") >= 3
