@@ -621,6 +621,8 @@ class Feeder:
                 self.layer.page_lock,
                 device_pool,
             ),
+            copy_path=self.layer.copy_path.name,
+            copy_path_reason=self.layer.copy_path.reason,
         )
 
     def get_state(self) -> dict:
@@ -851,6 +853,7 @@ class Feeder:
         if self._producer is not None:
             self._producer.close()
         self._pools.clear()  # staged batches still held keep their own slots alive
+        self.layer.close()  # and their own device blocks
 
     def __enter__(self) -> Feeder:
         return self

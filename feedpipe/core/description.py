@@ -121,6 +121,12 @@ class FeederDescription:
     """The seed of the order and of each sample's `transform` rng."""
     slots: SlotsDescription
     """The host slots batches are made in."""
+    copy_path: str
+    """How batches cross from the slots to the devices: "feedpipe streams" (a non-blocking CUDA
+    stream of feedpipe's own per device, beside the running step, handed over with DLPack), the
+    framework's own copy ("jax.device_put", "tensorflow"), or "none" (CPU devices)."""
+    copy_path_reason: str
+    """Why that path: what made feedpipe's own streams unavailable, where they are."""
 
     def to_dict(self) -> dict:
         """Every field, nested descriptions as dicts and tuples as lists: JSON as it is."""

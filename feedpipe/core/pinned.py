@@ -20,11 +20,20 @@ from __future__ import annotations
 
 import ctypes
 import os
-import re
 import threading
 import time
 import weakref
 from typing import TYPE_CHECKING
+
+from feedpipe.core._cuda import (
+    DRIVER_PATH,
+    RUNTIME_PATH,
+    CudaError,
+    Driver,
+    loaded_library,
+    open_loaded,
+    switched_off,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -34,20 +43,9 @@ SWITCH = "FEEDPIPE_PAGE_LOCK"
 PORTABLE = 1
 """`cudaHostRegisterPortable` and `CU_MEMHOSTREGISTER_PORTABLE`: locked for every context."""
 
-_RUNTIME = re.compile(r"/libcudart\.so(?:\.[0-9]+)*$")
-_DRIVER = re.compile(r"/libcuda\.so(?:\.[0-9]+)*$")
-_OFF = ("0", "false", "off", "no")
-_ON = ("", "1", "true", "on", "yes")
-
 
 def _switched_off() -> bool:
-    switch = os.environ.get(SWITCH, "").strip().lower()
-    if switch not in _OFF + _ON:
-        raise ValueError(
-            f"{SWITCH}={os.environ[SWITCH]!r} is neither on nor off; set it to 0 to turn "
-            "page-locking off, or to 1 (or leave it unset) to page-lock host slots."
-        )
-    return switch in _OFF
+    return switched_off(SWITCH, "page-lock host slots")
 
 
 def _size(nbytes: int) -> str:
@@ -55,24 +53,6 @@ def _size(nbytes: int) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.4g} {unit}"
     return f"{nbytes} bytes"
-
-
-def _loaded(pattern: re.Pattern, maps_path: str) -> str | None:
-    """The path of the first library mapped in this process whose path matches `pattern`."""
-    try:
-        with open(maps_path) as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                if len(fields) == 6 and pattern.search(fields[5].strip()):
-                    return fields[5].strip()
-    except OSError:
-        return None
-    return None
-
-
-def _open_loaded(path: str) -> ctypes.CDLL:
-    """A handle on the library at `path`, which must already be loaded: never loads it."""
-    return ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
 
 
 class _Runtime:
@@ -119,48 +99,27 @@ class _Driver:
     call = "cuMemHostRegister"
 
     def __init__(self, lib: ctypes.CDLL):
-        self._text = getattr(lib, "cuGetErrorString", None)
-        self._register = lib.cuMemHostRegister_v2
-        self._register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-        self._unregister = lib.cuMemHostUnregister
-        self._unregister.argtypes = [ctypes.c_void_p]
-        self._push = lib.cuCtxPushCurrent_v2
-        self._push.argtypes = [ctypes.c_void_p]
-        self._pop = lib.cuCtxPopCurrent_v2
-        self._pop.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-        device = ctypes.c_int()
-        self.context = ctypes.c_void_p()
-        # Retained for as long as the process lives: a release that dropped the last reference
-        # would destroy the context and every registration with it.
-        for name, args in (
-            ("cuInit", (0,)),
-            ("cuDeviceGet", (ctypes.byref(device), 0)),
-            ("cuDevicePrimaryCtxRetain", (ctypes.byref(self.context), device)),
-        ):
-            code = getattr(lib, name)(*args)
-            if code:
-                raise _Unavailable(f"{name} returned {code} ({self.describe(code)})")
-
-    def _in_context(self, function, *args) -> int:
-        code = self._push(self.context)
-        if code:
-            return code
         try:
-            return function(*args)
-        finally:
-            self._pop(ctypes.byref(ctypes.c_void_p()))
+            self._driver = Driver(lib)
+            self._driver.context(0)
+        except CudaError as error:
+            raise _Unavailable(str(error)) from error
+
+    def _in_context(self, name: str, *args) -> int:
+        try:
+            with self._driver.current(0):
+                return self._driver.call(name, *args)
+        except CudaError as error:
+            return error.code
 
     def register(self, address: int, nbytes: int) -> int:
-        return self._in_context(self._register, address, nbytes, PORTABLE)
+        return self._in_context("cuMemHostRegister_v2", address, nbytes, PORTABLE)
 
     def unregister(self, address: int) -> int:
-        return self._in_context(self._unregister, address)
+        return self._in_context("cuMemHostUnregister", address)
 
     def describe(self, code: int) -> str:
-        text = ctypes.c_char_p()
-        if self._text is None or self._text(code, ctypes.byref(text)) or not text.value:
-            return "no description"
-        return text.value.decode(errors="replace")
+        return self._driver.describe(code)
 
 
 class _Unavailable(Exception):
@@ -199,12 +158,12 @@ class PageLocker:
             return cls(
                 None, f"page-locking was turned off with {SWITCH}={os.environ[SWITCH]}", None
             )
-        for pattern, api in ((_RUNTIME, _Runtime), (_DRIVER, _Driver)):
-            path = _loaded(pattern, maps_path)
+        for pattern, api in ((RUNTIME_PATH, _Runtime), (DRIVER_PATH, _Driver)):
+            path = loaded_library(pattern, maps_path)
             if path is None:
                 continue
             try:
-                return cls(api(_open_loaded(path)), None, path)
+                return cls(api(open_loaded(path)), None, path)
             except (OSError, AttributeError, _Unavailable) as error:
                 return cls(None, f"{path} cannot page-lock memory: {error}", path)
         return cls(

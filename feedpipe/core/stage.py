@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from feedpipe.core.copy_engine import CopyPath
 from feedpipe.core.sampler import Step
 from feedpipe.core.slots import SlotLayout
 from feedpipe.core.source import SampleSpec
@@ -53,6 +54,8 @@ class Layer(Protocol):
     """This host's rows of each global batch."""
     page_lock: Any
     """A `feedpipe.core.pinned` locker for host slots copied to an accelerator, or None."""
+    copy_path: CopyPath
+    """How batches cross from their host slots to the devices, and why that way."""
 
     def check_stageable(self, spec: SampleSpec) -> None:
         """Refuses, at construction, a field the framework cannot hold, naming it and the fix."""
@@ -60,6 +63,9 @@ class Layer(Protocol):
     def stager(self, layout: SlotLayout, stats: StatsRecorder) -> Stager:
         """A stager that puts each replica's regions of a slot on its device, recording the
         copies it can time in `stats`."""
+
+    def close(self) -> None:
+        """Lets go of what the layer holds on the devices for staging; idempotent."""
 
 
 def refuse_unstageable(spec: SampleSpec, framework: str, device: Any, place: Callable) -> None:

@@ -89,6 +89,18 @@ class FeedStats:
     service worker held while the others went on: the feeder keeps at most
     `feedpipe.service.HELD_ROWS` of their later rows, then asks a new job for the rows held
     back. Above 0: a service worker lags (a busy, stopped or dead machine)."""
+    copy_path: str | None = None
+    """How the timed copies crossed to the devices: "feedpipe streams" (a CUDA stream of
+    feedpipe's own per device, beside the running step) or the framework's own copy
+    ("jax.device_put", which waits for the steps queued before it); `describe()` says why."""
+    device_blocks: int = 0
+    """Device memory blocks (one replica's batch each) that feedpipe's own streams copy into,
+    allocated now over every device. It stops growing once the pipeline runs: at most
+    `depth + 3` per device, plus one per batch the consumer keeps beyond those."""
+    fence_wait_s: float = 0.0
+    """Time the staging thread waited for the device to finish a step before reusing a device
+    block: the consumer had queued more steps than the device had run. Above 0: the step sets
+    the pace, not the input."""
 
     @property
     def copy_gb_per_s(self) -> float:
@@ -149,9 +161,10 @@ class FeedStats:
         memory = {True: "page-locked", False: f"pageable: {self.page_lock_reason}"}.get(
             self.page_locked, "host memory"
         )
+        path = f", {self.copy_path}" if self.copy_path else ""
         return (
             f"; copies {self.copy_gb_per_s:.1f} GB/s, {self.copy_s_per_step * 1e3:.2f} ms a "
-            f"step ({memory})"
+            f"step ({memory}{path})"
         )
 
 
@@ -193,6 +206,9 @@ class StatsRecorder:
         self.copies = 0
         self.copied_bytes = 0
         self.copy_s = 0.0
+        self.copy_path: str | None = None
+        self.device_blocks = 0
+        self.fence_wait_s = 0.0
 
     def copied(self, nbytes: int, seconds: float) -> None:
         """Records one batch's host-to-device copy, from its start to its end."""
@@ -285,4 +301,7 @@ class StatsRecorder:
             page_locked=page_locked,
             page_lock_reason=page_lock_reason,
             service_lag_wait_s=self.service_lag_wait_s,
+            copy_path=self.copy_path if self.copies else None,
+            device_blocks=self.device_blocks,
+            fence_wait_s=self.fence_wait_s,
         )

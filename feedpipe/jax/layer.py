@@ -1,10 +1,14 @@
 """The JAX layer: what the core needs from JAX to stage batches.
 
-Each replica's regions of a host slot go to its device with one `jax.device_put` per replica:
-on a GPU that is the one host-to-device copy, from a page-locked slot where the CUDA runtime
-allows it (`feedpipe.core.pinned`). JAX holds the slot's bytes until the copy is done, so the
-slot returns to the pool only then; the staging thread waits for the copy before handing the
-batch over, so the consumer never takes a batch still in transit, and the wait is measured.
+On CUDA GPUs each replica's regions of a page-locked host slot are copied by the core's copy
+engine (`feedpipe.core.copy_engine`) on a stream of feedpipe's own, beside the running step, and
+handed to JAX with DLPack, which wraps the device memory where it is. `jax.device_put` would
+instead wait for every step queued before it (XLA's GPU client allocates in step with its compute
+stream). The staging thread waits for its own copies only; the slot returns once they are done.
+
+Elsewhere (another accelerator, no CUDA in the process, `FEEDPIPE_COPY_STREAM=0`, a dtype DLPack
+cannot name), each replica's regions go to its device with one `jax.device_put`, and the staging
+thread waits for that copy before handing the batch over; `copy_path` says which and why.
 
 On a CPU device JAX would wrap the slot's memory instead, and let it go only at its next call
 after the array dies: a producer waiting for that slot makes no such call, so the slot came back
@@ -24,6 +28,15 @@ import numpy as np
 import optree
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from feedpipe.core.copy_engine import (
+    NO_COPY,
+    OWN_STREAMS,
+    CopyEngine,
+    CopyPath,
+    DeviceMemory,
+    cuda_devices,
+    undeliverable_field,
+)
 from feedpipe.core.pinned import page_locker
 from feedpipe.core.sampler import Step
 from feedpipe.core.slots import SlotLayout
@@ -87,6 +100,36 @@ def _share(global_batch_size: int, mesh: Mesh) -> tuple[tuple[jax.Device, ...], 
     return local, HostShare(global_batch_size, len(processes), host, len(local))
 
 
+DEVICE_PUT = "jax.device_put"
+"""`CopyPath.name` where JAX's own transfer copies to the devices."""
+
+
+def _device_memories(
+    devices: Sequence[jax.Device],
+) -> tuple[list[DeviceMemory] | None, CopyPath]:
+    """Streams and memory of feedpipe's own on each device, where they can be made, and the
+    copy path that follows."""
+    if all(d.platform == "cpu" for d in devices):
+        return None, NO_COPY
+    platform = f"{devices[0].platform} ({devices[0].client.platform_version})"
+    if not all("cuda" in d.client.platform_version.lower() for d in devices):
+        return None, CopyPath(
+            DEVICE_PUT, f"the devices are {platform}: feedpipe's own copy streams need CUDA"
+        )
+    memories, reason = cuda_devices([d.local_hardware_id for d in devices])
+    return memories, CopyPath(OWN_STREAMS if memories else DEVICE_PUT, reason)
+
+
+_bump = jax.jit(lambda token: token + 1)
+
+
+def _fence(device: jax.Device):
+    """A function that enqueues a tiny computation on `device`: ready once every step enqueued
+    there before it has run (one compute stream per device runs them in order)."""
+    token = jax.device_put(np.zeros((), np.int32), device)
+    return lambda: _bump(token)
+
+
 class JaxLayer:
     """Stages on JAX devices: this process's devices of a 1-D mesh (or the mesh given)."""
 
@@ -105,15 +148,42 @@ class JaxLayer:
         self.accelerated = any(d.platform != "cpu" for d in self.devices)
         """Whether the devices are accelerators: copies to them are timed and page-locked."""
         self.page_lock = page_locker() if self.accelerated else None
+        self._memories, self.copy_path = _device_memories(self.devices)
+        self._engine: CopyEngine | None = None
 
     def check_stageable(self, spec: SampleSpec) -> None:
         device = self.devices[0]
         refuse_unstageable(
             spec, "JAX", device, lambda array: jax.device_put(array, device).block_until_ready()
         )
+        undeliverable = self._memories and undeliverable_field(spec)
+        if undeliverable:
+            self._close_memories()
+            self.copy_path = CopyPath(DEVICE_PUT, f"{undeliverable}, so JAX copies it")
 
     def stager(self, layout: SlotLayout, stats: StatsRecorder) -> Stager:
-        return Stager(self, layout, stats)
+        if self._memories is not None and (
+            self._engine is None or self._engine.layout is not layout
+        ):
+            if self._engine is not None:
+                self._engine.close()
+            fences = [_fence(device) for device in self.devices]
+            self._engine = CopyEngine(self._memories, layout, stats.depth, fences)
+        stats.copy_path = self.copy_path.name
+        return Stager(self, layout, stats, self._engine)
+
+    def _close_memories(self) -> None:
+        memories, self._memories = self._memories, None
+        for memory in memories or ():
+            memory.close()
+
+    def close(self) -> None:
+        """Frees the device blocks nothing reads any more (the rest as the consumer lets go of
+        them); idempotent."""
+        if self._engine is not None:
+            self._engine.close()
+        elif self._memories is not None:
+            self._close_memories()
 
     def global_arrays(self, per_device: Sequence[Any]) -> Any:
         """The global arrays, axis 0 sharded over the mesh, whose shards are `per_device`'s
@@ -132,10 +202,17 @@ class JaxLayer:
 class Stager:
     """Turns filled host slots into `Batch`es whose arrays sit on each replica's device."""
 
-    def __init__(self, layer: JaxLayer, layout: SlotLayout, stats: StatsRecorder):
+    def __init__(
+        self,
+        layer: JaxLayer,
+        layout: SlotLayout,
+        stats: StatsRecorder,
+        engine: CopyEngine | None,
+    ):
         self.layer = layer
         self.layout = layout
         self.stats = stats
+        self.engine = engine
         self.masks = MaskCache(len(layer.devices), layout.split.per_replica, self._place_masks)
         """A step's masks: per device, and as one global array (made once per pattern)."""
 
@@ -152,15 +229,32 @@ class Stager:
         if isinstance(leased, Imported):
             raise TypeError("A JAX feeder stages from host slots; DALI outputs go to TensorFlow.")
         unflatten = self.layout.spec.unflatten
-        started = time.perf_counter()
-        accelerated = self.layer.accelerated
-        placed = [
-            jax.device_put(regions if accelerated else [r.copy() for r in regions], device)
-            for device, regions in zip(self.layer.devices, self.layout.views(leased), strict=True)
-        ]
-        if accelerated:
+        devices = self.layer.devices
+        views = self.layout.views(leased)
+        if self.engine is not None:
+            placed = self._copy_on_own_streams(devices, views)
+        elif self.layer.accelerated:
+            started = time.perf_counter()
+            placed = [jax.device_put(v, d) for d, v in zip(devices, views, strict=True)]
             jax.block_until_ready(placed)
             self.stats.copied(self.layout.batch_bytes, time.perf_counter() - started)
+        else:
+            copies = ([region.copy() for region in regions] for regions in views)
+            placed = [jax.device_put(c, d) for d, c in zip(devices, copies, strict=True)]
         replicas = tuple(unflatten(arrays) for arrays in placed)
         masks, mask = self.masks(step)
         return Batch(replicas, masks, step.num_valid, step.epoch, step.index, mask, self.layer)
+
+    def _copy_on_own_streams(self, devices: Sequence[jax.Device], views: list) -> list:
+        """Each replica's fields on its device, copied by the engine and imported without a copy."""
+        engine = self.engine
+        waited_s = engine.copy_s
+        with engine.copy(views) as exports:
+            placed = [
+                [jax.dlpack.from_dlpack(export, device, copy=False) for export in fields]
+                for device, fields in zip(devices, exports, strict=True)
+            ]
+        self.stats.copied(self.layout.batch_bytes, engine.copy_s - waited_s)
+        self.stats.device_blocks = engine.blocks
+        self.stats.fence_wait_s = engine.fence_wait_s
+        return placed

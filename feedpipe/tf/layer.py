@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from feedpipe.core.copy_engine import NO_COPY, CopyPath
+from feedpipe.core.description import is_cpu
 from feedpipe.core.slots import SlotLayout
 from feedpipe.core.source import SampleSpec
 from feedpipe.core.stats import StatsRecorder
@@ -27,6 +29,15 @@ class TensorFlowLayer:
         self.share = host_share(global_batch_size, strategy, len(self.devices))
         self.page_lock = None
         """Slots stay pageable: TensorFlow's GPU runtime is not asked to page-lock them."""
+        self.copy_path = (
+            NO_COPY
+            if all(is_cpu(device) for device in self.devices)
+            else CopyPath(
+                "tensorflow",
+                "TensorFlow copies to its GPUs itself, and its copy waits for the compute queued "
+                "before it; feedpipe's own copy streams are not used with TensorFlow",
+            )
+        )
 
     def check_stageable(self, spec: SampleSpec) -> None:
         check_stageable(spec, self.devices[0])
@@ -34,3 +45,6 @@ class TensorFlowLayer:
     def stager(self, layout: SlotLayout, stats: StatsRecorder) -> Stager:
         """TensorFlow's copies run inside its own runtime, untimed: `stats` is not used."""
         return Stager(self.devices, layout, self.strategy, self.share)
+
+    def close(self) -> None:
+        """TensorFlow owns its device memory: nothing to let go of."""

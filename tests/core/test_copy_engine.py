@@ -1,0 +1,210 @@
+"""The copy engine's bookkeeping: a device block is written only once every array made from it is
+released and a fence behind that release has run; the blocks stay bounded whether the device
+runs behind or the consumer keeps batches; a capsule nobody consumed still releases; and where
+no CUDA is at hand the reason says so.
+
+The device is host memory posing as one (`tests.device_fakes.HostMemory`) and the consumer is
+numpy's `from_dlpack`, which releases an export when its array dies, as a framework does.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+from feedpipe.core import dlpack
+from feedpipe.core._cuda import OUT_OF_MEMORY, CudaError
+from feedpipe.core.copy_engine import (
+    BLOCK_ALIGN,
+    IN_FLIGHT,
+    SWITCH,
+    CopyEngine,
+    cuda_devices,
+    undeliverable_field,
+)
+from feedpipe.core.slots import SlotLayout
+from feedpipe.core.source import SampleSpec
+from feedpipe.core.split import ReplicaSplit
+from tests.device_fakes import POISON, HostMemory, ManualFence
+
+REPLICAS = 2
+PER_REPLICA = 3
+DEPTH = 2
+LIMIT = DEPTH + IN_FLIGHT
+
+
+def make_engine(depth: int = DEPTH, memories=None):
+    spec = SampleSpec.of((np.zeros(5, np.float32), np.zeros((), np.int32)))
+    layout = SlotLayout(spec, ReplicaSplit(REPLICAS * PER_REPLICA, REPLICAS))
+    memories = memories or [HostMemory(r) for r in range(REPLICAS)]
+    fences: list[ManualFence] = []
+    engine = CopyEngine(memories, layout, depth, [lambda: ManualFence(fences)] * REPLICAS)
+    return engine, layout, memories, fences
+
+
+def batch(layout: SlotLayout, value: int) -> list[list[np.ndarray]]:
+    """A host slot's regions, every byte of batch `value` holding rows `value * 10 + row`."""
+    memory = np.zeros(layout.nbytes, np.uint8)
+    views = layout.views(memory)
+    for r, (features, labels) in enumerate(views):
+        rows = value * 10 + r * PER_REPLICA + np.arange(PER_REPLICA)
+        features[:] = rows[:, None]
+        labels[:] = rows
+    return views
+
+
+def stage(engine: CopyEngine, layout: SlotLayout, value: int) -> list[list[np.ndarray]]:
+    """Batch `value` on the fake devices, as the consumer's arrays."""
+    with engine.copy(batch(layout, value)) as exports:
+        return [[np.from_dlpack(export) for export in fields] for fields in exports]
+
+
+def values(arrays: list[list[np.ndarray]]) -> list[int]:
+    return [int(v) for fields in arrays for v in fields[1]]
+
+
+def test_every_field_arrives_exactly_at_an_aligned_address_of_its_devices_memory():
+    engine, layout, memories, _ = make_engine()
+    arrays = stage(engine, layout, 7)
+    assert values(arrays) == [70, 71, 72, 73, 74, 75]
+    for memory, (features, labels) in zip(memories, arrays, strict=True):
+        assert features.shape == (PER_REPLICA, 5) and labels.dtype == np.int32
+        assert (features == labels[:, None]).all()
+        for array in (features, labels):
+            assert array.ctypes.data % BLOCK_ALIGN == 0
+            assert any(
+                base <= array.ctypes.data < base + block.nbytes
+                for base, block in memory.blocks.items()
+            )
+
+
+def test_a_block_is_reused_only_after_its_arrays_are_released_and_a_fence_behind_them_ran():
+    engine, layout, memories, fences = make_engine()
+    first = stage(engine, layout, 1)
+    first_block = {m.ordinal: set(m.blocks) for m in memories}
+    del first
+    gc.collect()
+    second = stage(engine, layout, 2)  # the release is seen here: a fence goes behind it
+    assert len(fences) == REPLICAS and not any(f.ready for f in fences)
+    third = stage(engine, layout, 3)  # the fence has not run: the first block stays untouched
+    assert engine.blocks == 3 * REPLICAS
+    for fence in fences:
+        fence.ready = True
+    fourth = stage(engine, layout, 4)
+    assert engine.blocks == 3 * REPLICAS, "the fenced block is reused, not a new one made"
+    assert all(fourth[m.ordinal][0].ctypes.data in first_block[m.ordinal] for m in memories), (
+        "the block reused is the first batch's"
+    )
+    assert [values(b) for b in (second, third, fourth)] == [
+        [20, 21, 22, 23, 24, 25],
+        [30, 31, 32, 33, 34, 35],
+        [40, 41, 42, 43, 44, 45],
+    ]
+
+
+def test_when_the_device_runs_behind_the_blocks_stop_at_the_limit_and_a_fence_is_awaited():
+    engine, layout, _, fences = make_engine()
+    for value in range(4 * LIMIT):  # each batch dropped at once; no fence ever runs by itself
+        arrays = stage(engine, layout, value)
+        assert values(arrays)[0] == value * 10
+        del arrays
+    assert engine.blocks == LIMIT * REPLICAS
+    assert sum(f.waited for f in fences) > 0
+    assert engine.fence_wait_s > 0
+
+
+def test_a_consumer_that_keeps_every_batch_gets_new_blocks_instead_of_a_wait_that_never_ends():
+    engine, layout, _, fences = make_engine()
+    kept = [stage(engine, layout, value) for value in range(3 * LIMIT)]
+    assert engine.blocks == 3 * LIMIT * REPLICAS
+    assert not any(f.waited for f in fences)
+    assert [values(b)[0] for b in kept] == [v * 10 for v in range(3 * LIMIT)]
+
+
+def test_kept_batches_keep_their_values_while_other_blocks_are_reused():
+    engine, layout, _, fences = make_engine()
+    kept = stage(engine, layout, 1)
+    for value in range(2, 30):
+        arrays = stage(engine, layout, value)
+        del arrays
+        for fence in fences:
+            fence.ready = True
+    assert values(kept) == [10, 11, 12, 13, 14, 15]
+    assert engine.blocks <= (LIMIT + 1) * REPLICAS
+
+
+def test_a_capsule_nobody_consumed_releases_its_block():
+    engine, layout, _, fences = make_engine(depth=1)
+    with engine.copy(batch(layout, 1)) as exports:
+        unused = [fields[0].__dlpack__() for fields in exports]
+    assert dlpack.exports_alive() == REPLICAS
+    del unused
+    gc.collect()
+    assert dlpack.exports_alive() == 0
+    stage(engine, layout, 2)
+    assert len(fences) == REPLICAS, "the released block got its fence"
+
+
+def test_a_failed_import_leaves_the_block_to_be_reused():
+    engine, layout, _, fences = make_engine()
+    with pytest.raises(RuntimeError, match="import failed"), engine.copy(batch(layout, 1)):
+        raise RuntimeError("import failed")
+    arrays = stage(engine, layout, 2)
+    assert len(fences) == REPLICAS and values(arrays)[0] == 20
+
+
+def test_close_frees_released_blocks_at_once_and_held_ones_once_let_go():
+    engine, layout, memories, fences = make_engine()
+    dropped = stage(engine, layout, 1)
+    held = stage(engine, layout, 2)
+    del dropped
+    gc.collect()
+    engine.close()
+    assert [len(m.blocks) for m in memories] == [1] * REPLICAS, "only the held batch's blocks"
+    assert all(f.waited for f in fences), "close waits for the fence of what it frees"
+    assert values(held) == [20, 21, 22, 23, 24, 25]
+    del held
+    gc.collect()
+    make_engine()  # any engine made (or closed) later frees what closed ones left behind
+    assert [len(m.blocks) for m in memories] == [0] * REPLICAS
+    assert all(m.closed for m in memories)
+    assert all((block == POISON).all() for m in memories for block in m.freed)
+    engine.close()  # idempotent
+
+
+def test_a_device_out_of_memory_names_the_preallocation_setting_and_the_way_out():
+    full = CudaError("cuMemAlloc_v2", OUT_OF_MEMORY, "out of memory")
+    engine, layout, _, _ = make_engine(memories=[HostMemory(r, full) for r in range(REPLICAS)])
+    with pytest.raises(
+        MemoryError, match=r"XLA_PYTHON_CLIENT_MEM_FRACTION.*FEEDPIPE_COPY_STREAM=0"
+    ):
+        stage(engine, layout, 1)
+
+
+def test_without_a_cuda_driver_in_the_process_the_reason_says_so(monkeypatch):
+    monkeypatch.delenv(SWITCH, raising=False)
+    memories, reason = cuda_devices([0])
+    assert memories is None
+    assert "no CUDA driver is loaded in this process" in reason
+
+
+def test_the_switch_turns_the_engine_off_and_a_bad_value_is_refused(monkeypatch):
+    monkeypatch.setenv(SWITCH, "0")
+    assert cuda_devices([0]) == (
+        None,
+        f"feedpipe's own copy streams were turned off with {SWITCH}=0",
+    )
+    monkeypatch.setenv(SWITCH, "sometimes")
+    with pytest.raises(ValueError, match=r"FEEDPIPE_COPY_STREAM='sometimes' is neither on nor off"):
+        cuda_devices([0])
+
+
+def test_a_dtype_dlpack_cannot_name_is_found_by_field():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    spec = SampleSpec.of({"image": np.zeros(2, ml_dtypes.float8_e4m3fn), "label": np.int32(0)})
+    assert "float8_e4m3fn" in undeliverable_field(spec)
+    assert "image" in undeliverable_field(spec)
+    bfloat = SampleSpec.of((np.zeros(2, ml_dtypes.bfloat16), np.zeros(2, np.bool_)))
+    assert undeliverable_field(bfloat) is None
