@@ -376,8 +376,14 @@ class Report:
         applies: bool = True,
         why_not: str | None = None,
     ) -> dict:
-        """Checks the median of `metric` in `case` against `op threshold`."""
-        value = self.median(case, metric)
+        """Checks the median of `metric` in `case` against `op threshold`; a target that does
+        not apply here may lack the metric."""
+        try:
+            value = self.median(case, metric)
+        except KeyError:
+            if applies:
+                raise
+            value = None
         entry = {
             "case": case,
             "metric": metric,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import glob
 import importlib.util
 import os
 import signal
@@ -46,7 +47,8 @@ if HAS_TENSORFLOW:
     configure_logical_cpus(NUM_CPU_DEVICES)
     HAS_GPU = bool(tf.config.list_physical_devices("GPU"))
 else:
-    HAS_GPU = False
+    # Without TensorFlow (the GPU machines carry JAX alone), an NVIDIA device node says so.
+    HAS_GPU = bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -123,7 +123,7 @@ def _device_memories(
 _bump = jax.jit(lambda token: token + 1)
 
 
-def _fence(device: jax.Device):
+def device_fence(device: jax.Device):
     """A function that enqueues a tiny computation on `device`: ready once every step enqueued
     there before it has run (one compute stream per device runs them in order)."""
     token = jax.device_put(np.zeros((), np.int32), device)
@@ -167,7 +167,7 @@ class JaxLayer:
         ):
             if self._engine is not None:
                 self._engine.close()
-            fences = [_fence(device) for device in self.devices]
+            fences = [device_fence(device) for device in self.devices]
             self._engine = CopyEngine(self._memories, layout, stats.depth, fences)
         stats.copy_path = self.copy_path.name
         return Stager(self, layout, stats, self._engine)
