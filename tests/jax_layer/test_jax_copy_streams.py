@@ -114,6 +114,25 @@ def test_steps_dispatched_without_waiting_read_exactly_their_batch(devices, fake
         assert float(total) == 3 * sum(i * i for i in range(length))
 
 
+def test_a_step_that_donates_a_staged_batch_writes_its_output_into_jaxs_own_memory(
+    devices, fake_gpus
+):
+    double = jax.jit(lambda x: x * 2, donate_argnums=0)
+    with fp.Feeder(index_pairs(16), 8, devices=devices[:1]) as feeder:
+        for batch in feeder:
+            x = batch.replicas[0][0]
+            expected = np.asarray(x) * 2
+            out = double(x)
+            assert (np.asarray(out) == expected).all()
+            address = out.unsafe_buffer_pointer()
+            assert not any(
+                base <= address < base + block.nbytes
+                for memory in fake_gpus
+                for base, block in memory.blocks.items()
+            ), "the output must not live in a block feedpipe will reuse"
+            del batch, x, out
+
+
 def test_describe_and_stats_say_the_batches_cross_on_feedpipes_own_streams(devices, fake_gpus):
     with fp.Feeder(index_pairs(16), 8, devices=devices) as feeder:
         assert feeder.describe().copy_path == OWN_STREAMS
