@@ -162,11 +162,8 @@ class JaxLayer:
             self.copy_path = CopyPath(DEVICE_PUT, f"{undeliverable}, so JAX copies it")
 
     def stager(self, layout: SlotLayout, stats: StatsRecorder) -> Stager:
-        if self._memories is not None and (
-            self._engine is None or self._engine.layout is not layout
-        ):
-            if self._engine is not None:
-                self._engine.close()
+        # One engine for the feeder's life: its device pool's layout never changes.
+        if self._memories is not None and self._engine is None:
             fences = [device_fence(device) for device in self.devices]
             self._engine = CopyEngine(self._memories, layout, stats.depth, fences)
         stats.copy_path = self.copy_path.name
