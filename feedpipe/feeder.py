@@ -33,7 +33,13 @@ from feedpipe.core.producers import ThreadProducer, WorkerProducer
 from feedpipe.core.remainder import Remainder, check_remainder, warn_dropped
 from feedpipe.core.sampler import EpochEnd, Sampler
 from feedpipe.core.slots import SlotLayout, SlotPool
-from feedpipe.core.source import SampleSpec, TFDatasetSource, as_source, field_name
+from feedpipe.core.source import (
+    ArraySource,
+    SampleSpec,
+    TFDatasetSource,
+    as_source,
+    field_name,
+)
 from feedpipe.core.stage import HostStager, Layer
 from feedpipe.core.state import Position, Stream
 from feedpipe.core.stats import FeedStats, StatsRecorder
@@ -297,8 +303,13 @@ class Feeder:
                 sample_spec, _ = first_look(self._source, transform, seed)
             axes = _axes(transpose, sample_spec)
             self.spec = sample_spec.transposed(axes)
-            """What each batch holds: the samples after `transform` and `transpose`."""
-            self.layer.check_stageable(self.spec)
+            """What each host slot holds: the samples after `transform` and `transpose`."""
+            as_given = isinstance(self._source, ArraySource) and transform is None
+            self.staged_spec = self.layer.check_stageable(
+                self.spec, self._source.arrays if as_given else None
+            )
+            """Each field as the step receives it: `spec`, or a dtype the framework narrows
+            where no value changes (int64 ids that fit arrive as int32 on JAX without x64)."""
             if own_producer is not None:
                 self._producer = own_producer
             elif work is not None:
@@ -596,7 +607,7 @@ class Feeder:
         return FeederDescription(
             framework=self.layer.name,
             source=describe_source(self._source, max(self._num_shards(), 1)),
-            fields=describe_fields(self.spec),
+            fields=describe_fields(self.staged_spec),
             service=getattr(self._producer, "service", None),
             global_batch_size=o.global_batch_size,
             per_replica_batch_size=self.split.per_replica,

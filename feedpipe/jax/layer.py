@@ -29,7 +29,7 @@ from feedpipe.core.sampler import Step
 from feedpipe.core.slots import SlotLayout
 from feedpipe.core.source import SampleSpec
 from feedpipe.core.split import HostShare
-from feedpipe.core.stage import Imported, MaskCache, refuse_unstageable
+from feedpipe.core.stage import Imported, MaskCache, refuse_narrowing, refuse_unstageable
 from feedpipe.core.stats import StatsRecorder
 from feedpipe.jax.batch import Batch
 
@@ -106,10 +106,21 @@ class JaxLayer:
         """Whether the devices are accelerators: copies to them are timed and page-locked."""
         self.page_lock = page_locker() if self.accelerated else None
 
-    def check_stageable(self, spec: SampleSpec) -> None:
+    def check_stageable(self, spec: SampleSpec, values: Sequence[np.ndarray] | None) -> SampleSpec:
+        """Refuses a field JAX cannot place, or whose values JAX would narrow (int64, uint64,
+        float64, complex128 with `jax_enable_x64` off, JAX's default); returns the fields as
+        they arrive: a 64-bit field whose every value fits arrives as the 32-bit dtype."""
         device = self.devices[0]
         refuse_unstageable(
             spec, "JAX", device, lambda array: jax.device_put(array, device).block_until_ready()
+        )
+        return refuse_narrowing(
+            spec,
+            values,
+            jax.dtypes.canonicalize_dtype,
+            "JAX",
+            "jax_enable_x64 is off: jax.config.update('jax_enable_x64', True) before building "
+            "the feeder, or JAX_ENABLE_X64=1 in the environment",
         )
 
     def stager(self, layout: SlotLayout, stats: StatsRecorder) -> Stager:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from feedpipe.core.slots import SlotLayout
 from feedpipe.core.source import SampleSpec
 from feedpipe.core.stats import StatsRecorder
@@ -28,8 +30,11 @@ class TensorFlowLayer:
         self.page_lock = None
         """Slots stay pageable: TensorFlow's GPU runtime is not asked to page-lock them."""
 
-    def check_stageable(self, spec: SampleSpec) -> None:
+    def check_stageable(self, spec: SampleSpec, values: Sequence[np.ndarray] | None) -> SampleSpec:
+        """TensorFlow keeps every dtype it takes: the fields arrive as they are (`values` is
+        not read)."""
         check_stageable(spec, self.devices[0])
+        return spec
 
     def stager(self, layout: SlotLayout, stats: StatsRecorder) -> Stager:
         """TensorFlow's copies run inside its own runtime, untimed: `stats` is not used."""
