@@ -169,6 +169,28 @@ def test_import_feedpipe_imports_no_framework():
     assert done.returncode == 0, done.stderr.decode()[-2000:]
 
 
+def test_a_jax_batch_is_an_fp_batch_and_asking_loads_no_tensorflow():
+    # Runs where TensorFlow is installed and where it is not (the CI's JAX step): either way
+    # fp.Batch is the framework-neutral type, and nothing loads TensorFlow.
+    code = (
+        "import sys, numpy as np, feedpipe as fp\n"
+        "batch_type = fp.Batch\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('tensorflow', 'keras', 'jax', 'jaxlib'))\n"
+        "assert not heavy, heavy[:5]\n"
+        "import jax\n"
+        "with fp.Feeder(np.arange(8, dtype=np.float32), 4, devices=jax.devices()) as f:\n"
+        "    batch = next(iter(f))\n"
+        "assert isinstance(batch, fp.Batch), type(batch).__mro__\n"
+        "assert 'tensorflow' not in sys.modules\n"
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+
+
 def test_stats_on_cpu_devices_report_no_copies(devices):
     with fp.Feeder(index_pairs(16), 8, devices=devices) as feeder:
         list(feeder)
