@@ -239,7 +239,9 @@ class Feeder:
         """How this host's rows divide among its devices."""
         self.source = source
         """The source as it was given (the arrays, the dataset, the generator source)."""
-        self._source = as_source(source, text=transform is not None)
+        self._source = as_source(
+            source, text=transform is not None, global_batch_size=global_batch_size
+        )
         rule = self._rule = Remainder(remainder, global_batch_size)
         own_producer = self._source.producer(self.share, self.devices, rule)
         if self.share.num_hosts > 1 and not self._source.indexed and own_producer is None:

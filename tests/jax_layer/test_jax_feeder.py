@@ -129,6 +129,22 @@ def test_a_global_batch_that_does_not_divide_among_the_devices_is_refused(device
         fp.Feeder(index_pairs(16), 6, devices=devices)
 
 
+def test_fields_passed_as_a_list_are_refused_naming_the_tuple_form(devices):
+    x, y_onehot = np.zeros((1000, 10), np.float32), np.zeros((1000, 10), np.float32)
+    with pytest.raises(ValueError, match=r"read as 2 samples.*fp\.Feeder\(\(x, y\), 64\)"):
+        fp.Feeder([x, y_onehot], 64, devices=devices)
+
+
+def test_a_global_batch_larger_than_the_dataset_warns_at_the_callers_line(devices):
+    with pytest.warns(
+        UserWarning,
+        match=r"`global_batch_size`=64 is larger than the dataset "
+        r"\(37 samples\)",
+    ) as caught:
+        fp.Feeder(np.zeros((37, 2), np.float32), 64, devices=devices).close()
+    assert [w.filename for w in caught] == [__file__]
+
+
 def test_a_strategy_mixed_devices_or_an_unknown_framework_are_refused(devices):
     with pytest.raises(TypeError, match=r"must be a tf\.distribute strategy"):
         fp.Feeder(index_pairs(16), 8, strategy=object())
