@@ -77,7 +77,8 @@ class Remainder:
             warnings.warn(
                 f"`global_batch_size`={size} is larger than the dataset ({length} samples): "
                 f"every epoch is one batch of {length} real rows and {size - length} padding "
-                f"rows, computed on for nothing; use a global batch of at most {length}.",
+                f"row{'s' if size - length > 1 else ''}, computed on for nothing; use a global "
+                f"batch of at most {length}.",
                 stacklevel=4,
             )
         if self.dropped(length):
