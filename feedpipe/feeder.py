@@ -32,7 +32,7 @@ from feedpipe.core.pipeline import Pipeline
 from feedpipe.core.producers import ThreadProducer, WorkerProducer
 from feedpipe.core.remainder import Remainder, check_remainder, warn_dropped
 from feedpipe.core.sampler import EpochEnd, Sampler
-from feedpipe.core.slots import SlotLayout, SlotPool
+from feedpipe.core.slots import SlotLayout, SlotPool, check_host_memory
 from feedpipe.core.source import (
     ArraySource,
     SampleSpec,
@@ -331,6 +331,12 @@ class Feeder:
                 self._producer = ThreadProducer(
                     writer, self.split.global_batch_size, self._sampler, rule
                 )
+            check_host_memory(
+                SlotLayout(self.spec, self.split),
+                self._slot_capacity() if self._producer.slots_in_flight else 0,
+                shared=self._shared,
+                hosts=self.share.num_hosts,
+            )
         except BaseException:
             self.close()
             raise

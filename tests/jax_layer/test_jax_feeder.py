@@ -145,6 +145,17 @@ def test_a_global_batch_larger_than_the_dataset_warns_at_the_callers_line(device
     assert [w.filename for w in caught] == [__file__]
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_global_batch_whose_slots_cannot_be_mapped_is_refused_before_allocating(devices, workers):
+    # 10**12 rows of 40 bytes: terabytes of slots, more than any host has (the leak check
+    # sees the worker started before the refusal closed).
+    with (
+        pytest.warns(UserWarning, match="larger than the dataset"),
+        pytest.raises(ValueError, match=r"`global_batch_size`=1000000000000 needs .* TiB of host"),
+    ):
+        fp.Feeder(np.zeros((37, 10), np.float32), 10**12, devices=devices, workers=workers)
+
+
 def test_a_strategy_mixed_devices_or_an_unknown_framework_are_refused(devices):
     with pytest.raises(TypeError, match=r"must be a tf\.distribute strategy"):
         fp.Feeder(index_pairs(16), 8, strategy=object())
