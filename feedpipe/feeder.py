@@ -20,6 +20,7 @@ import optree
 
 from feedpipe._frameworks import feeder_class
 from feedpipe.core._sync import Failure
+from feedpipe.core.agreement import check_hosts_agree
 from feedpipe.core.checks import check_int
 from feedpipe.core.description import (
     FeederDescription,
@@ -358,6 +359,23 @@ class Feeder:
         """The error that closed the feeder: every later read raises it again."""
         self._untracked = False
         """Passes of `as_dataset` were read since the position was settled, with no tracker."""
+        if self.share.num_hosts > 1:
+            self._check_hosts_agree()
+
+    def _check_hosts_agree(self) -> None:
+        """Refuses to start unless every host built a feeder of the same order, exchanged
+        through the layer's collectives (`feedpipe.core.agreement`); the source's block_size
+        orders a shuffle too."""
+        fields = {
+            "remainder": self.options.remainder,
+            "block_size": self._source.block_size,
+            **self._stream().order_fields(),
+        }
+        try:
+            check_hosts_agree(self.layer.exchange, self.share, fields)
+        except BaseException:
+            self.close()
+            raise
 
     def _service_work(self, service: str, transform, transpose) -> tuple[str, Any]:
         """The dispatcher's address and the per-sample work it will run, both checked (see

@@ -31,6 +31,7 @@ from feedpipe.core.source import SampleSpec
 from feedpipe.core.split import HostShare
 from feedpipe.core.stage import Imported, MaskCache, refuse_narrowing, refuse_unstageable
 from feedpipe.core.stats import StatsRecorder
+from feedpipe.jax import agreement
 from feedpipe.jax.batch import Batch
 
 BATCH_AXIS = "batch"
@@ -102,6 +103,8 @@ class JaxLayer:
         self.sharding = NamedSharding(self.mesh, PartitionSpec(self.mesh.axis_names))
         """The global batch's sharding: axis 0 split over every device of the mesh in order."""
         self.devices, self.share = _share(global_batch_size, self.mesh)
+        self.processes = sorted({d.process_index for d in self.mesh.devices.flat})
+        """The processes whose devices the mesh holds, in host order."""
         self.accelerated = any(d.platform != "cpu" for d in self.devices)
         """Whether the devices are accelerators: copies to them are timed and page-locked."""
         self.page_lock = page_locker() if self.accelerated else None
@@ -122,6 +125,10 @@ class JaxLayer:
             "jax_enable_x64 is off: jax.config.update('jax_enable_x64', True) before building "
             "the feeder, or JAX_ENABLE_X64=1 in the environment",
         )
+
+    def exchange(self, payload: bytes) -> list[bytes]:
+        """Every process's `payload`, through the distributed runtime (`feedpipe.jax.agreement`)."""
+        return agreement.exchange(self.processes, payload)
 
     def stager(self, layout: SlotLayout, stats: StatsRecorder) -> Stager:
         return Stager(self, layout, stats)

@@ -14,6 +14,7 @@ import numpy as np
 from feedpipe.core.slots import SlotLayout
 from feedpipe.core.source import SampleSpec
 from feedpipe.core.stats import StatsRecorder
+from feedpipe.tf import agreement
 from feedpipe.tf.devices import host_share, resolve_devices
 from feedpipe.tf.stage import Stager, check_stageable
 
@@ -35,6 +36,10 @@ class TensorFlowLayer:
         not read)."""
         check_stageable(spec, self.devices[0])
         return spec
+
+    def exchange(self, payload: bytes) -> list[bytes]:
+        """Every host's `payload`, through the strategy's all-gathers (`feedpipe.tf.agreement`)."""
+        return agreement.exchange(self.strategy, self.share, payload)
 
     def stager(self, layout: SlotLayout, stats: StatsRecorder) -> Stager:
         """TensorFlow's copies run inside its own runtime, untimed: `stats` is not used."""
