@@ -34,7 +34,7 @@ __version__ = "0.3.0"
 """The release: pyproject.toml reads it from here (one place), `feedpipe --version` prints it."""
 
 _EXPORTS = {
-    "Batch": "feedpipe.tf.batch",
+    "Batch": "feedpipe.core.batch",
     "Diagnosis": "feedpipe.diagnostics.diagnosis",
     "FeedOptions": "feedpipe.feeder",
     "FeedStats": "feedpipe.core.stats",
@@ -68,6 +68,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from feedpipe.core.batch import Batch
     from feedpipe.core.description import FeederDescription
     from feedpipe.core.source import from_generator
     from feedpipe.core.stats import FeedStats
@@ -75,7 +76,6 @@ if TYPE_CHECKING:
     from feedpipe.diagnostics.diagnosis import Diagnosis, diagnose
     from feedpipe.diagnostics.monitor import StarvationMonitor
     from feedpipe.feeder import Feeder, FeedOptions
-    from feedpipe.tf.batch import Batch
     from feedpipe.tf.training import TowerStep, Trainer, WarmupLinearScaling, train
 
 

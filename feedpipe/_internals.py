@@ -1,8 +1,8 @@
-"""Every call feedpipe makes into TensorFlow's and Keras's private APIs, in one place.
+"""Every call feedpipe makes into TensorFlow's, Keras's and JAX's private APIs, in one place.
 
 Each is here because no public API does the job (the reason is beside it), so a new release of
-TensorFlow or Keras is checked against this file alone. TensorFlow and Keras are imported
-inside the functions: worker processes import modules that use this one and never load them.
+TensorFlow, Keras or JAX is checked against this file alone. They are imported inside the
+functions: worker processes import modules that use this one and never load them.
 """
 
 from __future__ import annotations
@@ -177,6 +177,22 @@ def collective_timeout(strategy: Any) -> float | None:
     (None: its collectives wait forever); the strategy has no public getter for its options."""
     options = getattr(strategy.extended, "_communication_options", None)
     return getattr(options, "timeout_seconds", None)
+
+
+def jax_distributed_client() -> Any:
+    """The client of the coordination service `jax.distributed.initialize` connected this
+    process to: its key-value store has reads with a deadline, which no public JAX API offers
+    between processes (`multihost_utils` runs compiled collectives, which wait forever for a
+    process that never joins)."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError(
+            "The feeder's devices span several processes, but jax.distributed is not "
+            "initialized in this one; call jax.distributed.initialize() first."
+        )
+    return client
 
 
 def keras_dataset(*data: Any, **options: Any) -> Any:

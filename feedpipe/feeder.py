@@ -20,6 +20,7 @@ import optree
 
 from feedpipe._frameworks import feeder_class
 from feedpipe.core._sync import Failure
+from feedpipe.core.agreement import check_hosts_agree
 from feedpipe.core.checks import check_int
 from feedpipe.core.description import (
     FeederDescription,
@@ -32,8 +33,14 @@ from feedpipe.core.pipeline import Pipeline
 from feedpipe.core.producers import ThreadProducer, WorkerProducer
 from feedpipe.core.remainder import Remainder, check_remainder, warn_dropped
 from feedpipe.core.sampler import EpochEnd, Sampler
-from feedpipe.core.slots import SlotLayout, SlotPool
-from feedpipe.core.source import SampleSpec, TFDatasetSource, as_source, field_name
+from feedpipe.core.slots import SlotLayout, SlotPool, check_host_memory
+from feedpipe.core.source import (
+    ArraySource,
+    SampleSpec,
+    TFDatasetSource,
+    as_source,
+    field_name,
+)
 from feedpipe.core.stage import HostStager, Layer
 from feedpipe.core.state import Position, Stream
 from feedpipe.core.stats import FeedStats, StatsRecorder
@@ -233,7 +240,9 @@ class Feeder:
         """How this host's rows divide among its devices."""
         self.source = source
         """The source as it was given (the arrays, the dataset, the generator source)."""
-        self._source = as_source(source, text=transform is not None)
+        self._source = as_source(
+            source, text=transform is not None, global_batch_size=global_batch_size
+        )
         rule = self._rule = Remainder(remainder, global_batch_size)
         own_producer = self._source.producer(self.share, self.devices, rule)
         if self.share.num_hosts > 1 and not self._source.indexed and own_producer is None:
@@ -297,8 +306,13 @@ class Feeder:
                 sample_spec, _ = first_look(self._source, transform, seed)
             axes = _axes(transpose, sample_spec)
             self.spec = sample_spec.transposed(axes)
-            """What each batch holds: the samples after `transform` and `transpose`."""
-            self.layer.check_stageable(self.spec)
+            """What each host slot holds: the samples after `transform` and `transpose`."""
+            as_given = isinstance(self._source, ArraySource) and transform is None
+            self.staged_spec = self.layer.check_stageable(
+                self.spec, self._source.arrays if as_given else None
+            )
+            """Each field as the step receives it: `spec`, or a dtype the framework narrows
+            where no value changes (int64 ids that fit arrive as int32 on JAX without x64)."""
             if own_producer is not None:
                 self._producer = own_producer
             elif work is not None:
@@ -318,6 +332,12 @@ class Feeder:
                 self._producer = ThreadProducer(
                     writer, self.split.global_batch_size, self._sampler, rule
                 )
+            check_host_memory(
+                SlotLayout(self.spec, self.split),
+                self._slot_capacity() if self._producer.slots_in_flight else 0,
+                shared=self._shared,
+                hosts=self.share.num_hosts,
+            )
         except BaseException:
             self.close()
             raise
@@ -339,6 +359,23 @@ class Feeder:
         """The error that closed the feeder: every later read raises it again."""
         self._untracked = False
         """Passes of `as_dataset` were read since the position was settled, with no tracker."""
+        if self.share.num_hosts > 1:
+            self._check_hosts_agree()
+
+    def _check_hosts_agree(self) -> None:
+        """Refuses to start unless every host built a feeder of the same order, exchanged
+        through the layer's collectives (`feedpipe.core.agreement`); the source's block_size
+        orders a shuffle too."""
+        fields = {
+            "remainder": self.options.remainder,
+            "block_size": self._source.block_size,
+            **self._stream().order_fields(),
+        }
+        try:
+            check_hosts_agree(self.layer.exchange, self.share, fields)
+        except BaseException:
+            self.close()
+            raise
 
     def _service_work(self, service: str, transform, transpose) -> tuple[str, Any]:
         """The dispatcher's address and the per-sample work it will run, both checked (see
@@ -596,7 +633,7 @@ class Feeder:
         return FeederDescription(
             framework=self.layer.name,
             source=describe_source(self._source, max(self._num_shards(), 1)),
-            fields=describe_fields(self.spec),
+            fields=describe_fields(self.staged_spec),
             service=getattr(self._producer, "service", None),
             global_batch_size=o.global_batch_size,
             per_replica_batch_size=self.split.per_replica,

@@ -25,6 +25,7 @@ LIGHT_MODULES = [
     "feedpipe.core._shm",
     "feedpipe.core._sync",
     "feedpipe.core._worker",
+    "feedpipe.core.batch",
     "feedpipe.core.checks",
     "feedpipe.core.description",
     "feedpipe.core.producers",
@@ -52,6 +53,15 @@ def test_all_is_sorted_and_unique():
 
 def test_the_contract_names_are_public():
     assert {"Batch", "FeedOptions", "FeedStats", "Feeder", "from_generator"} <= set(fp.__all__)
+
+
+def test_fp_batch_is_the_batch_of_every_framework(devices):
+    import jax
+
+    with fp.Feeder(index_arrays(8), 4, devices=devices) as on_tf:
+        assert isinstance(next(iter(on_tf)), fp.Batch)
+    with fp.Feeder(index_arrays(8)[0], 4, devices=jax.devices()) as on_jax:
+        assert isinstance(next(iter(on_jax)), fp.Batch)
 
 
 def test_an_unknown_name_is_an_attribute_error():

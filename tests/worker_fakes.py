@@ -21,9 +21,10 @@ import numpy as np
 FEATURE_SHAPE = (3,)
 
 
-def index_sample(index: int) -> tuple[np.ndarray, np.int64]:
-    """Sample `index`: `(features filled with index, label=index)`."""
-    return np.full(FEATURE_SHAPE, index, np.float32), np.int64(index)
+def index_sample(index: int, label_dtype: type = np.int64) -> tuple[np.ndarray, np.integer]:
+    """Sample `index`: `(features filled with index, label=index)`; labels are int64 unless
+    `label_dtype` says otherwise (np.int32 on JAX without x64, which refuses unknown int64s)."""
+    return np.full(FEATURE_SHAPE, index, np.float32), label_dtype(index)
 
 
 def index_arrays(length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -40,13 +41,13 @@ def index_pairs(length: int) -> tuple[np.ndarray, np.ndarray]:
     return np.stack([index, index], 1).astype(np.float32), index.astype(np.int32)
 
 
-def sharded_range(length: int):
+def sharded_range(length: int, label_dtype: type = np.int64):
     """A generator function for `fp.from_generator`: shard `s` of `n` yields `index_sample(i)`
     for i = s, s+n, ... below `length`."""
 
     def generate(shard: int, num_shards: int):
         for index in range(shard, length, num_shards):
-            yield index_sample(index)
+            yield index_sample(index, label_dtype)
 
     return generate
 
@@ -60,8 +61,9 @@ def uneven_shards(shard: int, num_shards: int):
 class IndexSource:
     """Map-style: sample `i` is `index_sample(i)`."""
 
-    def __init__(self, length: int):
+    def __init__(self, length: int, label_dtype: type = np.int64):
         self.length = length
+        self.label_dtype = label_dtype
 
     def __len__(self) -> int:
         return self.length
@@ -69,7 +71,7 @@ class IndexSource:
     def __getitem__(self, index: int):
         if not 0 <= index < self.length:
             raise IndexError(index)
-        return index_sample(index)
+        return index_sample(index, self.label_dtype)
 
 
 class CountingSource(IndexSource):

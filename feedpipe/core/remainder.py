@@ -56,7 +56,8 @@ class Remainder:
         return length % self.global_batch_size if self.policy == "drop" else 0
 
     def check_length(self, length: int) -> None:
-        """Refuses a length the policy cannot serve; warns once of what "drop" leaves out."""
+        """Refuses a length the policy cannot serve; warns once of what "drop" leaves out, and
+        of a "pad" batch larger than the whole dataset."""
         size = self.global_batch_size
         leftover = length % size
         if self.policy == "error" and leftover:
@@ -71,6 +72,14 @@ class Remainder:
                 f'`remainder`="drop" with {length} samples and `global_batch_size`={size} '
                 f'leaves no batch at all; use remainder="pad" or a global batch of at most '
                 f"{length}."
+            )
+        if self.pads and length < size:
+            warnings.warn(
+                f"`global_batch_size`={size} is larger than the dataset ({length} samples): "
+                f"every epoch is one batch of {length} real rows and {size - length} padding "
+                f"row{'s' if size - length > 1 else ''}, computed on for nothing; use a global "
+                f"batch of at most {length}.",
+                stacklevel=4,
             )
         if self.dropped(length):
             warnings.warn(

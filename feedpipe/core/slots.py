@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import mmap
+import os
 import threading
 import time
 import weakref
@@ -20,7 +21,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from feedpipe.core._shm import SharedBuffer
+from feedpipe.core._shm import SHM_DIR, SharedBuffer
 from feedpipe.core._sync import Stopped
 from feedpipe.core.pinned import PageLocker
 from feedpipe.core.source import SampleSpec
@@ -30,8 +31,95 @@ ALIGN_BYTES = 64
 """TensorFlow's CPU kernels expect 64-byte aligned buffers (Eigen's EIGEN_MAX_ALIGN_BYTES)."""
 
 
+ROW_BOOKKEEPING_BYTES = 32
+"""Host bytes a step holds per row beside its slot: the sampler's rows, positions and sample
+indices (int64 each) and the masks of real rows, on the host and on the device."""
+
+_CGROUP_MEMORY = (
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+)
+"""A container's memory limit and usage, as the container sees its own cgroup."""
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as file:
+            return int(file.read().split()[0])
+    except (OSError, ValueError, IndexError):  # absent, or "max": no limit
+        return None
+
+
+def available_host_bytes(shared: bool) -> tuple[int, str] | None:
+    """The host memory a new mapping can take now, and where that figure comes from: the
+    lowest of the kernel's estimate (`MemAvailable` in /proc/meminfo, else free pages), the
+    container's cgroup limit less its usage, and, for slots shared with worker processes, the
+    free space of the shared-memory filesystem. None where the system says none of these."""
+    found: list[tuple[int, str]] = []
+    try:
+        with open("/proc/meminfo") as file:
+            for line in file:
+                if line.startswith("MemAvailable:"):
+                    found.append((int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"))
+                    break
+    except (OSError, ValueError):
+        pass
+    if not found:
+        try:
+            pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            found.append((pages, "the free pages os.sysconf reports"))
+        except (OSError, ValueError, AttributeError):
+            pass
+    for limit_path, usage_path in _CGROUP_MEMORY:
+        limit, usage = _read_int(limit_path), _read_int(usage_path)
+        if limit is not None and usage is not None and limit < 1 << 60:
+            found.append((max(limit - usage, 0), f"this container's cgroup limit ({limit_path})"))
+            break
+    if shared:
+        try:
+            disk = os.statvfs(SHM_DIR)
+            found.append((disk.f_bavail * disk.f_frsize, f"the free space of {SHM_DIR}"))
+        except OSError:
+            pass
+    return min(found) if found else None
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if nbytes < 1024:
+            return f"{nbytes:.1f} {unit}" if unit != "bytes" else f"{int(nbytes)} bytes"
+        nbytes /= 1024
+    return f"{nbytes:.1f} TiB"
+
+
+def check_host_memory(layout: SlotLayout, slots: int, *, shared: bool, hosts: int = 1) -> None:
+    """Refuses, before any is allocated, `slots` slots of `layout` (and each step's bookkeeping
+    rows) that need more host memory than is available (`available_host_bytes`): allocating
+    them would get the process killed by the OOM killer, with no Python error, at the first
+    batch. Names the size and the largest global batch that fits; `hosts` share each global
+    batch, `layout` being this host's rows."""
+    available = available_host_bytes(shared)
+    if available is None:
+        return
+    free, where = available
+    rows = layout.split.global_batch_size
+    needed = slots * layout.nbytes + rows * ROW_BOOKKEEPING_BYTES
+    if needed <= free:
+        return
+    replicas = layout.split.num_replicas * hosts
+    per_row = slots * layout.spec.row_bytes + ROW_BOOKKEEPING_BYTES
+    fits = free // per_row * hosts // replicas * replicas
+    raise ValueError(
+        f"`global_batch_size`={rows * hosts} needs {_size(needed)} of host memory: {slots} "
+        f"slots of {_size(layout.nbytes)} ({rows} rows of {layout.spec.row_bytes} bytes) and "
+        f"{ROW_BOOKKEEPING_BYTES} bytes a row of bookkeeping, but only {_size(free)} is "
+        f"available ({where}); use a `global_batch_size` of at most {fits}, or smaller "
+        "samples."
+    )
 
 
 class SlotLayout:

@@ -458,9 +458,11 @@ def _is_instance_of_loaded(obj: Any, module: str, path: str) -> bool:
     return isinstance(obj, cls)
 
 
-def _check_list_of_samples(data: list) -> None:
-    """A list is read as samples; arrays of different shapes in one are fields, passed as a
-    list where a tuple was meant (`fp.Feeder([x, y], ...)`): say so before sample 1 fails."""
+def _check_list_of_samples(data: list, global_batch_size: int | None) -> None:
+    """A list is read as samples; arrays in one are fields, passed as a list where a tuple was
+    meant (`fp.Feeder([x, y], ...)`), where their shapes differ (say so before sample 1 fails),
+    or where they are fewer than `global_batch_size` and each counts more rows than the list
+    has items (`[x, y_onehot]`, both (1000, 10): 2 samples, each batch nearly all padding)."""
     if len(data) < 2 or not all(isinstance(item, np.ndarray) for item in data):
         return
     shapes = [item.shape for item in data]
@@ -472,11 +474,23 @@ def _check_list_of_samples(data: list) -> None:
             "Pass fields as a tuple of equal-length arrays, fp.Feeder((x, y), ...), whose "
             "sample i is (x[i], y[i]); a list of samples needs samples of one shape."
         )
+    shape, count = shapes[0], len(data)
+    if global_batch_size is None or count >= global_batch_size or not shape or shape[0] <= count:
+        return
+    raise ValueError(
+        f"`source` is a list of {count} arrays of shape {shape}, which is read as {count} "
+        f"samples, fewer than `global_batch_size`={global_batch_size}: every batch would be "
+        f"mostly padding. They look like fields of {shape[0]} samples: pass fields as a tuple, "
+        f"fp.Feeder((x, y), {global_batch_size}), whose sample i is (x[i], y[i]). If they are "
+        f"{count} samples, stack them, fp.Feeder(np.stack(samples), ...), with a global batch "
+        f"of at most {count}."
+    )
 
 
-def as_source(data: Any, *, text: bool = False) -> Source:
+def as_source(data: Any, *, text: bool = False, global_batch_size: int | None = None) -> Source:
     """Adapts what the user passed as `source` to the matching source class; with `text`,
-    arrays may hold strings (file paths that a `transform` reads)."""
+    arrays may hold strings (file paths that a `transform` reads). `global_batch_size`, where
+    given, tells a list of samples from fields passed as a list."""
     if isinstance(data, Source):
         return data  # fp.from_generator(fn), or a DaliSource (see feedpipe.dali)
     if _is_instance_of_loaded(data, "tensorflow", "data.Dataset"):
@@ -488,7 +502,7 @@ def as_source(data: Any, *, text: bool = False) -> Source:
     ):
         return ArraySource(data, text=text)
     if isinstance(data, list):
-        _check_list_of_samples(data)
+        _check_list_of_samples(data, global_batch_size)
     if hasattr(data, "__len__") and hasattr(data, "__getitem__"):
         return MapSource(data)
     if callable(data) or hasattr(data, "__next__"):

@@ -12,7 +12,7 @@ them over as `Imported` instead of a slot.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -20,12 +20,21 @@ import numpy as np
 from feedpipe.core.copy_engine import CopyPath
 from feedpipe.core.sampler import Step
 from feedpipe.core.slots import SlotLayout
-from feedpipe.core.source import SampleSpec
+from feedpipe.core.source import LeafSpec, SampleSpec
 from feedpipe.core.split import HostShare
 from feedpipe.core.stats import StatsRecorder
 
 _DLPACK_CPU = 1
 """DLPack's device type of host memory (kDLCPU)."""
+
+VALUE_CHECK_MAX_BYTES = 1 << 30
+"""The largest field whose values are read at construction to prove that a narrowing cast
+loses nothing. 1 GiB is read at memory speed in about a second; a larger field would hold up
+every construction that long (and a memory-mapped one would be read from disk), so it is judged
+by its dtype alone."""
+
+_CHECK_CHUNK_ELEMENTS = 1 << 20
+"""Values cast back and compared at once: the check's scratch memory stays a few MiB."""
 
 
 class Staged(Protocol):
@@ -57,8 +66,16 @@ class Layer(Protocol):
     copy_path: CopyPath
     """How batches cross from their host slots to the devices, and why that way."""
 
-    def check_stageable(self, spec: SampleSpec) -> None:
-        """Refuses, at construction, a field the framework cannot hold, naming it and the fix."""
+    def check_stageable(self, spec: SampleSpec, values: Sequence[np.ndarray] | None) -> SampleSpec:
+        """Refuses, at construction, a field the framework cannot hold, naming it and the fix;
+        returns each field as the step receives it (`refuse_narrowing`). `values` are every
+        value of each field (the source's arrays, where batches are their rows as they are), or
+        None where values are made later."""
+
+    def exchange(self, payload: bytes) -> list[bytes]:
+        """Every host's `payload`, in host order, through the framework's own collectives;
+        raises `feedpipe.core.agreement.NoAnswer` where a host did not answer in time. Called
+        only where several hosts share the feeder (`share.num_hosts` > 1)."""
 
     def stager(self, layout: SlotLayout, stats: StatsRecorder) -> Stager:
         """A stager that puts each replica's regions of a slot on its device, recording the
@@ -80,6 +97,84 @@ def refuse_unstageable(spec: SampleSpec, framework: str, device: Any, place: Cal
                 f"{device} ({type(error).__name__}: {str(error).splitlines()[0][:120]}); cast "
                 "it in `transform` or beforehand, e.g. to float16, bfloat16 or int8."
             ) from error
+
+
+def refuse_narrowing(
+    spec: SampleSpec,
+    values: Sequence[np.ndarray] | None,
+    arrives: Callable[[np.dtype], np.dtype],
+    framework: str,
+    widen: str,
+) -> SampleSpec:
+    """`spec` as the devices receive it, where the framework turns an array of dtype `d` into
+    one of `arrives(d)` (JAX narrows 64-bit types unless x64 is enabled).
+
+    A narrowed field passes only where `values` holds its every value and each survives the
+    cast unchanged; then the spec says the narrowed dtype, which is what arrives. Otherwise it
+    is refused, naming the field, its dtype, the value that would change (or why none could be
+    read) and both fixes: cast it, or `widen` (how to make the framework keep the dtype). Values
+    are read only for fields up to `VALUE_CHECK_MAX_BYTES`, vectorised in chunks; the values
+    of a generator, a map-style source or a `transform` are made later, so their 64-bit
+    fields are judged by the dtype.
+    """
+    leaves = []
+    for index, leaf in enumerate(spec.leaves):
+        narrow = np.dtype(arrives(leaf.dtype))
+        if narrow == leaf.dtype:
+            leaves.append(leaf)
+            continue
+        field = None if values is None else values[index]
+        if field is None:
+            unknown = (
+                "its values are not known at construction (a generator, a map-style source or "
+                "a `transform` makes them later), so any of them might change"
+            )
+        elif field.nbytes > VALUE_CHECK_MAX_BYTES:
+            unknown = (
+                f"its {field.nbytes} bytes are more than the {VALUE_CHECK_MAX_BYTES} read at "
+                "construction to prove that no value changes"
+            )
+        else:
+            changed = _first_changed(field, narrow)
+            if changed is None:
+                leaves.append(LeafSpec(leaf.name, leaf.shape, narrow))
+                continue
+            row, value = changed
+            with np.errstate(all="ignore"):
+                becomes = np.asarray(value).astype(narrow).item()
+            unknown = f"sample {row} holds {value!r}, which would arrive as {becomes!r}"
+        example = f"x.astype(np.{narrow})" + (
+            " where every value fits, or ids remapped to a dense range"
+            if narrow.kind in "iu"
+            else " if that precision is enough"
+        )
+        raise ValueError(
+            f"Field {leaf.name} has dtype {leaf.dtype}, which {framework} narrows to {narrow}, "
+            f"and {unknown}; cast it to a dtype that holds its values, beforehand or in "
+            f"`transform` (e.g. {example}), or enable 64-bit types ({widen})."
+        )
+    return SampleSpec(spec.treespec, tuple(leaves))
+
+
+def _first_changed(values: np.ndarray, narrow: np.dtype) -> tuple[int, Any] | None:
+    """The first sample of `values` whose cast to `narrow` changes a value, and that value;
+    None where every value survives (NaN stays NaN). Reads `values` in chunks of rows, so no
+    copy of the whole field is made."""
+    if values.dtype.kind in "iu":
+        info = np.iinfo(narrow)
+        if values.size == 0 or (values.min() >= info.min and values.max() <= info.max):
+            return None
+    row_elements = max(1, values[:1].size)
+    rows = max(1, _CHECK_CHUNK_ELEMENTS // row_elements)
+    for start in range(0, len(values), rows):
+        chunk = values[start : start + rows]
+        with np.errstate(all="ignore"):  # overflow to inf is what is being looked for
+            back = chunk.astype(narrow).astype(chunk.dtype)
+        same = (back == chunk) | ((back != back) & (chunk != chunk))
+        if not same.all():
+            where = np.unravel_index(np.argmin(same), same.shape)
+            return start + int(where[0]), chunk[where].item()
+    return None
 
 
 class Imported:
@@ -173,33 +268,3 @@ class MaskCache:
             real = step.real_rows(self.num_replicas, self.per_replica)
             self._made[key] = self._make(real.reshape(-1, self.per_replica))
         return self._made[key]
-
-
-class DeviceBatch:
-    """One global batch whose rows already sit on the devices: what a framework's step takes.
-
-    Attributes:
-      replicas: one entry per device of this host, in replica order: the sample's structure
-        with every field an array of the framework on that device, whose leading dimension is
-        the per-replica batch.
-      masks: one boolean array `[per_replica_batch]` per device; True marks a real sample,
-        False a padding row (only the last batch of an epoch has any).
-      num_valid: real samples in the global batch (of every host: the same number on each, so
-        each normalises its loss by it).
-      epoch, step: where the batch sits in the stream.
-    """
-
-    __slots__ = ("epoch", "masks", "num_valid", "replicas", "step")
-
-    def __init__(self, replicas: tuple, masks: tuple, num_valid: int, epoch: int, step: int):
-        self.replicas = replicas
-        self.masks = masks
-        self.num_valid = num_valid
-        self.epoch = epoch
-        self.step = step
-
-    def __repr__(self) -> str:
-        return (
-            f"Batch(epoch={self.epoch}, step={self.step}, replicas={len(self.replicas)}, "
-            f"num_valid={self.num_valid})"
-        )

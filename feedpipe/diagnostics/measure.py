@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import optree
 
+from feedpipe.core.batch import Batch
 from feedpipe.core.checks import check_int
-from feedpipe.core.stage import DeviceBatch
 from feedpipe.diagnostics._contention import OtherLoadSpan
 from feedpipe.diagnostics._headspace import StepAlone, backend_steps, bracket, finish
 from feedpipe.diagnostics.verdict import Diagnosis, StepTiming
@@ -155,7 +155,7 @@ def _is_tf_dataset(source: Any) -> bool:
 def _arrays(batch: Any) -> Iterator[Any]:
     """The batch's arrays, whichever framework holds them: a feeder's batch by its replicas'
     rows, a TensorFlow distributed value (one batch under a strategy) by its replicas' parts."""
-    if isinstance(batch, DeviceBatch):
+    if isinstance(batch, Batch):
         batch = batch.replicas
     tf = sys.modules.get("tensorflow")
     for leaf in optree.tree_leaves(batch):

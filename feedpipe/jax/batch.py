@@ -7,12 +7,12 @@ from typing import Any
 import jax
 from jax.sharding import Sharding
 
-from feedpipe.core.stage import DeviceBatch
+from feedpipe.core import batch as core
 
 
-class Batch(DeviceBatch):
+class Batch(core.Batch):
     """One global batch, already on the devices: what the training step takes (the fields are
-    `DeviceBatch`'s, every array a `jax.Array`; under `jax.distributed`, this process's
+    `fp.Batch`'s, every array a `jax.Array`; under `jax.distributed`, this process's
     devices only)."""
 
     __slots__ = ("_inputs", "_layer", "_mask")

@@ -42,8 +42,9 @@ from feedpipe.core.sampler import Step
 from feedpipe.core.slots import SlotLayout
 from feedpipe.core.source import SampleSpec
 from feedpipe.core.split import HostShare
-from feedpipe.core.stage import Imported, MaskCache, refuse_unstageable
+from feedpipe.core.stage import Imported, MaskCache, refuse_narrowing, refuse_unstageable
 from feedpipe.core.stats import StatsRecorder
+from feedpipe.jax import agreement
 from feedpipe.jax.batch import Batch
 
 BATCH_AXIS = "batch"
@@ -145,21 +146,39 @@ class JaxLayer:
         self.sharding = NamedSharding(self.mesh, PartitionSpec(self.mesh.axis_names))
         """The global batch's sharding: axis 0 split over every device of the mesh in order."""
         self.devices, self.share = _share(global_batch_size, self.mesh)
+        self.processes = sorted({d.process_index for d in self.mesh.devices.flat})
+        """The processes whose devices the mesh holds, in host order."""
         self.accelerated = any(d.platform != "cpu" for d in self.devices)
         """Whether the devices are accelerators: copies to them are timed and page-locked."""
         self.page_lock = page_locker() if self.accelerated else None
         self._memories, self.copy_path = _device_memories(self.devices)
         self._engine: CopyEngine | None = None
 
-    def check_stageable(self, spec: SampleSpec) -> None:
+    def check_stageable(self, spec: SampleSpec, values: Sequence[np.ndarray] | None) -> SampleSpec:
+        """Refuses a field JAX cannot place, or whose values JAX would narrow (int64, uint64,
+        float64, complex128 with `jax_enable_x64` off, JAX's default); returns the fields as
+        they arrive: a 64-bit field whose every value fits arrives as the 32-bit dtype."""
         device = self.devices[0]
         refuse_unstageable(
             spec, "JAX", device, lambda array: jax.device_put(array, device).block_until_ready()
         )
-        undeliverable = self._memories and undeliverable_field(spec)
+        arriving = refuse_narrowing(
+            spec,
+            values,
+            jax.dtypes.canonicalize_dtype,
+            "JAX",
+            "jax_enable_x64 is off: jax.config.update('jax_enable_x64', True) before building "
+            "the feeder, or JAX_ENABLE_X64=1 in the environment",
+        )
+        undeliverable = self._memories and undeliverable_field(arriving)
         if undeliverable:
             self._close_memories()
             self.copy_path = CopyPath(DEVICE_PUT, f"{undeliverable}, so JAX copies it")
+        return arriving
+
+    def exchange(self, payload: bytes) -> list[bytes]:
+        """Every process's `payload`, through the distributed runtime (`feedpipe.jax.agreement`)."""
+        return agreement.exchange(self.processes, payload)
 
     def stager(self, layout: SlotLayout, stats: StatsRecorder) -> Stager:
         # One engine for the feeder's life: its device pool's layout never changes.

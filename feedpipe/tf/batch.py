@@ -6,13 +6,13 @@ from typing import Any
 
 import tensorflow as tf
 
+from feedpipe.core import batch as core
 from feedpipe.core.split import HostShare
-from feedpipe.core.stage import DeviceBatch
 
 
-class Batch(DeviceBatch):
+class Batch(core.Batch):
     """One global batch, already on the devices: what the training step takes (the fields are
-    `DeviceBatch`'s, every array a `tf.Tensor`).
+    `fp.Batch`'s, every array a `tf.Tensor`).
 
     Under a MultiWorkerMirroredStrategy, `replicas` and `masks` are this host's replicas only.
     """

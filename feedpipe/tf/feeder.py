@@ -20,7 +20,6 @@ from feedpipe._internals import dataset_pipeline, generator_dataset
 from feedpipe.core.source import ArraySource
 from feedpipe.core.stage import HostBatch
 from feedpipe.core.weights import row_weights, weighting, with_weights
-from feedpipe.tf.agreement import check_hosts_agree
 from feedpipe.tf.gather import GATHER_MAX_BYTES, gathered_dataset, weight_spec
 from feedpipe.tf.layer import TensorFlowLayer
 
@@ -39,25 +38,9 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
         self._tensors: list[tf.Tensor] | None = None
         """The source's arrays as tensors, made once, for gathered passes (`_gathers`)."""
         super().__init__(*args, **kwargs)
-        if self.share.num_hosts > 1:
-            self._check_hosts_agree()
 
     def _layer(self, devices: Any, strategy: Any, global_batch_size: int) -> TensorFlowLayer:
         return TensorFlowLayer(devices, strategy, global_batch_size)
-
-    def _check_hosts_agree(self) -> None:
-        """Refuses to start unless every host of the strategy built a feeder of the same order
-        (see `feedpipe.tf.agreement`); the source's block_size orders a shuffle too."""
-        fields = {
-            "remainder": self.options.remainder,
-            "block_size": self._source.block_size,
-            **self._stream().order_fields(),
-        }
-        try:
-            check_hosts_agree(self.strategy, self.share, fields)
-        except BaseException:
-            self.close()
-            raise
 
     def as_dataset(self) -> tf.data.Dataset | tf.distribute.DistributedDataset:
         """A `tf.data.Dataset` of global batches for `model.fit` and other wrappers.

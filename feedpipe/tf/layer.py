@@ -9,11 +9,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from feedpipe.core.copy_engine import NO_COPY, CopyPath
 from feedpipe.core.description import is_cpu
 from feedpipe.core.slots import SlotLayout
 from feedpipe.core.source import SampleSpec
 from feedpipe.core.stats import StatsRecorder
+from feedpipe.tf import agreement
 from feedpipe.tf.devices import host_share, resolve_devices
 from feedpipe.tf.stage import Stager, check_stageable
 
@@ -39,8 +42,15 @@ class TensorFlowLayer:
             )
         )
 
-    def check_stageable(self, spec: SampleSpec) -> None:
+    def check_stageable(self, spec: SampleSpec, values: Sequence[np.ndarray] | None) -> SampleSpec:
+        """TensorFlow keeps every dtype it takes: the fields arrive as they are (`values` is
+        not read)."""
         check_stageable(spec, self.devices[0])
+        return spec
+
+    def exchange(self, payload: bytes) -> list[bytes]:
+        """Every host's `payload`, through the strategy's all-gathers (`feedpipe.tf.agreement`)."""
+        return agreement.exchange(self.strategy, self.share, payload)
 
     def stager(self, layout: SlotLayout, stats: StatsRecorder) -> Stager:
         """TensorFlow's copies run inside its own runtime, untimed: `stats` is not used."""

@@ -24,6 +24,38 @@ def test_a_list_of_samples_of_one_shape_is_still_samples():
 
 
 @pytest.mark.parametrize(
+    "fields",
+    [
+        [np.zeros((1000, 10), np.float32), np.eye(10, dtype=np.float32)[np.arange(1000) % 10]],
+        [np.zeros((500, 28, 28), np.float32), np.ones((500, 28, 28), np.float32)],  # siamese
+    ],
+    ids=["x and one-hot y", "siamese pair"],
+)
+def test_a_list_of_same_shaped_field_arrays_smaller_than_the_batch_is_told_the_tuple_form(
+    fields,
+):
+    n = len(fields[0])
+    with pytest.raises(
+        ValueError,
+        match=rf"list of 2 arrays of shape \({n}, .*read as 2 samples, fewer than "
+        rf"`global_batch_size`=64.*fields of {n} samples.*tuple, fp\.Feeder\(\(x, y\), 64\)"
+        r".*np\.stack",
+    ):
+        as_source(fields, global_batch_size=64)
+
+
+def test_a_list_of_as_many_same_shaped_samples_as_the_batch_is_still_samples():
+    samples = [np.full((100, 3), i, np.float32) for i in range(64)]
+    assert len(as_source(samples, global_batch_size=64).data) == 64
+
+
+def test_a_short_list_of_small_samples_is_still_samples():
+    # Each array's first dimension (3) is no longer than the list: these read as samples.
+    samples = [np.full(3, i, np.float32) for i in range(5)]
+    assert len(as_source(samples, global_batch_size=64).data) == 5
+
+
+@pytest.mark.parametrize(
     "fn", [lambda: iter([1]), lambda rows: iter(rows)], ids=["0 args", "1 arg"]
 )
 def test_a_generator_function_without_the_shard_arguments_is_told_its_signature(fn):

@@ -67,7 +67,19 @@ def test_drop_warns_how_many_samples_each_epoch_leaves_out():
     ]
 
 
-@pytest.mark.parametrize(("policy", "length"), [("drop", 16), ("pad", 15), ("error", 16)])
+def test_pad_warns_when_the_global_batch_is_larger_than_the_dataset():
+    with pytest.warns(UserWarning) as caught:
+        Remainder("pad", 64).check_length(37)
+    assert [str(w.message) for w in caught] == [
+        "`global_batch_size`=64 is larger than the dataset (37 samples): every epoch is one "
+        "batch of 37 real rows and 27 padding rows, computed on for nothing; use a global "
+        "batch of at most 37."
+    ]
+
+
+@pytest.mark.parametrize(
+    ("policy", "length"), [("drop", 16), ("pad", 15), ("error", 16), ("pad", 4)]
+)
 def test_a_length_every_policy_can_serve_passes_silently(policy, length):
     with warnings.catch_warnings():
         warnings.simplefilter("error")

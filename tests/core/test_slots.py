@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import os
 import threading
 import time
 
@@ -12,7 +13,14 @@ import numpy as np
 import pytest
 
 from feedpipe.core._sync import Stopped
-from feedpipe.core.slots import ALIGN_BYTES, HostSlot, SlotLayout, SlotPool
+from feedpipe.core.slots import (
+    ALIGN_BYTES,
+    HostSlot,
+    SlotLayout,
+    SlotPool,
+    available_host_bytes,
+    check_host_memory,
+)
 from feedpipe.core.source import SampleSpec
 from feedpipe.core.split import ReplicaSplit
 
@@ -131,3 +139,27 @@ def test_a_wait_ends_when_a_slot_is_given_back_or_the_pool_is_woken():
     started = time.monotonic()
     pool.wait(30.0)
     assert time.monotonic() - started < 10.0
+
+
+def test_the_host_memory_available_is_read_from_the_system():
+    available, where = available_host_bytes(shared=False)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < available <= total
+    assert where
+
+
+def test_slots_larger_than_the_memory_available_are_refused_naming_the_size_and_the_fix(
+    monkeypatch,
+):
+    monkeypatch.setattr(
+        "feedpipe.core.slots.available_host_bytes", lambda shared: (10 * 2**20, "MemAvailable")
+    )
+    layout = SlotLayout(SampleSpec.of(np.zeros(1024, np.float32)), ReplicaSplit(1024, 4))
+    with pytest.raises(
+        ValueError,
+        match=r"`global_batch_size`=1024 needs 16\.0 MiB of host memory: 4 slots of 4\.0 MiB "
+        r"\(1024 rows of 4096 bytes\) and 32 bytes a row of bookkeeping, but only 10\.0 MiB "
+        r"is available \(MemAvailable\); use a `global_batch_size` of at most 636",
+    ):
+        check_host_memory(layout, 4, shared=False)
+    check_host_memory(layout, 2, shared=False)  # 8 MiB fit

@@ -7,6 +7,8 @@ their own index for an epoch and `stop_after` steps, restores the state saved th
 feeder that runs to the end of that second epoch, and writes what it saw of every step, locally
 and through the global arrays, to OUT_DIR/process-<id>.json for the test to compare with the
 one-process stream. It imports neither TensorFlow nor Keras (and reports whether either loaded).
+With `"mode": "differ"` it builds instead one feeder per case with this process's own
+arguments and reports what each raised (`differ`).
 """
 
 from __future__ import annotations
@@ -112,6 +114,57 @@ def run(args: dict) -> dict:
     return {**described, "steps": steps, "state": state}
 
 
+def differ(args: dict) -> dict:
+    """Each case's feeder built with this process's own arguments: what `fp.Feeder()` raised
+    (None if it was built) and how long it took, what it left running; then one epoch from
+    feeders that agree, this process's real ids; then, last (it leaves the processes' agreements
+    out of step), a feeder built in process 0 only."""
+    import threading
+
+    import psutil
+
+    process = jax.process_index()
+    refused, took_s = {}, {}
+    for case in args["cases"]:
+        options = dict(case["processes"][process])
+        length = options.pop("length", args["length"])
+        global_batch = options.pop("global_batch", args["global_batch"])
+        started = time.perf_counter()
+        try:
+            built = fp.Feeder(index_pairs(length), global_batch, devices=jax.devices(), **options)
+        except Exception as error:  # the test reads what it was
+            refused[case["name"]] = f"{type(error).__name__}: {error}"
+        else:
+            built.close()
+            refused[case["name"]] = None
+        took_s[case["name"]] = time.perf_counter() - started
+    left = [t.name for t in threading.enumerate() if t.name.startswith("feedpipe")]
+    left += [child.pid for child in psutil.Process().children(recursive=True)]
+    real = []
+    with fp.Feeder(
+        index_pairs(args["length"]), args["global_batch"], devices=jax.devices(), shuffle=True
+    ) as agreed:
+        for batch in agreed:
+            for (_, y), mask in zip(batch.replicas, batch.masks, strict=True):
+                real += np.asarray(y)[np.asarray(mask)].tolist()
+    alone, alone_s = None, None
+    if process == 0:
+        started = time.perf_counter()
+        try:
+            fp.Feeder(index_pairs(8), 4, devices=jax.devices()).close()
+        except Exception as error:
+            alone = f"{type(error).__name__}: {error}"
+        alone_s = time.perf_counter() - started
+    return {
+        "refused": refused,
+        "took_s": took_s,
+        "left": left,
+        "epoch": real,
+        "alone": alone,
+        "alone_s": alone_s,
+    }
+
+
 def main() -> None:
     faulthandler.enable()  # a crash inside XLA shows every thread's Python stack
     out, args = sys.argv[1], json.loads(sys.argv[2])
@@ -129,7 +182,7 @@ def main() -> None:
         "process_index": jax.process_index(),
         "process_count": jax.process_count(),
         "devices": [[d.id, d.process_index] for d in jax.devices()],
-        **run(args),
+        **(differ(args) if args.get("mode") == "differ" else run(args)),
         "frameworks_loaded": sorted(
             {m.split(".")[0] for m in sys.modules} & {"tensorflow", "keras"}
         ),

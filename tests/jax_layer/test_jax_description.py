@@ -34,7 +34,7 @@ def test_arrays_on_jax_devices_are_described_with_their_bytes(devices):
 
 
 def test_a_map_style_source_with_two_workers_is_described_on_jax(devices):
-    with fp.Feeder(IndexSource(40), 8, devices=devices, workers=2) as feeder:
+    with fp.Feeder(IndexSource(40, np.int32), 8, devices=devices, workers=2) as feeder:
         described = feeder.describe()
         assert sum(1 for _ in feeder) == 5
         allocated = feeder.stats().slots_allocated
@@ -46,7 +46,7 @@ def test_a_map_style_source_with_two_workers_is_described_on_jax(devices):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_generator_is_described_with_its_shards_on_jax(devices, workers):
-    source = fp.from_generator(sharded_range(20))
+    source = fp.from_generator(sharded_range(20, np.int32))
     with fp.Feeder(source, 4, devices=devices, workers=workers) as feeder:
         described = feeder.describe()
     assert (described.source.kind, described.source.shards) == ("generator", max(workers, 1))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -38,13 +39,14 @@ STOP_AFTER = 2
 SEED = 3
 
 
-def run_processes(out: Path, processes: int, args: dict) -> list[dict]:
+def run_processes(out: Path, processes: int, args: dict, env: dict | None = None) -> list[dict]:
     """What each of `processes` processes of one `jax.distributed` cluster saw, by process."""
     coordinator = f"127.0.0.1:{free_ports(1)[0]}"
     env = {
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}",
         "JAX_PLATFORMS": "cpu",
         "TF_CPP_MIN_LOG_LEVEL": "2",
+        **(env or {}),
     }
     runs, envs = {}, {}
     for process in range(processes):
@@ -191,3 +193,69 @@ def test_a_state_saved_mid_epoch_resumes_exactly_in_every_process(cluster):
 
 def test_the_processes_never_load_tensorflow_or_keras(cluster):
     assert [r["frameworks_loaded"] for r in cluster["results"]] == [[]] * cluster["processes"]
+
+
+AGREEMENT_TIMEOUT_S = 3
+"""How long a process waits for the others' feeders in the test of a process that builds none."""
+
+
+def test_processes_whose_feeders_differ_are_refused_naming_the_field_and_none_waits(tmp_path):
+    """Two processes whose feeders differ in what the order depends on (seed=process_index,
+    shuffle in one process only, 24 and 25 samples, remainder, global batch) would make their
+    rows of different batches (or, with 3 and 4 steps, one would wait forever in its step's
+    collective): every process's fp.Feeder() raises a ValueError naming the field and each
+    process's value, at once, leaving nothing running; feeders that agree then feed every sample
+    once; and a process whose peer builds no feeder is told so within the agreement's timeout."""
+    cases = {
+        "seed": (
+            [{"seed": 0, "shuffle": True}, {"seed": 1, "shuffle": True}],
+            r"`seed`: seed=0 on host 0; seed=1 on host 1\.",
+        ),
+        "shuffle": (
+            [{"shuffle": False}, {"shuffle": True}],
+            r"`shuffle`: shuffle=False on host 0; shuffle=True on host 1\.",
+        ),
+        "length": (
+            [{"length": 24}, {"length": 25}],
+            r"`dataset_length`: dataset_length=24 on host 0; dataset_length=25 on host 1 "
+            r"\(and in steps_per_epoch\)\.",
+        ),
+        "remainder": (
+            [{"length": 26}, {"length": 26, "remainder": "drop"}],
+            r"`remainder`: remainder='pad' on host 0; remainder='drop' on host 1 "
+            r"\(and in steps_per_epoch\)\.",
+        ),
+        "global_batch": (
+            [{}, {"global_batch": 12}],
+            r"`global_batch_size`: global_batch_size=8 on host 0; global_batch_size=12 on host 1 "
+            r"\(and in steps_per_epoch\)\.",
+        ),
+    }
+    listed = [{"name": name, "processes": hosts} for name, (hosts, _) in cases.items()]
+    listed.append({"name": "same", "processes": [{"seed": 3}, {"seed": 3}]})
+    args = {"mode": "differ", "length": 24, "global_batch": 8, "cases": listed}
+    env = {"FEEDPIPE_AGREEMENT_TIMEOUT_S": str(AGREEMENT_TIMEOUT_S)}
+    results = run_processes(tmp_path, 2, args, env)
+    for process, result in enumerate(results):
+        for name, (_, pattern) in cases.items():
+            error = result["refused"][name]
+            expected = (
+                r"ValueError: The hosts' feeders differ in " + pattern + r".* repeat some "
+                r"samples and miss others\. Build every host's feeder with the same source, "
+                rf"global_batch_size, seed, shuffle and remainder \(this is host {process} of 2\)"
+            )
+            assert error is not None and re.match(expected, error, re.S), (name, process, error)
+            assert result["took_s"][name] < AGREEMENT_TIMEOUT_S, "a refusal waits for no one"
+        assert result["refused"]["same"] is None
+        assert result["left"] == [], "a refused feeder leaves no thread or worker process"
+        assert result["frameworks_loaded"] == []
+    assert sorted(results[0]["epoch"] + results[1]["epoch"]) == list(range(24))
+    alone = results[0]["alone"]
+    assert alone is not None and re.match(
+        r"RuntimeError: Host 0 of 2 could not check that every host built the same feeder.*"
+        rf"process 1 built no feeder within {AGREEMENT_TIMEOUT_S} s "
+        r"\(FEEDPIPE_AGREEMENT_TIMEOUT_S\)",
+        alone,
+        re.S,
+    ), alone
+    assert AGREEMENT_TIMEOUT_S <= results[0]["alone_s"] < AGREEMENT_TIMEOUT_S + 5

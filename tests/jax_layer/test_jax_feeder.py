@@ -129,6 +129,33 @@ def test_a_global_batch_that_does_not_divide_among_the_devices_is_refused(device
         fp.Feeder(index_pairs(16), 6, devices=devices)
 
 
+def test_fields_passed_as_a_list_are_refused_naming_the_tuple_form(devices):
+    x, y_onehot = np.zeros((1000, 10), np.float32), np.zeros((1000, 10), np.float32)
+    with pytest.raises(ValueError, match=r"read as 2 samples.*fp\.Feeder\(\(x, y\), 64\)"):
+        fp.Feeder([x, y_onehot], 64, devices=devices)
+
+
+def test_a_global_batch_larger_than_the_dataset_warns_at_the_callers_line(devices):
+    with pytest.warns(
+        UserWarning,
+        match=r"`global_batch_size`=64 is larger than the dataset "
+        r"\(37 samples\)",
+    ) as caught:
+        fp.Feeder(np.zeros((37, 2), np.float32), 64, devices=devices).close()
+    assert [w.filename for w in caught] == [__file__]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_global_batch_whose_slots_cannot_be_mapped_is_refused_before_allocating(devices, workers):
+    # 10**12 rows of 40 bytes: terabytes of slots, more than any host has (the leak check
+    # sees the worker started before the refusal closed).
+    with (
+        pytest.warns(UserWarning, match="larger than the dataset"),
+        pytest.raises(ValueError, match=r"`global_batch_size`=1000000000000 needs .* TiB of host"),
+    ):
+        fp.Feeder(np.zeros((37, 10), np.float32), 10**12, devices=devices, workers=workers)
+
+
 def test_a_strategy_mixed_devices_or_an_unknown_framework_are_refused(devices):
     with pytest.raises(TypeError, match=r"must be a tf\.distribute strategy"):
         fp.Feeder(index_pairs(16), 8, strategy=object())
@@ -166,6 +193,28 @@ def test_import_feedpipe_imports_no_framework():
         "assert not heavy, heavy[:5]\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+
+
+def test_a_jax_batch_is_an_fp_batch_and_asking_loads_no_tensorflow():
+    # Runs where TensorFlow is installed and where it is not (the CI's JAX step): either way
+    # fp.Batch is the framework-neutral type, and nothing loads TensorFlow.
+    code = (
+        "import sys, numpy as np, feedpipe as fp\n"
+        "batch_type = fp.Batch\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('tensorflow', 'keras', 'jax', 'jaxlib'))\n"
+        "assert not heavy, heavy[:5]\n"
+        "import jax\n"
+        "with fp.Feeder(np.arange(8, dtype=np.float32), 4, devices=jax.devices()) as f:\n"
+        "    batch = next(iter(f))\n"
+        "assert isinstance(batch, fp.Batch), type(batch).__mro__\n"
+        "assert 'tensorflow' not in sys.modules\n"
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr.decode()[-2000:]
 
 

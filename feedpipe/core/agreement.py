@@ -1,0 +1,75 @@
+"""Agreement: the hosts of one feeder check that they built the same feeder.
+
+Each host makes only its rows of every global batch, in an order that is a function of a few
+fields (the source's length, the global batch, seed, shuffle, remainder). Hosts whose feeders
+differ in one make their rows of different batches: together they repeat some samples and miss
+others, and nothing fails, or they run different numbers of steps and the longer ones wait
+forever in their step's collective. So each feeder, when it is built, exchanges every host's
+fields and refuses to start where they differ.
+
+The rule is written once, here; a framework layer provides only the exchange, through its own
+collectives (`feedpipe.tf.agreement`: the strategy's all-gathers; `feedpipe.jax.agreement`: the
+`jax.distributed` runtime), and says when a host did not answer by raising `NoAnswer`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+from feedpipe.core.split import HostShare
+
+SHOWN_VALUES = 4
+"""Values a refusal lists (with the hosts that have each): enough for a few hosts, short
+for 64 hosts that each have their own."""
+
+
+class NoAnswer(Exception):
+    """A host did not take part in the exchange within the layer's wait; the message says
+    what the layer's collective reported."""
+
+
+def check_hosts_agree(
+    exchange: Callable[[bytes], list[bytes]], share: HostShare, fields: dict
+) -> None:
+    """Raises a ValueError on every host if any host's `fields` differ from the others'.
+
+    `exchange(payload)` gives every host's payload, in host order, and raises `NoAnswer` where
+    a host did not answer; every host calls it when its feeder is built, before its first
+    batch, so the hosts' collectives stay in the same order.
+    """
+    text = json.dumps(fields, default=int).encode()
+    try:
+        hosts = [json.loads(payload) for payload in exchange(text)]
+    except NoAnswer as error:
+        raise RuntimeError(
+            f"Host {share.host} of {share.num_hosts} could not check that every host built the "
+            "same feeder: another host died, failed to build its feeder (its own error says "
+            f"why), or stopped answering ({error}). Build the feeder on every host, at the "
+            "same point of the script."
+        ) from error
+    differ = [name for name in fields if len({repr(h.get(name)) for h in hosts}) > 1]
+    if not differ:
+        return
+    name = differ[0]
+    also = f" (and in {', '.join(differ[1:])})" if differ[1:] else ""
+    raise ValueError(
+        f"The hosts' feeders differ in `{name}`: {_who_has(name, [h.get(name) for h in hosts])}"
+        f"{also}. Each host makes its rows of the same global batches, in an order that "
+        f"depends on {name}: hosts that differ repeat some samples and miss others. Build "
+        "every host's feeder with the same source, global_batch_size, seed, shuffle and "
+        f"remainder (this is host {share.host} of {share.num_hosts})."
+    )
+
+
+def _who_has(name: str, values: list) -> str:
+    """ "seed=0 on host 0; seed=1 on hosts 1, 2": each value with the hosts that have it."""
+    hosts: dict[str, list[str]] = {}
+    for host, value in enumerate(values):
+        hosts.setdefault(repr(value), []).append(str(host))
+    said = [
+        f"{name}={value} on host{'s' if len(which) > 1 else ''} {', '.join(which)}"
+        for value, which in hosts.items()
+    ]
+    more = len(said) - SHOWN_VALUES
+    return "; ".join(said[:SHOWN_VALUES]) + (f"; {more} more values" if more > 0 else "")
