@@ -309,9 +309,7 @@ def copy_engine(region: np.ndarray, device):
     """feedpipe's copy engine for `region`'s layout on `device`, as the JAX feeder makes it, or
     (None, why not)."""
     from feedpipe.core.copy_engine import CopyEngine, cuda_devices
-    from feedpipe.core.slots import SlotLayout
     from feedpipe.core.source import SampleSpec
-    from feedpipe.core.split import ReplicaSplit
     from feedpipe.jax.layer import device_fence
 
     if device.platform != "gpu":
@@ -320,8 +318,7 @@ def copy_engine(region: np.ndarray, device):
     if memories is None:
         return None, reason
     spec = SampleSpec.of(np.zeros(region.shape[1:], region.dtype))
-    layout = SlotLayout(spec, ReplicaSplit(region.shape[0], 1))
-    return CopyEngine(memories, layout, 2, [device_fence(device)]), reason
+    return CopyEngine(memories, spec, region.shape[0], 2, [device_fence(device)]), reason
 
 
 def _engine_transfer(jax, engine, region: np.ndarray, device) -> Callable[[], None]:

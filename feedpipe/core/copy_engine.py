@@ -31,7 +31,6 @@ import numpy as np
 
 from feedpipe.core._cuda import OUT_OF_MEMORY, CudaDevice, CudaError, Driver, switched_off
 from feedpipe.core.dlpack import Export, type_code
-from feedpipe.core.slots import SlotLayout
 from feedpipe.core.source import SampleSpec
 
 SWITCH = "FEEDPIPE_COPY_STREAM"
@@ -246,19 +245,19 @@ class CopyEngine:
     def __init__(
         self,
         memories: Sequence[DeviceMemory],
-        layout: SlotLayout,
+        spec: SampleSpec,
+        per_replica: int,
         depth: int,
         fences: Sequence[Callable[[], Fence]],
     ):
         _reclaim()
-        self.layout = layout
         self.memories = list(memories)
         self._fields = []
-        """Each field's (offset in a block, dtype, shape of one replica's rows)."""
+        """Each field's (offset in a block, dtype, shape of one replica's rows), as it arrives."""
         offset = 0
-        for leaf in layout.spec.leaves:
-            self._fields.append((offset, leaf.dtype, (layout.split.per_replica, *leaf.shape)))
-            offset += -(-layout.split.per_replica * leaf.row_bytes // BLOCK_ALIGN) * BLOCK_ALIGN
+        for leaf in spec.leaves:
+            self._fields.append((offset, leaf.dtype, (per_replica, *leaf.shape)))
+            offset += -(-per_replica * leaf.row_bytes // BLOCK_ALIGN) * BLOCK_ALIGN
         self.block_bytes = max(offset, BLOCK_ALIGN)
         self.pools = [
             BlockPool(memory, self.block_bytes, depth + IN_FLIGHT, fence)
@@ -272,7 +271,8 @@ class CopyEngine:
 
     @contextlib.contextmanager
     def copy(self, regions: Sequence[Sequence[np.ndarray]]) -> Iterator[list[list[Export]]]:
-        """Copies `regions[replica][field]` (page-locked host arrays) to each replica's device
+        """Copies `regions[replica][field]` (host arrays, page-locked where they are a slot's) to
+        each replica's device
         and yields `exports[replica][field]` once the copies are done, for the framework to
         import inside the block; the blocks are the framework's once the block ends."""
         blocks = []

@@ -68,7 +68,7 @@ class Layer(Protocol):
 
     def check_stageable(self, spec: SampleSpec, values: Sequence[np.ndarray] | None) -> SampleSpec:
         """Refuses, at construction, a field the framework cannot hold, naming it and the fix;
-        returns each field as the step receives it (`refuse_narrowing`). `values` are every
+        returns each field as the step receives it (see `Narrowing`). `values` are every
         value of each field (the source's arrays, where batches are their rows as they are), or
         None where values are made later."""
 
@@ -99,61 +99,81 @@ def refuse_unstageable(spec: SampleSpec, framework: str, device: Any, place: Cal
             ) from error
 
 
-def refuse_narrowing(
-    spec: SampleSpec,
-    values: Sequence[np.ndarray] | None,
-    arrives: Callable[[np.dtype], np.dtype],
-    framework: str,
-    widen: str,
-) -> SampleSpec:
-    """`spec` as the devices receive it, where the framework turns an array of dtype `d` into
-    one of `arrives(d)` (JAX narrows 64-bit types unless x64 is enabled).
+class Narrowing:
+    """Fields a framework narrows (JAX's 64-bit types without x64), and the one rule for them: a
+    value that would change is refused, naming the field, the dtype, the value and both fixes
+    (cast it, or `widen`: make the framework keep the dtype).
 
-    A narrowed field passes only where `values` holds its every value and each survives the
-    cast unchanged; then the spec says the narrowed dtype, which is what arrives. Otherwise it
-    is refused, naming the field, its dtype, the value that would change (or why none could be
-    read) and both fixes: cast it, or `widen` (how to make the framework keep the dtype). Values
-    are read only for fields up to `VALUE_CHECK_MAX_BYTES`, vectorised in chunks; the values
-    of a generator, a map-style source or a `transform` are made later, so their 64-bit
-    fields are judged by the dtype.
+    Fields whose values are known at construction (arrays in memory up to
+    `VALUE_CHECK_MAX_BYTES`) are read then; the rest (a generator's, a map-style source's, a
+    `transform`'s, a larger array's) are checked as each batch is staged, on the host, before
+    anything crosses to a device. A field whose values all survive arrives narrowed, and the
+    spec says so.
     """
-    leaves = []
-    for index, leaf in enumerate(spec.leaves):
-        narrow = np.dtype(arrives(leaf.dtype))
-        if narrow == leaf.dtype:
-            leaves.append(leaf)
-            continue
-        field = None if values is None else values[index]
-        if field is None:
-            unknown = (
-                "its values are not known at construction (a generator, a map-style source or "
-                "a `transform` makes them later), so any of them might change"
-            )
-        elif field.nbytes > VALUE_CHECK_MAX_BYTES:
-            unknown = (
-                f"its {field.nbytes} bytes are more than the {VALUE_CHECK_MAX_BYTES} read at "
-                "construction to prove that no value changes"
-            )
-        else:
-            changed = _first_changed(field, narrow)
-            if changed is None:
-                leaves.append(LeafSpec(leaf.name, leaf.shape, narrow))
-                continue
-            row, value = changed
-            with np.errstate(all="ignore"):
-                becomes = np.asarray(value).astype(narrow).item()
-            unknown = f"sample {row} holds {value!r}, which would arrive as {becomes!r}"
+
+    def __init__(
+        self,
+        spec: SampleSpec,
+        values: Sequence[np.ndarray] | None,
+        arrives: Callable[[np.dtype], np.dtype],
+        framework: str,
+        widen: str,
+    ):
+        self.framework = framework
+        self.widen = widen
+        self.fields: dict[int, np.dtype] = {}
+        """Each narrowed field's index and the dtype it arrives as."""
+        self.unread: set[int] = set()
+        """Narrowed fields whose values were not read at construction: checked per batch."""
+        leaves = []
+        for index, leaf in enumerate(spec.leaves):
+            narrow = np.dtype(arrives(leaf.dtype))
+            if narrow != leaf.dtype:
+                self.fields[index] = narrow
+                field = None if values is None else values[index]
+                if field is None or field.nbytes > VALUE_CHECK_MAX_BYTES:
+                    self.unread.add(index)
+                else:
+                    self.check(leaf, field, narrow, lambda row: f"sample {row}")
+            leaves.append(LeafSpec(leaf.name, leaf.shape, narrow))
+        self.spec = SampleSpec(spec.treespec, tuple(leaves))
+        """`spec` as the devices receive it."""
+        self._given = spec
+
+    def check(
+        self, leaf: LeafSpec, values: np.ndarray, narrow: np.dtype, where: Callable[[int], str]
+    ) -> None:
+        """Raises unless every value of `values` (rows of field `leaf`) survives the cast to
+        `narrow`; `where(row)` names the sample of a row."""
+        changed = _first_changed(values, narrow)
+        if changed is None:
+            return
+        row, value = changed
+        with np.errstate(all="ignore"):
+            becomes = np.asarray(value).astype(narrow).item()
         example = f"x.astype(np.{narrow})" + (
             " where every value fits, or ids remapped to a dense range"
             if narrow.kind in "iu"
             else " if that precision is enough"
         )
         raise ValueError(
-            f"Field {leaf.name} has dtype {leaf.dtype}, which {framework} narrows to {narrow}, "
-            f"and {unknown}; cast it to a dtype that holds its values, beforehand or in "
-            f"`transform` (e.g. {example}), or enable 64-bit types ({widen})."
+            f"Field {leaf.name} has dtype {leaf.dtype}, which {self.framework} narrows to "
+            f"{narrow}, and {where(row)} holds {value!r}, which would arrive as {becomes!r}; "
+            f"cast it to a dtype that holds its values, beforehand or in `transform` (e.g. "
+            f"{example}), or enable 64-bit types ({self.widen})."
         )
-    return SampleSpec(spec.treespec, tuple(leaves))
+
+    def narrowed(self, regions: list[np.ndarray], where: Callable[[int], str]) -> list[np.ndarray]:
+        """One replica's `regions[field]`, each narrowed field cast (and, where its values were
+        not read at construction, checked first); the others as they are."""
+        if not self.fields:
+            return regions
+        out = list(regions)
+        for index, narrow in self.fields.items():
+            if index in self.unread:
+                self.check(self._given.leaves[index], regions[index], narrow, where)
+            out[index] = regions[index].astype(narrow)
+        return out
 
 
 def _first_changed(values: np.ndarray, narrow: np.dtype) -> tuple[int, Any] | None:

@@ -42,7 +42,7 @@ from feedpipe.core.sampler import Step
 from feedpipe.core.slots import SlotLayout
 from feedpipe.core.source import SampleSpec
 from feedpipe.core.split import HostShare
-from feedpipe.core.stage import Imported, MaskCache, refuse_narrowing, refuse_unstageable
+from feedpipe.core.stage import Imported, MaskCache, Narrowing, refuse_unstageable
 from feedpipe.core.stats import StatsRecorder
 from feedpipe.jax import agreement
 from feedpipe.jax.batch import Batch
@@ -153,6 +153,8 @@ class JaxLayer:
         self.page_lock = page_locker() if self.accelerated else None
         self._memories, self.copy_path = _device_memories(self.devices)
         self._engine: CopyEngine | None = None
+        self.narrowing: Narrowing | None = None
+        """The fields JAX narrows, and their check (set by `check_stageable`)."""
 
     def check_stageable(self, spec: SampleSpec, values: Sequence[np.ndarray] | None) -> SampleSpec:
         """Refuses a field JAX cannot place, or whose values JAX would narrow (int64, uint64,
@@ -162,7 +164,7 @@ class JaxLayer:
         refuse_unstageable(
             spec, "JAX", device, lambda array: jax.device_put(array, device).block_until_ready()
         )
-        arriving = refuse_narrowing(
+        self.narrowing = Narrowing(
             spec,
             values,
             jax.dtypes.canonicalize_dtype,
@@ -170,6 +172,7 @@ class JaxLayer:
             "jax_enable_x64 is off: jax.config.update('jax_enable_x64', True) before building "
             "the feeder, or JAX_ENABLE_X64=1 in the environment",
         )
+        arriving = self.narrowing.spec
         undeliverable = self._memories and undeliverable_field(arriving)
         if undeliverable:
             self._close_memories()
@@ -184,7 +187,9 @@ class JaxLayer:
         # One engine for the feeder's life: its device pool's layout never changes.
         if self._memories is not None and self._engine is None:
             fences = [device_fence(device) for device in self.devices]
-            self._engine = CopyEngine(self._memories, layout, stats.depth, fences)
+            self._engine = CopyEngine(
+                self._memories, self.narrowing.spec, layout.split.per_replica, stats.depth, fences
+            )
         stats.copy_path = self.copy_path.name
         return Stager(self, layout, stats, self._engine)
 
@@ -246,7 +251,7 @@ class Stager:
             raise TypeError("A JAX feeder stages from host slots; DALI outputs go to TensorFlow.")
         unflatten = self.layout.spec.unflatten
         devices = self.layer.devices
-        views = self.layout.views(leased)
+        views = self._narrowed(step, self.layout.views(leased))
         if self.engine is not None:
             placed = self._copy_on_own_streams(devices, views)
         elif self.layer.accelerated:
@@ -260,6 +265,25 @@ class Stager:
         replicas = tuple(unflatten(arrays) for arrays in placed)
         masks, mask = self.masks(step)
         return Batch(replicas, masks, step.num_valid, step.epoch, step.index, mask, self.layer)
+
+    def _narrowed(self, step: Step, views: list[list[np.ndarray]]) -> list[list[np.ndarray]]:
+        """Each replica's regions, the fields JAX narrows cast on the host, each value checked
+        where it was not read at construction."""
+        narrowing = self.layer.narrowing
+        if narrowing is None or not narrowing.fields:
+            return views
+        per_replica = self.layout.split.per_replica
+
+        def where(replica: int):
+            def sample(row: int) -> str:
+                host_row = replica * per_replica + row
+                if step.rows is not None and host_row < len(step.rows):
+                    return f"sample {int(step.rows[host_row])} (epoch {step.epoch})"
+                return f"row {host_row} of step {step.index} of epoch {step.epoch}"
+
+            return sample
+
+        return [narrowing.narrowed(regions, where(r)) for r, regions in enumerate(views)]
 
     def _copy_on_own_streams(self, devices: Sequence[jax.Device], views: list) -> list:
         """Each replica's fields on its device, copied by the engine and imported without a copy."""

@@ -40,7 +40,8 @@ def make_engine(depth: int = DEPTH, memories=None):
     layout = SlotLayout(spec, ReplicaSplit(REPLICAS * PER_REPLICA, REPLICAS))
     memories = memories or [HostMemory(r) for r in range(REPLICAS)]
     fences: list[ManualFence] = []
-    engine = CopyEngine(memories, layout, depth, [lambda: ManualFence(fences)] * REPLICAS)
+    fence = [lambda: ManualFence(fences)] * REPLICAS
+    engine = CopyEngine(memories, spec, PER_REPLICA, depth, fence)
     return engine, layout, memories, fences
 
 

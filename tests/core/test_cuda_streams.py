@@ -117,7 +117,7 @@ facts["reason"] = reason
 spec = SampleSpec.of((np.zeros(100, np.float32), np.zeros((), np.int64)))
 layout = SlotLayout(spec, ReplicaSplit(8, 2))
 fences = []
-engine = CopyEngine(memories, layout, 2, [lambda: ManualFence(fences)] * 2)
+engine = CopyEngine(memories, spec, 4, 2, [lambda: ManualFence(fences)] * 2)
 slot = np.zeros(layout.nbytes, np.uint8)
 for r, (features, labels) in enumerate(layout.views(slot)):
     labels[:] = np.arange(4) + 4 * r

@@ -133,6 +133,18 @@ def test_a_step_that_donates_a_staged_batch_writes_its_output_into_jaxs_own_memo
             del batch, x, out
 
 
+def test_a_64_bit_field_jax_narrows_crosses_narrowed_and_exact(devices, fake_gpus):
+    x, y = index_pairs(24)
+    with fp.Feeder((x, y.astype(np.int64)), 8, devices=devices) as feeder:
+        got = []
+        for batch in feeder:
+            (bx, by), mask = batch.distributed()
+            assert by.dtype == np.int32
+            assert (np.asarray(bx)[:, 0] == np.asarray(by)).all()
+            got += np.asarray(by)[np.asarray(mask)].tolist()
+        assert sorted(got) == list(range(24))
+
+
 def test_describe_and_stats_say_the_batches_cross_on_feedpipes_own_streams(devices, fake_gpus):
     with fp.Feeder(index_pairs(16), 8, devices=devices) as feeder:
         assert feeder.describe().copy_path == OWN_STREAMS

@@ -1,7 +1,8 @@
 """64-bit fields on JAX with `jax_enable_x64` off (JAX's default): JAX narrows int64, uint64,
-float64 and complex128 to their 32-bit kin, so a field whose values would change is refused at
-construction, naming the field, the dtype and both fixes; a field whose every value survives
-arrives narrowed, and `describe()` says what arrives."""
+float64 and complex128 to their 32-bit kin, so a value that would change is refused, naming the
+field, the dtype, the value and both fixes: at construction where the values are known (arrays in
+memory), else as the batch holding it is staged, before it crosses to a device. A field whose
+every value survives arrives narrowed, and `describe()` says what arrives."""
 
 from __future__ import annotations
 
@@ -74,30 +75,64 @@ def test_a_64_bit_field_that_loses_nothing_arrives_narrowed_and_describe_says_so
 
 def _ids_generator(shard: int, num_shards: int):
     for i in range(shard, 8, num_shards):
+        yield np.float32(i), np.int64(2**40 if i == 5 else i)
+
+
+def _small_ids_generator(shard: int, num_shards: int):
+    for i in range(shard, 8, num_shards):
         yield np.float32(i), np.int64(i)
 
 
 @pytest.mark.parametrize("workers", [0, 1])
-def test_a_64_bit_field_of_a_generator_is_refused_by_its_dtype(devices, workers):
-    # Its values are made later, so none can be checked: even small ones are refused.
-    with pytest.raises(
-        ValueError,
-        match=rf"Field \[1\] has dtype int64, which JAX narrows to int32.*its values are not "
-        rf"known at construction.*{FIXES}",
+def test_a_generators_64_bit_field_arrives_narrowed_while_every_value_fits(devices, workers):
+    source = fp.from_generator(_small_ids_generator)
+    with fp.Feeder(source, 4, devices=devices, workers=workers) as feeder:
+        assert feeder.describe().fields == ("[0]: float32[]", "[1]: int32[]")
+        got = [np.asarray(y) for batch in feeder for _, y in batch.replicas]
+    assert {part.dtype.name for part in got} == {"int32"}
+    assert sorted(np.concatenate(got).tolist()) == list(range(8))
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_generators_value_that_would_change_stops_the_loop_naming_the_field_and_fixes(
+    devices, workers
+):
+    # Its values are made later: the batch holding one that changes is refused before it
+    # crosses to a device, naming the field, the value and both fixes.
+    source = fp.from_generator(_ids_generator)
+    with (
+        fp.Feeder(source, 4, devices=devices, workers=workers) as feeder,
+        pytest.raises(
+            ValueError,
+            match=rf"Field \[1\] has dtype int64, which JAX narrows to int32, and .*holds "
+            rf"1099511627776, which would arrive as 0.*{FIXES}",
+        ),
     ):
-        fp.Feeder(fp.from_generator(_ids_generator), 4, devices=devices, workers=workers)
+        for _ in feeder:
+            pass
 
 
-def test_a_64_bit_field_made_by_transform_is_refused_by_its_dtype(devices):
+def test_a_64_bit_field_made_by_transform_is_checked_sample_by_sample(devices):
     x = np.arange(8, dtype=np.float32)
-    with pytest.raises(ValueError, match=rf"Field \[1\] has dtype float64.*not known.*{FIXES}"):
-        fp.Feeder(x, 4, devices=devices, transform=lambda v: (v, np.float64(v)))
+    with fp.Feeder(x, 4, devices=devices, transform=lambda v: (v, np.float64(v))) as feeder:
+        assert feeder.describe().fields == ("[0]: float32[]", "[1]: float32[]")
+        assert sum(len(np.asarray(y)) for b in feeder for _, y in b.replicas) == 8
+    with (
+        fp.Feeder(x, 4, devices=devices, transform=lambda v: (v, np.float64(v) + 0.1)) as feeder,
+        pytest.raises(ValueError, match=r"Field \[1\] has dtype float64.*sample 0 \(epoch 0\)"),
+    ):
+        next(iter(feeder))
 
 
-def test_a_field_too_large_to_read_at_construction_is_judged_by_its_dtype(devices, monkeypatch):
+def test_a_field_too_large_to_read_at_construction_is_checked_batch_by_batch(devices, monkeypatch):
     monkeypatch.setattr("feedpipe.core.stage.VALUE_CHECK_MAX_BYTES", 32)
-    with pytest.raises(ValueError, match=rf"its 64 bytes are more than the 32.*{FIXES}"):
-        fp.Feeder(_with_ids(np.arange(8, dtype=np.int64)), 4, devices=devices)
+    ids = np.arange(8, dtype=np.int64)
+    ids[6] = 2**33
+    with fp.Feeder(_with_ids(ids), 4, devices=devices) as feeder:
+        batches = iter(feeder)
+        assert np.asarray(next(batches).replicas[0][1]).tolist() == [0]
+        with pytest.raises(ValueError, match=r"sample 6 \(epoch 0\) holds 8589934592"):
+            next(batches)
 
 
 def test_with_x64_enabled_64_bit_fields_arrive_unchanged():
