@@ -68,6 +68,29 @@ def first_installed(needs: str) -> str:
     )
 
 
+def import_keras(user: str) -> Any:
+    """Keras, for `user` (a feedpipe feature that needs it), on a backend that is installed.
+
+    Keras's default backend is TensorFlow. Where Keras is not loaded yet, no backend was asked
+    for (`KERAS_BACKEND`), TensorFlow is not installed and JAX is, Keras would fail to import;
+    JAX is then chosen (`KERAS_BACKEND=jax`, which the user's own later `import keras` sees
+    too). Where no backend Keras can run is installed, the error says so in one line.
+    """
+    if "keras" not in sys.modules and not os.environ.get("KERAS_BACKEND"):
+        installed = [n for n in FRAMEWORKS if importlib.util.find_spec(n) is not None]
+        if installed == ["jax"]:
+            os.environ["KERAS_BACKEND"] = "jax"
+    try:
+        import keras
+    except ModuleNotFoundError as error:
+        backend = os.environ.get("KERAS_BACKEND") or "tensorflow, Keras's default"
+        raise ImportError(
+            f"{user} needs Keras, whose backend ({backend}) is not installed ({error}); set "
+            "KERAS_BACKEND to an installed one (jax or tensorflow) before importing keras."
+        ) from error
+    return keras
+
+
 def framework_of(framework: str | None, devices: Any, strategy: Any) -> str:
     """The framework to stage for: `framework`, else the one `strategy` or `devices` belong to,
     else the default."""

@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-import keras
 import optree
 
+from feedpipe._frameworks import import_keras
 from feedpipe.core.stats import verdict
 from feedpipe.diagnostics._contention import OtherLoadSpan
 
@@ -128,7 +128,7 @@ class KerasSteps(Protocol):
 def backend_steps(user: str) -> type[KerasSteps]:
     """`KerasSteps` for the backend Keras runs on; `user` names the caller in the error for
     any other backend."""
-    backend = keras.backend.backend()
+    backend = import_keras(user).backend.backend()
     if backend == "tensorflow":
         from feedpipe.tf.keras_step import TensorFlowSteps
 

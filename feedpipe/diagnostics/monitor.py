@@ -32,8 +32,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-import keras
-
+from feedpipe._frameworks import import_keras
 from feedpipe._internals import scalar_summary_metadata
 from feedpipe.core.checks import check_int
 from feedpipe.core.stats import MODERATE_FRACTION, verdict
@@ -51,6 +50,8 @@ from feedpipe.diagnostics._headspace import (
 if TYPE_CHECKING:
     from feedpipe.core.stats import FeedStats
     from feedpipe.feeder import Feeder
+
+keras = import_keras("fp.StarvationMonitor (a Keras callback)")
 
 _ORIGINAL = "_feedpipe_original_train_function"
 """The attribute the monitor's wrapper keeps Keras's own `train_function` under."""

@@ -1,9 +1,11 @@
 """JAX tests: four host devices (set by tests/conftest.py before JAX starts), and Keras on JAX
-where Keras's backend is JAX (the CI's JAX step sets KERAS_BACKEND=jax; in the TensorFlow run
-Keras is already on TensorFlow, so those tests are skipped there with the reason)."""
+where Keras's backend is JAX (the CI's JAX step has no TensorFlow, so Keras runs on JAX without
+KERAS_BACKEND; in the TensorFlow run Keras is already on TensorFlow, so those tests are skipped
+there with the reason)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -13,9 +15,13 @@ jax = pytest.importorskip("jax")
 
 
 def keras_on_jax() -> bool:
+    """Whether Keras runs (or, imported through feedpipe, will run) on JAX: its backend where it
+    is loaded; else `KERAS_BACKEND`; else JAX where TensorFlow is not installed."""
     if "keras" in sys.modules:
         return sys.modules["keras"].backend.backend() == "jax"
-    return os.environ.get("KERAS_BACKEND") == "jax"
+    if os.environ.get("KERAS_BACKEND"):
+        return os.environ["KERAS_BACKEND"] == "jax"
+    return importlib.util.find_spec("tensorflow") is None
 
 
 @pytest.fixture
@@ -23,8 +29,9 @@ def keras():
     """Keras on JAX, with no distribution set before or after the test."""
     if not keras_on_jax():
         pytest.skip("needs Keras on JAX: run with KERAS_BACKEND=jax (the CI's JAX step does)")
-    import keras
+    from feedpipe._frameworks import import_keras
 
+    keras = import_keras("the Keras-on-JAX tests")
     keras.distribution.set_distribution(None)
     yield keras
     keras.distribution.set_distribution(None)
