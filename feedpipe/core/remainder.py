@@ -75,8 +75,9 @@ class Remainder:
             )
         if self.pads and length < size:
             warnings.warn(
-                f"`global_batch_size`={size} is larger than the dataset ({length} samples): "
-                f"every epoch is one batch of {length} real rows and {size - length} padding "
+                f"`global_batch_size`={size} is larger than the dataset ({length} "
+                f"sample{'s' if length > 1 else ''}): every epoch is one batch of {length} real "
+                f"row{'s' if length > 1 else ''} and {size - length} padding "
                 f"row{'s' if size - length > 1 else ''}, computed on for nothing; use a global "
                 f"batch of at most {length}.",
                 stacklevel=4,
