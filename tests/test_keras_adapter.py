@@ -6,6 +6,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import feedpipe as fp
 
@@ -71,3 +72,55 @@ def test_a_fit_interrupted_and_run_again_goes_on_from_what_was_trained():
         whole.fit(feeder, epochs=1, callbacks=[feeder.fit_callback()], verbose=0)
     for mine, theirs in zip(fed.get_weights(), whole.get_weights(), strict=True):
         np.testing.assert_allclose(mine, theirs, rtol=1e-6, atol=1e-6)
+
+
+def classifier(strategy=None, **compile_args) -> keras.Model:
+    """A model whose unweighted `accuracy` would count padding rows if it were given them."""
+    with (strategy or tf.distribute.get_strategy()).scope():
+        keras.utils.set_random_seed(1)
+        net = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+        net.compile(
+            "sgd",
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+            **compile_args,
+        )
+    return net
+
+
+UNEVEN = 37  # with a global batch of 8, the last batch holds 5 real rows and 3 padding rows
+
+
+@pytest.mark.usefixtures("as_dataset_path")
+@pytest.mark.parametrize("mirrored", [False, True], ids=["no strategy", "mirrored-4"])
+def test_predict_on_the_feeder_returns_one_prediction_per_real_sample(devices, mirrored):
+    x, y = (a[:UNEVEN] for a in data())
+    strategy = tf.distribute.MirroredStrategy(devices) if mirrored else None
+    net = classifier(strategy)
+    with fp.Feeder((x, y), 8, strategy=strategy) as feeder:
+        predicted = net.predict(feeder, verbose=0)
+    assert predicted.shape == (UNEVEN, 3)
+    np.testing.assert_allclose(predicted, net.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.usefixtures("as_dataset_path")
+def test_evaluate_on_the_feeder_counts_each_real_sample_once_in_every_metric():
+    x, y = (a[:UNEVEN] for a in data())
+    net = classifier()
+    with fp.Feeder((x, y), 8) as feeder:
+        fed = net.evaluate(feeder, verbose=0, return_dict=True)
+    plain = net.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+    assert fed == pytest.approx(plain, rel=1e-6)
+
+
+@pytest.mark.usefixtures("as_dataset_path")
+def test_validation_on_a_feeder_counts_each_real_sample_once_in_every_metric():
+    x, y = (a[:UNEVEN] for a in data())
+    net = classifier()
+    with fp.Feeder(data(), 32) as train, fp.Feeder((x, y), 8) as validation:
+        history = net.fit(
+            train, validation_data=validation, callbacks=[train.fit_callback()], verbose=0
+        )
+    plain = net.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+    assert history.history["val_accuracy"][-1] == pytest.approx(plain["accuracy"], rel=1e-6)
+    assert history.history["val_loss"][-1] == pytest.approx(plain["loss"], rel=1e-5)

@@ -4,7 +4,8 @@ Keras 3 takes any `DataAdapter` as it is ("Allow passing a custom data adapter" 
 `get_data_adapter`). A feeder built once Keras is imported is one (`with_keras`), and hands each
 backend what suits it: TensorFlow gets `feeder.as_dataset()`; JAX gets the global batch as
 `jax.Array`s already sharded over the feeder's devices (Keras's `DataParallel` takes them as
-they are), with padding rows weighted zero. As with `as_dataset()`, pass
+they are), with padding rows weighted zero (to `predict` and `evaluate`, the real rows alone,
+so that each real sample is seen once). As with `as_dataset()`, pass
 `callbacks=[feeder.fit_callback()]` so that the feeder's state is what the step trained on.
 
 The base class is Keras's private `DataAdapter` (`feedpipe._internals.keras_data_adapter`):
@@ -16,7 +17,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from feedpipe._internals import keras_data_adapter
+from feedpipe._internals import keras_data_adapter, keras_reading
 
 
 class KerasInput:
@@ -55,7 +56,7 @@ class KerasInput:
                 "tf.data.Dataset; build the feeder with TensorFlow devices (or none) under "
                 "KERAS_BACKEND=tensorflow."
             )
-        return self.as_dataset()
+        return self._dataset(real_only=_evaluating(self))
 
     def get_jax_iterator(self) -> Any:
         if self.layer.name != "jax":
@@ -65,7 +66,7 @@ class KerasInput:
             )
         from feedpipe.jax.keras import keras_batches
 
-        return keras_batches(self)
+        return keras_batches(self, real_only=_evaluating(self))
 
     def get_numpy_iterator(self) -> Any:
         raise TypeError(
@@ -81,6 +82,12 @@ class KerasInput:
 
     def on_epoch_end(self) -> None:
         """The pass's end is the feeder's own (its last batch carries the epoch's end)."""
+
+
+def _evaluating(feeder: Any) -> bool:
+    """Whether Keras reads `feeder` to predict or evaluate: then a padding row would be
+    predicted, or counted by every metric, as a sample, so Keras gets the real rows alone."""
+    return keras_reading(feeder) in ("evaluate", "predict")
 
 
 def _backend() -> str:

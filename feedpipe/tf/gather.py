@@ -82,11 +82,17 @@ class TakenBatches:
 
 
 def gathered_dataset(
-    feeder: Any, signature: Any, how: str | None, steps: int, superseded: str
+    feeder: Any,
+    signature: Any,
+    how: str | None,
+    steps: int,
+    superseded: str,
+    *,
+    real_only: bool = False,
 ) -> tf.data.Dataset:
     """The batches of `feeder`'s next pass of `steps` steps, gathered by TensorFlow, each
-    element `signature` (with an added sample weight where `how` is "add"); a batch of a
-    superseded pass raises `superseded` when taken."""
+    element `signature` (with an added sample weight where `how` is "add"; with `real_only`,
+    a batch's real rows alone); a batch of a superseded pass raises `superseded` when taken."""
     tensors = feeder._source_tensors()
     # The dataset's own record: a pass of another dataset ends this one's through
     # `TakenBatches.revoke`, as any pass's end does.
@@ -105,7 +111,7 @@ def gathered_dataset(
                 "while its dataset is read."
             )
         this_pass, rows, valid = this._gathered_pass(steps, taken)
-        planned = [np.int64(this_pass.number), np.int64(this_pass.start.step), rows]
+        planned = [np.int64(this_pass.number), np.int64(this_pass.start.step), rows, valid]
         if label_ranks:
             by_count = {v: row_weights(size, slice(v), v, size) for v in set(valid.tolist())}
             weights = np.stack([by_count[v] for v in valid.tolist()])
@@ -115,11 +121,11 @@ def gathered_dataset(
     def pass_steps(_) -> tuple:
         """One element per step of the pass: its tag (see `TakenBatches.tags`), its rows and
         its weights."""
-        types = [tf.int64] * 3 + [tf.float32] * len(label_ranks)
-        number, first, rows, *weights = tf.numpy_function(plan, [], types, stateful=True)
+        types = [tf.int64] * 4 + [tf.float32] * len(label_ranks)
+        number, first, rows, valid, *weights = tf.numpy_function(plan, [], types, stateful=True)
         rows = tf.ensure_shape(rows, [None, size])
         count = tf.shape(rows, out_type=tf.int64)[0]
-        element = (taken.tags(number, first, count), rows)
+        element = (taken.tags(number, first, count), rows, tf.ensure_shape(valid, [None]))
         if labels is None:
             return element
         weights = [
@@ -128,7 +134,9 @@ def gathered_dataset(
         ]
         return (*element, optree.tree_unflatten(labels, weights))
 
-    def gather(tag, rows, *weights):
+    def gather(tag, rows, valid, *weights):
+        if real_only:  # the real rows are the first `valid`, as a slot pads
+            rows = rows[:valid]
         sample = spec.unflatten([tf.gather(tensor, rows) for tensor in tensors])
         return tag, sample if not weights else (*sample, weights[0])
 

@@ -205,3 +205,46 @@ def test_a_sources_error_leaves_fit_as_itself(keras, devices):
     with feeder, pytest.raises(Broke, match=r"^sample 40 is broken\n") as info:
         model(keras).fit(feeder, epochs=1, verbose=0, callbacks=[feeder.fit_callback()])
     assert any("sample index 40 of epoch 0" in note for note in info.value.__notes__)
+
+
+def classifier(keras):
+    """A model whose unweighted `accuracy` would count padding rows if it were given them."""
+    net = model(keras)
+    net.compile(
+        keras.optimizers.SGD(0.1),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return net
+
+
+@pytest.mark.parametrize("on", ["one device", "data parallel"])
+def test_predict_on_the_feeder_returns_one_prediction_per_real_sample(keras, devices, on):
+    x, y = data()  # the last batch's 4 real rows divide among 4 devices
+    if on == "data parallel":
+        keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    net = classifier(keras)
+    with fp.Feeder((x, y), BATCH, devices=devices if on == "data parallel" else devices[:1]) as f:
+        predicted = net.predict(f, verbose=0)
+    assert predicted.shape == (LENGTH, 3)
+    np.testing.assert_allclose(predicted, net.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def test_evaluate_on_the_feeder_counts_each_real_sample_once_in_every_metric(keras, devices):
+    x, y = data()
+    net = classifier(keras)
+    with fp.Feeder((x, y), BATCH, devices=devices[:1]) as feeder:
+        fed = net.evaluate(feeder, verbose=0, return_dict=True)
+    plain = net.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    assert fed == pytest.approx(plain, rel=1e-5)
+
+
+def test_predict_where_the_last_real_rows_cannot_be_sharded_says_to_use_one_device(keras, devices):
+    x, y = (a[:37] for a in data())  # the last batch's 5 real rows cannot split among 4
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    net = classifier(keras)
+    refused = pytest.raises(
+        ValueError, match=r"holds 5 real samples.*devices=\[jax\.devices\(\)\[0\]\]"
+    )
+    with fp.Feeder((x, y), 8, devices=devices) as feeder, refused:
+        net.predict(feeder, verbose=0)
