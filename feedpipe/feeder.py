@@ -121,6 +121,12 @@ class _Pass:
     """For a pass whose batches the framework gathers itself (see `Feeder._gathered_pass`):
     what its consumer took, as the framework's threads record it (`TakenBatches`); None where
     this feeder hands out the batches and counts them as it does."""
+    valid: Any = None
+    """For a gathered pass: each of its batches' count of real samples."""
+    measured: dict | None = None
+    """For a gathered pass: what `taken` had timed when it began (see `Feeder._gathered`)."""
+    counted: bool = False
+    """For a gathered pass: its batches are in the feeder's stats."""
 
     def catch_up(self, steps_per_epoch: int) -> None:
         """Reads how far the consumer of a gathered pass has got: `handed`, and `end` once it
@@ -178,6 +184,9 @@ class Feeder:
         left, self._active_pass = self._active_pass, this
         if left is not None and left is not this and left.taken is not None:
             left.taken.revoke(left.number)
+            if not left.counted:
+                left.counted = True
+                self._stats.gathered(**self._gathered(left))
 
     def _layer(self, devices: Any, strategy: Any, global_batch_size: int) -> Layer:
         """The framework layer that stages this feeder's batches (each framework's subclass)."""
@@ -331,6 +340,8 @@ class Feeder:
         """The position and pass count when the position was last known to be the consumer's
         (set_state, the end of a `for` loop or of a tracked `fit`); later passes of
         `as_dataset` may be Keras's look at a batch before training."""
+        self._settled_counters = self._stats.consumer_counters()
+        """The consumer's stats then: what Keras's look at a batch took is not a step."""
         self._tracker: Any = None
         """The `FitTracker` of the `model.fit` reading `as_dataset()`, if any."""
         self._fit_start = self._position
@@ -516,8 +527,30 @@ class Feeder:
         this = self._begin_pass(fit=True, steps=steps, taken=taken)
         self._stop_pipeline()  # nothing this feeder's thread stages is read in such a pass
         rows, valid = self._plan.padded_rows(this.start.epoch, this.start.step)
+        this.valid, this.measured = valid, taken.measured()
         taken.open(this.number)
         return this, rows, valid
+
+    def _gathered(self, this: _Pass) -> dict:
+        """What the consumer of the gathered pass `this` has taken so far, for the stats: its
+        steps and samples, their time (the mean time from one taken batch to the next, times
+        the steps), and the producer's (the framework's gathering) time and samples."""
+        this.catch_up(len(self._plan))
+        now, then = this.taken.measured(), this.measured
+        steps = max(this.handed, 0)
+        if self._tracker is not None:  # batches read ahead of the step were not trained on
+            per_epoch, trained = len(self._plan), self._tracked()
+            begun = this.start.epoch * per_epoch + this.start.step
+            steps = max(0, min(steps, trained.epoch * per_epoch + trained.step - begun))
+        intervals = now["intervals"] - then["intervals"]
+        step_s = (now["step_us"] - then["step_us"]) / 1e6
+        return {
+            "steps": steps,
+            "samples": int(this.valid[:steps].sum()),
+            "wall_s": step_s / intervals * steps if intervals else 0.0,
+            "busy_s": (now["busy_us"] - then["busy_us"]) / 1e6,
+            "produced": now["made"] - then["made"],
+        }
 
     def _next(self, pipeline: Pipeline) -> Any:
         """The next item of the hand-off; a failure closes the feeder and raises its error."""
@@ -554,6 +587,7 @@ class Feeder:
 
     def _settle(self) -> None:
         self._settled = (self._position, self._passes)
+        self._settled_counters = self._stats.consumer_counters()
         self._untracked = False
 
     def fit_callback(self) -> Any:
@@ -574,12 +608,28 @@ class Feeder:
         locked = reason = None
         if self.layer.page_lock is not None and device_pool is not None:
             locked, reason = device_pool.page_locked, device_pool.page_lock_reason
-        return self._stats.snapshot(
+        snapshot = self._stats.snapshot(
             overflow_slots=sum(pool.overflow_allocations for pool in pools),
             slots_allocated=sum(pool.allocated + pool.overflow_allocations for pool in pools),
             page_locked=locked,
             page_lock_reason=reason,
             staged=0 if self._pipeline is None else self._pipeline.handoff.staged,
+        )
+        this = self._active
+        if this is None or this.taken is None or this.counted:
+            return snapshot
+        # A gathered pass being read: what its consumer has taken so far counts already.
+        got, s = self._gathered(this), snapshot
+        busy_s, produced = s.producer_busy_s + got["busy_s"], s.produced_samples + got["produced"]
+        return dataclasses.replace(
+            s,
+            steps=s.steps + got["steps"],
+            samples=s.samples + got["samples"],
+            wall_s=s.wall_s + got["wall_s"],
+            untimed_steps=s.untimed_steps + got["steps"],
+            untimed_s=s.untimed_s + got["wall_s"],
+            producer_busy_s=busy_s,
+            produced_samples=produced,
         )
 
     def describe(self) -> FeederDescription:
@@ -713,9 +763,12 @@ class Feeder:
         self._end_interrupted_fit()
         position, passes = self._settled
         if self._passes != passes:
+            if self._active is not None:
+                self._active.counted = True  # Keras's look, not a step
             self._active = None
             self._stop_pipeline()
             self._position = position
+            self._stats.restore_consumer(self._settled_counters)
             self._settle()
         self._fit_start = self._position
         self._tracker = tracker
@@ -725,11 +778,11 @@ class Feeder:
         if self._tracker is not tracker:
             return
         position = self._tracked()
-        self._tracker = None
         if position != self._position or self._active is not None:
-            self._active = None
+            self._active = None  # while the tracker still says what the pass trained
             self._stop_pipeline()
             self._position = position
+        self._tracker = None
         self._settle()
 
     def _end_interrupted_fit(self) -> None:

@@ -6,7 +6,8 @@ real rows. A `map` gathers the rows from tensors made once per feeder, one batch
 the thread of the `prefetch` after it, and a last, synchronous `map` runs as the consumer takes
 each batch: it refuses a batch of a pass that was superseded and records which batch was taken
 (`TakenBatches`). From that record the feeder learns the consumer's position, as the batches it
-hands out tell it on its own path.
+hands out tell it on its own path, and its stats: the steps and samples taken, the time from one
+taken batch to the next and the time spent gathering, all timed in the graph.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ STEPS_PER_PASS = 1 << 32
 and the step are written together."""
 
 _OPEN, _LAST = 0, 1
+_LAST_AT, _STEP_US, _INTERVALS, _BUSY_US, _MADE = 2, 3, 4, 5, 6
+"""Keys of what is timed in the graph: when the last batch was taken, the microseconds from
+one batch taken to the next of the same pass and how many such intervals, the microseconds
+spent gathering, and the real samples gathered."""
 
 
 class TakenBatches:
@@ -73,12 +78,42 @@ class TakenBatches:
         `first` on, records once taken."""
         return number * STEPS_PER_PASS + first + tf.range(count) + 1
 
+    def measured(self) -> dict[str, int]:
+        """What the graph has timed so far (see `_LAST_AT`), for `Feeder.stats()`."""
+        keys = {"step_us": _STEP_US, "intervals": _INTERVALS, "busy_us": _BUSY_US, "made": _MADE}
+        return {name: self._read(key) for name, key in keys.items()}
+
+    def _get(self, key: int) -> tf.Tensor:
+        return self._table.lookup(tf.constant(key, tf.int64))
+
+    def _add(self, values: dict[int, tf.Tensor]) -> tf.Operation:
+        """In the graph: adds each value to its key's (one thread writes each key)."""
+        keys = list(values)
+        sums = [self._get(key) + values[key] for key in keys]
+        return self._table.insert(tf.constant(keys, tf.int64), tf.stack(sums))
+
     def take(self, tag: tf.Tensor, message: str) -> tf.Operation:
         """In the dataset's graph: refuses the batch `tag` if its pass is no longer open, with
-        `message`, then records it as taken."""
-        is_open = tf.equal(self._table.lookup(tf.constant(_OPEN, tf.int64)), tag // STEPS_PER_PASS)
+        `message`, then records it as taken, and the time since the pass's previous batch."""
+        is_open = tf.equal(self._get(_OPEN), tag // STEPS_PER_PASS)
         with tf.control_dependencies([tf.debugging.Assert(is_open, [message])]):
-            return self._table.insert(tf.constant(_LAST, tf.int64), tag)
+            now = _microseconds()
+            same_pass = tf.equal(self._get(_LAST) // STEPS_PER_PASS, tag // STEPS_PER_PASS)
+            since = tf.where(same_pass, now - self._get(_LAST_AT), tf.constant(0, tf.int64))
+            counted = self._add({_STEP_US: since, _INTERVALS: tf.cast(same_pass, tf.int64)})
+        with tf.control_dependencies([counted]):
+            keys = tf.constant([_LAST, _LAST_AT], tf.int64)
+            return self._table.insert(keys, tf.stack([tag, now]))
+
+    def made(self, started: tf.Tensor, samples: tf.Tensor) -> tf.Operation:
+        """In the dataset's graph: a batch of `samples` real samples gathered, begun at
+        `started` (`_microseconds()`)."""
+        return self._add({_BUSY_US: _microseconds() - started, _MADE: samples})
+
+
+def _microseconds() -> tf.Tensor:
+    """In the graph: now, in microseconds (a float64 of seconds keeps them exactly)."""
+    return tf.cast(tf.timestamp() * 1e6, tf.int64)
 
 
 def gathered_dataset(
@@ -137,7 +172,13 @@ def gathered_dataset(
     def gather(tag, rows, valid, *weights):
         if real_only:  # the real rows are the first `valid`, as a slot pads
             rows = rows[:valid]
-        sample = spec.unflatten([tf.gather(tensor, rows) for tensor in tensors])
+        started = _microseconds()
+        with tf.control_dependencies([started]):
+            arrays = [tf.gather(tensor, rows) for tensor in tensors]
+        with tf.control_dependencies(arrays):
+            made = taken.made(started, valid)
+        with tf.control_dependencies([made]):
+            sample = spec.unflatten([tf.identity(array) for array in arrays])
         return tag, sample if not weights else (*sample, weights[0])
 
     def take_batch(tag, sample):
