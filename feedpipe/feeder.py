@@ -711,7 +711,7 @@ class Feeder:
         last, tracker = self._last_fit, self._tracker
         if last is None or last.number <= tracker.first_pass:
             return self._position  # this epoch's pass has not begun: it begins there
-        return last.after(min(tracker.steps, last.handed))
+        return last.after(min(tracker.finished, last.handed))
 
     def _position_state(self, position: Position) -> dict:
         """The state at `position`, without what the source adds."""

@@ -7,6 +7,10 @@ whose epochs' length is unknown."""
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import signal
+import time
 import warnings
 
 import keras
@@ -250,3 +254,75 @@ def test_a_generator_sources_fit_after_ctrl_c_goes_on_from_what_it_trained():
             )
         assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (0, 3)
         assert rest_of_epoch(feeder) == list(range(3 * BATCH, LENGTH))
+
+
+@pytest.mark.parametrize("entry", ["as_dataset", "feeder"])
+def test_the_state_read_right_after_a_step_raised_is_where_the_feeder_goes_on(entry):
+    with fp.Feeder(ids_data(), BATCH) as feeder:
+        data = feeder.as_dataset() if entry == "as_dataset" else feeder
+        with pytest.raises(tf.errors.InvalidArgumentError):
+            failing_model(3 * BATCH).fit(
+                data, epochs=1, verbose=0, callbacks=[feeder.fit_callback()]
+            )
+        state = feeder.get_state()  # read first, as a handler saving a checkpoint does
+        assert (state["epoch"], state["step"]) == (0, 3)
+        assert rest_of_epoch(feeder) == list(range(3 * BATCH, LENGTH))
+
+
+class SigintAtSample(keras.layers.Layer):
+    """Sends this process SIGINT, as Ctrl-C in a terminal does, from inside the step on the
+    batch holding sample `index`: Python raises KeyboardInterrupt once the step's op returns."""
+
+    def __init__(self, index: int, **kwargs):
+        super().__init__(**kwargs)
+        self.index = index
+
+    def call(self, x):
+        def press(batch):
+            if self.index in batch:
+                os.kill(os.getpid(), signal.SIGINT)
+            return batch
+
+        pressed = tf.numpy_function(press, [x], x.dtype, stateful=True)
+        return tf.reshape(pressed, tf.shape(x))
+
+
+class SigintBeforeStep(keras.callbacks.Callback):
+    """Sends this process SIGINT as step `step` is about to run."""
+
+    def __init__(self, step: int):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == self.step:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1.0)  # Python raises KeyboardInterrupt here, at the latest
+
+
+@pytest.mark.parametrize("entry", ["as_dataset", "feeder"])
+@pytest.mark.parametrize("where", ["in the step", "before the step"])
+def test_a_checkpoint_saved_in_the_ctrl_c_handler_restores_to_where_the_feeder_goes_on(
+    entry, where
+):
+    with fp.Feeder(ids_data(), BATCH) as feeder:
+        data = feeder.as_dataset() if entry == "as_dataset" else feeder
+        layers = [keras.Input((1,)), keras.layers.Dense(1)]
+        callbacks = [feeder.fit_callback()]
+        if where == "in the step":
+            layers.insert(1, SigintAtSample(3 * BATCH))
+        else:
+            callbacks.append(SigintBeforeStep(3))
+        model = keras.Sequential(layers)
+        model.compile("sgd", "mse")
+        try:
+            model.fit(data, epochs=2, verbose=0, callbacks=callbacks)
+        except KeyboardInterrupt:
+            saved = json.loads(json.dumps(feeder.get_state()))  # the user's handler
+        else:
+            pytest.fail("Ctrl-C did not interrupt the fit")
+        goes_on = rest_of_epoch(feeder)
+    assert goes_on[0] == saved["step"] * BATCH, (saved, goes_on[:1])
+    with fp.Feeder(ids_data(), BATCH) as restored:
+        restored.set_state(saved)
+        assert rest_of_epoch(restored) == goes_on
