@@ -350,6 +350,8 @@ class Feeder:
         """The error that closed the feeder: every later read raises it again."""
         self._untracked = False
         """Passes of `as_dataset` were read since the position was settled, with no tracker."""
+        self._interrupted_at: Position | None = None
+        """Where the last tracked `fit` stopped, if it raised (an error, Ctrl-C)."""
 
     def _service_work(self, service: str, transform, transpose) -> tuple[str, Any]:
         """The dispatcher's address and the per-sample work it will run, both checked (see
@@ -514,7 +516,7 @@ class Feeder:
             self._untracked = self._untracked or self._tracker is None
         return this
 
-    def _gathered_pass(self, steps: int, taken: Any) -> tuple[_Pass, Any, Any]:
+    def _gathered_pass(self, steps: int | None, taken: Any) -> tuple[_Pass, Any, Any]:
         """Begins a pass of `as_dataset()` whose batches the framework gathers itself from the
         source's arrays, in its own threads, with no Python per batch: the pass, the rows of
         each of its `steps` batches (padded as a slot pads: the real rows repeated in
@@ -751,6 +753,7 @@ class Feeder:
         self._active = None
         self._stop_pipeline()
         self._position = position
+        self._interrupted_at = None
         self._producer.restore(self._position, state.get("source"))
         self._settle()
 
@@ -791,6 +794,7 @@ class Feeder:
         if self._tracker is not None:
             self._tracker.interrupted()
             self._untrack(self._tracker)
+            self._interrupted_at = self._position
 
     def _reads_this(self, data: Any) -> bool:
         """Whether `data` reads this feeder (a framework adds its own datasets)."""
@@ -846,19 +850,27 @@ class Feeder:
             return None
         return len(self._plan) - self._position_state(self._position)["step"]
 
-    def _check_fit_epochs(self, steps: int | None, epochs: int) -> None:
-        """Refuses a tracked fit's `epochs` epochs of `steps` batches that are not the feeder's
-        next, from what the fit has trained (a `prefetch` may have taken the next epoch's
-        first batches already)."""
-        self._check_passes_from(self._tracked(), steps, epochs)
+    def _check_fit_epochs(
+        self, steps: int | None, epochs: int, *, total: int, itself: bool = False
+    ) -> None:
+        """Refuses a tracked fit's `epochs` epochs (of `total`) of `steps` batches that are
+        not the feeder's next, from what the fit has trained (a `prefetch` may have taken the
+        next epoch's first batches already). A fit that reads the feeder `itself` (Keras's
+        adapter) runs Keras epochs of a whole epoch's batches: its first pass, begun mid-epoch,
+        ends with that epoch, which Keras takes as an epoch that ran out early."""
+        if itself and self._plan is not None and steps == len(self._plan):
+            return
+        self._check_passes_from(self._tracked(), steps, epochs, total=total)
 
-    def _check_passes_from(self, position: Position, steps: int | None, epochs: int | None) -> None:
+    def _check_passes_from(
+        self, position: Position, steps: int | None, epochs: int | None, total: int | None = None
+    ) -> None:
         """Refuses passes of `steps` batches (`epochs` of them) from `position` that are not
         the feeder's epochs.
 
         Keras runs every epoch of a fit for the same number of steps, the dataset's length,
-        fixed when `as_dataset()` is called: the rest of an epoch after a restore mid-epoch
-        needs a fit of its own.
+        fixed when `as_dataset()` is called: the rest of an epoch needs a fit of its own on
+        a dataset, where `model.fit(feeder)` goes on by itself.
         """
         if self._plan is None:
             return
@@ -868,6 +880,19 @@ class Feeder:
         if steps == left and (step == 0 or epochs is None or epochs <= 1):
             return
         entry = "feeder.as_dataset()" if self.layer.name == "tensorflow" else "feeder"
+        runs = "" if epochs is None else f" (model.fit runs {epochs} such epochs)"
+        if step > 0 and position == self._interrupted_at:
+            more = "" if total is None else f"epochs={total}, "
+            raise ValueError(
+                f"This dataset cannot go on after an interrupted fit: the last fit on this "
+                f"feeder stopped (Ctrl-C or an error) at step {step} of epoch {epoch}, which "
+                f"has {left} batches left; each pass over this "
+                f"dataset has {steps} batches{runs}, and Keras runs every epoch of a fit for "
+                f"the same number of steps. Pass the feeder itself, which goes on: "
+                f"model.fit(feeder, {more}"
+                "callbacks=[feeder.fit_callback(), ...]) trains the rest of epoch "
+                f"{epoch}, then whole epochs."
+            )
         if step == 0:
             fix = (
                 f"this dataset was made mid-epoch and serves only the rest of that epoch; for "
@@ -881,7 +906,6 @@ class Feeder:
                 f"epochs={epoch + 1}), then go on with model.fit({entry}, "
                 f"initial_epoch={epoch + 1}, epochs=...)"
             )
-        runs = "" if epochs is None else f" (model.fit runs {epochs} such epochs)"
         raise ValueError(
             f"Each pass over this dataset has {steps} batches{runs}, but the feeder is at step "
             f"{step} of epoch {epoch}, which has {left} batches left, and later epochs have "

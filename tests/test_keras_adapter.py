@@ -37,14 +37,15 @@ def test_fit_on_the_feeder_equals_fit_on_its_dataset():
         np.testing.assert_array_equal(mine, theirs)
 
 
-def test_the_adapter_reports_the_epochs_batches_and_no_partial_batch():
+def test_the_adapter_reports_whole_epochs_of_batches_and_no_partial_batch():
     with fp.Feeder(data(), 32) as feeder:
         assert feeder.num_batches == 4 and feeder.batch_size == 32
         assert not feeder.has_partial_batch and feeder.partial_batch_size is None
         loop = iter(feeder)
         next(loop)
         loop.close()
-        assert feeder.num_batches == 3  # the rest of the epoch
+        # Keras's epochs are whole ones; its first, from mid-epoch, ends with the feeder's.
+        assert feeder.num_batches == 4
 
 
 def test_a_tensorflow_feeder_asked_for_jax_batches_says_how_to_build_one():
@@ -124,3 +125,54 @@ def test_validation_on_a_feeder_counts_each_real_sample_once_in_every_metric():
     plain = net.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
     assert history.history["val_accuracy"][-1] == pytest.approx(plain["accuracy"], rel=1e-6)
     assert history.history["val_loss"][-1] == pytest.approx(plain["loss"], rel=1e-5)
+
+
+class CtrlCAfter(keras.callbacks.Callback):
+    """Raises KeyboardInterrupt after step `step` of the first epoch, as Ctrl-C does."""
+
+    def __init__(self, step: int):
+        super().__init__()
+        self.step, self.epoch = step, None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.epoch == 0 and batch == self.step:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.usefixtures("as_dataset_path")
+def test_the_same_fit_run_again_after_ctrl_c_finishes_the_epoch_then_whole_epochs_once():
+    with fp.Feeder(data(), 32, shuffle=True) as feeder:
+        fed = model()
+        with pytest.raises(KeyboardInterrupt):
+            fed.fit(feeder, epochs=3, callbacks=[feeder.fit_callback(), CtrlCAfter(1)], verbose=0)
+        # The notebook cell run again: the rest of epoch 0, then epochs 1 and 2.
+        history = fed.fit(feeder, epochs=3, callbacks=[feeder.fit_callback()], verbose=0)
+        assert len(history.history["loss"]) == 3
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (3, 0)
+    with fp.Feeder(data(), 32, shuffle=True) as feeder:
+        whole = model()
+        whole.fit(feeder, epochs=3, callbacks=[feeder.fit_callback()], verbose=0)
+    for mine, theirs in zip(fed.get_weights(), whole.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_a_dataset_fit_run_again_after_ctrl_c_names_the_interrupted_fit_and_the_call_that_goes_on():
+    with fp.Feeder(data(), 32) as feeder:
+        fed = model()
+        with pytest.raises(KeyboardInterrupt):
+            fed.fit(
+                feeder.as_dataset(),
+                epochs=3,
+                callbacks=[feeder.fit_callback(), CtrlCAfter(1)],
+                verbose=0,
+            )
+        refused = pytest.raises(
+            ValueError, match=r"interrupted fit.*step 2 of epoch 0.*model\.fit\(feeder, epochs=3"
+        )
+        with refused:
+            fed.fit(feeder.as_dataset(), epochs=3, callbacks=[feeder.fit_callback()], verbose=0)
+        assert "restore" not in str(refused.excinfo.value)
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (0, 2)

@@ -79,8 +79,7 @@ def keras_batches(feeder: Any, *, real_only: bool = False) -> Iterator[Any]:
     made: dict[int, tuple[Any, Any]] = {}
     """Per pattern, keyed by its masks (kept, so that the key stays theirs): rows or weights."""
     feeder._end_open_pass()
-    steps = feeder._steps_left() if feeder.share.num_hosts == 1 else None
-    for batch in feeder._iterate(fit=True, host=False, steps=steps):
+    for batch in feeder._iterate(fit=True, host=False):
         inputs, mask = batch.distributed()
         if real_only and batch.num_valid < size:  # padding rows come last on JAX
             _check_real_rows_divide(feeder, batch.num_valid)

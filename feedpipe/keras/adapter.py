@@ -25,16 +25,17 @@ class KerasInput:
 
     @property
     def num_batches(self) -> int | None:
-        """Batches Keras takes per epoch: the rest of the current one (None: length unknown).
+        """Batches Keras takes per epoch: a whole epoch's (None: length unknown).
 
         Keras reads it first in every `fit`, before any callback: a fit that raised (an error,
-        Ctrl-C) ends here, so the next one goes on from what that one trained on, as a new
-        `as_dataset()` does.
+        Ctrl-C) ends here, so the next one goes on from what that one trained on. Each pass
+        Keras reads is the rest of the feeder's current epoch: from mid-epoch (a fit
+        interrupted and run again, a restore) the first Keras epoch ends early with the
+        feeder's, as an input that ran out does, and Keras's later epochs are whole ones, so
+        `model.fit(feeder, epochs=n)` run again finishes the epoch, then trains whole epochs.
         """
         self._end_interrupted_fit()
-        if self.share.num_hosts > 1 and self._plan is not None:  # endless: whole epochs
-            return len(self._plan)
-        return self._steps_left()
+        return None if self._plan is None else len(self._plan)
 
     @property
     def batch_size(self) -> int:
@@ -56,7 +57,7 @@ class KerasInput:
                 "tf.data.Dataset; build the feeder with TensorFlow devices (or none) under "
                 "KERAS_BACKEND=tensorflow."
             )
-        return self._dataset(real_only=_evaluating(self))
+        return self._dataset(real_only=_evaluating(self), whole=True)
 
     def get_jax_iterator(self) -> Any:
         if self.layer.name != "jax":

@@ -14,7 +14,7 @@ from typing import Any
 
 import keras
 
-from feedpipe._internals import keras_validation_input, unweighted_metrics
+from feedpipe._internals import keras_reading, keras_validation_input, unweighted_metrics
 
 
 class FitTracker(keras.callbacks.Callback):
@@ -62,7 +62,9 @@ class FitTracker(keras.callbacks.Callback):
         self.first_pass, self.steps, self.finished = self.feeder._passes, 0, 0
         params = self.params or {}
         self.epoch_steps = params.get("steps")
-        self.feeder._check_fit_epochs(self.epoch_steps, params.get("epochs", epoch + 1) - epoch)
+        total = params.get("epochs", epoch + 1)
+        itself = keras_reading(self.feeder) == "fit"
+        self.feeder._check_fit_epochs(self.epoch_steps, total - epoch, total=total, itself=itself)
 
     def on_train_batch_begin(self, batch, logs=None):
         self.feeder._raise_failure()
@@ -115,7 +117,11 @@ class FitTracker(keras.callbacks.Callback):
         that the input "ran out of data; interrupting training": the feeder's epochs end so
         by design, and training goes on. That warning is silenced for this fit alone."""
         self._speak_again()
-        if (self.params or {}).get("steps") is None:
+        # A fit on the feeder itself begun mid-epoch ends its first Keras epoch with the
+        # feeder's (see `Feeder._check_fit_epochs`), as Keras's epochs of unknown length do.
+        left = self.feeder._steps_left()
+        mid_epoch = left is not None and left != len(self.feeder)
+        if (self.params or {}).get("steps") is None or mid_epoch:
             warnings.filterwarnings(
                 "ignore", message=_RAN_OUT, category=UserWarning, module=_KERAS_EPOCHS
             )

@@ -91,13 +91,17 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
         For `model.predict` and `model.evaluate` pass the feeder itself: Keras then reads
         each real sample once, with no padding row (see `_dataset`).
         """
-        return self._dataset(real_only=False)
+        return self._dataset(real_only=False, whole=False)
 
-    def _dataset(self, *, real_only: bool) -> tf.data.Dataset | tf.distribute.DistributedDataset:
+    def _dataset(
+        self, *, real_only: bool, whole: bool
+    ) -> tf.data.Dataset | tf.distribute.DistributedDataset:
         """`as_dataset()`, or with `real_only` its batches cut to their real rows and without
         added weights: what `model.predict` and `model.evaluate` read, since a padding row
         would be predicted, and counted by every metric, as a sample (the last batch is then
-        smaller, which Keras and `tf.distribute` take for predict and evaluate)."""
+        smaller, which Keras and `tf.distribute` take for predict and evaluate). With `whole`
+        (Keras's adapter, whose `num_batches` says how long Keras's epochs are) each pass is
+        the rest of the feeder's epoch, whatever its position, and states no cardinality."""
         self._end_interrupted_fit()
         self._end_open_pass()
         hosts = self.share.num_hosts > 1
@@ -120,7 +124,7 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
         how = None if real_only else weighting(self.spec, self.options.remainder)
         if how == "add":
             signature = (*signature, optree.tree_map(weight_spec, signature[1]))
-        steps = None if hosts else self._steps_left()
+        steps = None if hosts or whole else self._steps_left()
         if self._gathers():
             dataset = gathered_dataset(
                 self, signature, how, steps, core._SUPERSEDED, real_only=real_only

@@ -120,14 +120,15 @@ def gathered_dataset(
     feeder: Any,
     signature: Any,
     how: str | None,
-    steps: int,
+    steps: int | None,
     superseded: str,
     *,
     real_only: bool = False,
 ) -> tf.data.Dataset:
-    """The batches of `feeder`'s next pass of `steps` steps, gathered by TensorFlow, each
-    element `signature` (with an added sample weight where `how` is "add"; with `real_only`,
-    a batch's real rows alone); a batch of a superseded pass raises `superseded` when taken."""
+    """The batches of `feeder`'s next pass of `steps` steps (None: the rest of its epoch),
+    gathered by TensorFlow, each element `signature` (with an added sample weight where `how`
+    is "add"; with `real_only`, a batch's real rows alone); a batch of a superseded pass
+    raises `superseded` when taken."""
     tensors = feeder._source_tensors()
     # The dataset's own record: a pass of another dataset ends this one's through
     # `TakenBatches.revoke`, as any pass's end does.

@@ -154,13 +154,55 @@ def test_a_state_saved_mid_fit_resumes_in_a_new_feeder_to_the_same_weights(keras
     assert_same_weights(resumed, whole)
 
 
-def test_a_fit_of_several_epochs_after_a_restore_mid_epoch_says_how_to_finish_it(keras, devices):
+def test_a_fit_of_several_epochs_after_a_restore_mid_epoch_finishes_it_then_trains_whole_ones(
+    keras, devices
+):
     x, y = data()
     with fp.Feeder((x, y), BATCH, devices=devices[:1]) as feeder:
         feeder.set_state({**feeder.get_state(), "step": 2})
-        fix = r"model\.fit\(feeder, initial_epoch=0, epochs=1\)"
-        with pytest.raises(ValueError, match=fix):
-            model(keras).fit(feeder, epochs=3, callbacks=[feeder.fit_callback()], verbose=0)
+        fed = model(keras)
+        fed.set_weights(model(keras).get_weights())
+        history = fed.fit(feeder, epochs=3, callbacks=[feeder.fit_callback()], verbose=0)
+        assert len(history.history["loss"]) == 3
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (3, 0)
+    plain = model(keras)
+    plain.fit(x[64:], y[64:], batch_size=BATCH, shuffle=False, epochs=1, verbose=0)
+    plain.fit(x, y, batch_size=BATCH, shuffle=False, epochs=2, verbose=0)
+    assert_same_weights(fed, plain)
+
+
+class CtrlCAfter:
+    """A callback raising KeyboardInterrupt after step `step` of the first epoch (Ctrl-C)."""
+
+    def __new__(cls, keras, step: int):
+        class Interrupt(keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch, logs=None):
+                self.epoch = epoch
+
+            def on_train_batch_end(self, batch, logs=None):
+                if self.epoch == 0 and batch == step:
+                    raise KeyboardInterrupt
+
+        return Interrupt()
+
+
+def test_the_same_fit_run_again_after_ctrl_c_finishes_the_epoch_then_whole_epochs_once(
+    keras, devices
+):
+    x, y = data()
+    with fp.Feeder((x, y), BATCH, devices=devices[:1], shuffle=True, seed=3) as feeder:
+        fed = model(keras)
+        with pytest.raises(KeyboardInterrupt):
+            fed.fit(
+                feeder, epochs=3, callbacks=[feeder.fit_callback(), CtrlCAfter(keras, 1)], verbose=0
+            )
+        history = fed.fit(feeder, epochs=3, callbacks=[feeder.fit_callback()], verbose=0)
+        assert len(history.history["loss"]) == 3
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (3, 0)
+    with fp.Feeder((x, y), BATCH, devices=devices[:1], shuffle=True, seed=3) as feeder:
+        whole = model(keras)
+        whole.fit(feeder, epochs=3, callbacks=[feeder.fit_callback()], verbose=0)
+    assert_same_weights(fed, whole)
 
 
 def test_without_the_callback_the_state_says_why_it_is_unknown(keras, devices):
