@@ -464,6 +464,12 @@ class Feeder:
             while True:
                 item = self._next(pipeline)
                 if isinstance(item, EpochEnd):
+                    if this.handed == 0 and this.start.step > 0:
+                        # A source of unknown length learns its epoch's end by reading on, so
+                        # a state taken after the last batch can say (e, steps): that epoch is
+                        # over, and this pass is the next one, never an empty one.
+                        self._position = this.start = Position(item.epoch + 1, 0)
+                        continue
                     self._end_epoch(this, item)
                     return
                 self._position = Position(item.epoch, item.step + 1)

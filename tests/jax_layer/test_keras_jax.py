@@ -290,3 +290,45 @@ def test_predict_where_the_last_real_rows_cannot_be_sharded_says_to_use_one_devi
     )
     with fp.Feeder((x, y), 8, devices=devices) as feeder, refused:
         net.predict(feeder, verbose=0)
+
+
+def counting(shard: int, num_shards: int):
+    """A generator source of LENGTH samples, each one's features its index."""
+    for index in range(shard, LENGTH, num_shards):
+        yield np.full(8, index, np.float32), np.int32(index % 3)
+
+
+class StepsSeen:
+    """A callback recording the feeder's state after every step, and the steps run."""
+
+    def __new__(cls, keras, feeder):
+        class Seen(keras.callbacks.Callback):
+            states, steps = [], 0
+
+            def on_train_batch_end(self, batch, logs=None):
+                self.steps += 1
+                self.states.append(json.loads(json.dumps(feeder.get_state())))
+
+        return Seen()
+
+
+def test_a_generator_state_saved_after_an_epochs_last_step_resumes_with_the_next_epoch(
+    keras, devices
+):
+    steps = -(-LENGTH // BATCH)
+    with fp.Feeder(fp.from_generator(counting), BATCH, devices=devices[:1]) as feeder:
+        seen = StepsSeen(keras, feeder)
+        model(keras).fit(feeder, epochs=1, callbacks=[feeder.fit_callback(), seen], verbose=0)
+    saved = seen.states[-1]  # after the epoch's last step
+    for resume in ("fit", "loop"):
+        with fp.Feeder(fp.from_generator(counting), BATCH, devices=devices[:1]) as feeder:
+            feeder.set_state(saved)
+            if resume == "fit":  # the README's "finish that epoch in a fit of its own"
+                again = StepsSeen(keras, feeder)
+                callbacks = [feeder.fit_callback(), again]
+                model(keras).fit(feeder, epochs=1, callbacks=callbacks, verbose=0)
+                assert again.steps == steps, "the next epoch, whole"
+            else:
+                firsts = [int(np.asarray(b.replicas[0][0])[0, 0]) for b in feeder]
+                assert firsts == list(range(0, LENGTH, BATCH))
+            assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (2, 0), resume
