@@ -866,7 +866,37 @@ class Feeder:
         ends with that epoch, which Keras takes as an epoch that ran out early."""
         if itself and self._plan is not None and steps == len(self._plan):
             return
+        if self._plan is None:
+            self._check_unknown_epochs(steps, epochs, total=total, itself=itself)
+            return
         self._check_passes_from(self._tracked(), steps, epochs, total=total)
+
+    def _check_unknown_epochs(
+        self, steps: int | None, epochs: int, *, total: int, itself: bool
+    ) -> None:
+        """Refuses a fit of several epochs begun mid-epoch on a source of unknown length:
+        Keras takes its first epoch's steps, here the rest of the feeder's, for every epoch,
+        and would run short ones (its warning that the input ran out is the feeder's to quiet
+        at an epoch's end, so nothing would say so)."""
+        position = self._tracked()
+        if steps is not None or epochs <= 1 or position.step == 0:
+            return
+        epoch, step = position
+        entry = "feeder" if itself else "feeder.as_dataset()"
+        if position == self._interrupted_at:
+            what = (
+                f"The last fit on this feeder was interrupted (Ctrl-C or an error) at step "
+                f"{step} of epoch {epoch}"
+            )
+        else:
+            what = f"The feeder is at step {step} of epoch {epoch} (restored there)"
+        raise ValueError(
+            f"{what}, and its source does not say how many samples it has, so Keras would take "
+            f"the rest of that epoch's length for each of the {epochs} epochs of this fit and "
+            f"run short ones. Finish that epoch in a fit of its own, model.fit({entry}, "
+            f"epochs=1, callbacks=[feeder.fit_callback(), ...]), then go on with "
+            f"model.fit({entry}, epochs={total - 1}, ...)."
+        )
 
     def _check_passes_from(
         self, position: Position, steps: int | None, epochs: int | None, total: int | None = None

@@ -327,3 +327,39 @@ def test_a_checkpoint_saved_in_the_ctrl_c_handler_restores_to_where_the_feeder_g
     with fp.Feeder(ids_data(), BATCH) as restored:
         restored.set_state(saved)
         assert rest_of_epoch(restored) == goes_on
+
+
+@pytest.mark.parametrize("entry", ["as_dataset", "feeder"])
+def test_a_generator_fit_of_several_epochs_from_mid_epoch_is_refused_with_the_fit_that_finishes_it(
+    entry,
+):
+    with fp.Feeder(fp.from_generator(counting), BATCH) as feeder:
+        for _, _ in zip(range(3), feeder, strict=False):
+            pass
+        state = feeder.get_state()
+    assert (state["epoch"], state["step"]) == (0, 3)
+    with fp.Feeder(fp.from_generator(counting), BATCH) as feeder:
+        feeder.set_state(state)
+        data = feeder.as_dataset() if entry == "as_dataset" else feeder
+        call = r"feeder\.as_dataset\(\)" if entry == "as_dataset" else "feeder"
+        refused = rf"at step 3 of epoch 0.*short ones.*model\.fit\({call}, epochs=1"
+        with pytest.raises(ValueError, match=refused):
+            dense_model().fit(data, epochs=3, verbose=0, callbacks=[feeder.fit_callback()])
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (0, 3)
+        # The fit it names finishes the epoch; whole epochs follow.
+        dense_model().fit(data, epochs=1, verbose=0, callbacks=[feeder.fit_callback()])
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (1, 0)
+        dense_model().fit(data, epochs=2, verbose=0, callbacks=[feeder.fit_callback()])
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (3, 0)
+
+
+def test_a_generator_fit_run_again_after_ctrl_c_names_the_interrupted_fit():
+    with fp.Feeder(fp.from_generator(counting), BATCH) as feeder:
+        model = dense_model()
+        with pytest.raises(KeyboardInterrupt):
+            model.fit(
+                feeder, epochs=3, verbose=0, callbacks=[feeder.fit_callback(), InterruptAfter(2)]
+            )
+        with pytest.raises(ValueError, match=r"interrupted.*at step 3 of epoch 0.*epochs=1"):
+            model.fit(feeder, epochs=3, verbose=0, callbacks=[feeder.fit_callback()])
+        assert rest_of_epoch(feeder) == list(range(3 * BATCH, LENGTH))

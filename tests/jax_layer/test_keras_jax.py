@@ -332,3 +332,19 @@ def test_a_generator_state_saved_after_an_epochs_last_step_resumes_with_the_next
                 firsts = [int(np.asarray(b.replicas[0][0])[0, 0]) for b in feeder]
                 assert firsts == list(range(0, LENGTH, BATCH))
             assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (2, 0), resume
+
+
+def test_a_generator_fit_of_several_epochs_from_mid_epoch_is_refused_with_the_fit_that_finishes_it(
+    keras, devices
+):
+    with fp.Feeder(fp.from_generator(counting), BATCH, devices=devices[:1]) as feeder:
+        feeder.set_state({**feeder.get_state(), "step": 2})
+        fed = model(keras)
+        refused = pytest.raises(ValueError, match=r"at step 2 of epoch 0.*short ones.*epochs=1")
+        with refused:
+            fed.fit(feeder, epochs=3, callbacks=[feeder.fit_callback()], verbose=0)
+        seen = StepsSeen(keras, feeder)
+        fed.fit(feeder, epochs=1, callbacks=[feeder.fit_callback(), seen], verbose=0)
+        assert seen.steps == 2  # the rest of epoch 0
+        fed.fit(feeder, epochs=2, callbacks=[feeder.fit_callback()], verbose=0)
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (3, 0)
