@@ -7,6 +7,7 @@ functions: worker processes import modules that use this one and never load them
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -216,6 +217,30 @@ def build_for_batch(model: Any, batch: Any) -> None:
         model._maybe_symbolic_build(iterator=[(0, 0, iter([batch]))])
     else:
         model._symbolic_build(data_batch=batch)
+
+
+_KERAS_TRAINER = re.compile(r"keras[/\\]src[/\\]backend[/\\]\w+[/\\]trainer\.py$")
+
+
+def keras_reading(adapter: Any) -> str | None:
+    """Which of Keras's `fit`, `evaluate` or `predict` is reading `adapter` now (a `fit`'s
+    validation is "evaluate"), or None outside them.
+
+    Keras tells a data adapter nothing of what it is read for, yet `predict` must not see the
+    padding rows `fit` trains on with zero weight; the nearest of its backend trainer's methods
+    on the calling stack says (the adapter is asked for its batches from inside the method).
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in ("fit", "evaluate", "predict") and _KERAS_TRAINER.search(
+            code.co_filename
+        ):
+            if code.co_name == "fit" and frame.f_locals.get("x") is not adapter:
+                return "evaluate"  # the validation data of the fit
+            return code.co_name
+        frame = frame.f_back
+    return None
 
 
 def keras_jax_batches(*data: Any, **options: Any) -> Iterator[Any]:

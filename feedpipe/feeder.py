@@ -128,6 +128,12 @@ class _Pass:
     """For a pass whose batches the framework gathers itself (see `Feeder._gathered_pass`):
     what its consumer took, as the framework's threads record it (`TakenBatches`); None where
     this feeder hands out the batches and counts them as it does."""
+    valid: Any = None
+    """For a gathered pass: each of its batches' count of real samples."""
+    measured: dict | None = None
+    """For a gathered pass: what `taken` had timed when it began (see `Feeder._gathered`)."""
+    counted: bool = False
+    """For a gathered pass: its batches are in the feeder's stats."""
 
     def catch_up(self, steps_per_epoch: int) -> None:
         """Reads how far the consumer of a gathered pass has got: `handed`, and `end` once it
@@ -185,6 +191,9 @@ class Feeder:
         left, self._active_pass = self._active_pass, this
         if left is not None and left is not this and left.taken is not None:
             left.taken.revoke(left.number)
+            if not left.counted:
+                left.counted = True
+                self._stats.gathered(**self._gathered(left))
 
     def _layer(self, devices: Any, strategy: Any, global_batch_size: int) -> Layer:
         """The framework layer that stages this feeder's batches (each framework's subclass)."""
@@ -351,6 +360,8 @@ class Feeder:
         """The position and pass count when the position was last known to be the consumer's
         (set_state, the end of a `for` loop or of a tracked `fit`); later passes of
         `as_dataset` may be Keras's look at a batch before training."""
+        self._settled_counters = self._stats.consumer_counters()
+        """The consumer's stats then: what Keras's look at a batch took is not a step."""
         self._tracker: Any = None
         """The `FitTracker` of the `model.fit` reading `as_dataset()`, if any."""
         self._fit_start = self._position
@@ -359,6 +370,8 @@ class Feeder:
         """The error that closed the feeder: every later read raises it again."""
         self._untracked = False
         """Passes of `as_dataset` were read since the position was settled, with no tracker."""
+        self._interrupted_at: Position | None = None
+        """Where the last tracked `fit` stopped, if it raised (an error, Ctrl-C)."""
         if self.share.num_hosts > 1:
             self._check_hosts_agree()
 
@@ -488,6 +501,12 @@ class Feeder:
             while True:
                 item = self._next(pipeline)
                 if isinstance(item, EpochEnd):
+                    if this.handed == 0 and this.start.step > 0:
+                        # A source of unknown length learns its epoch's end by reading on, so
+                        # a state taken after the last batch can say (e, steps): that epoch is
+                        # over, and this pass is the next one, never an empty one.
+                        self._position = this.start = Position(item.epoch + 1, 0)
+                        continue
                     self._end_epoch(this, item)
                     return
                 self._position = Position(item.epoch, item.step + 1)
@@ -540,7 +559,7 @@ class Feeder:
             self._untracked = self._untracked or self._tracker is None
         return this
 
-    def _gathered_pass(self, steps: int, taken: Any) -> tuple[_Pass, Any, Any]:
+    def _gathered_pass(self, steps: int | None, taken: Any) -> tuple[_Pass, Any, Any]:
         """Begins a pass of `as_dataset()` whose batches the framework gathers itself from the
         source's arrays, in its own threads, with no Python per batch: the pass, the rows of
         each of its `steps` batches (padded as a slot pads: the real rows repeated in
@@ -553,8 +572,30 @@ class Feeder:
         this = self._begin_pass(fit=True, steps=steps, taken=taken)
         self._stop_pipeline()  # nothing this feeder's thread stages is read in such a pass
         rows, valid = self._plan.padded_rows(this.start.epoch, this.start.step)
+        this.valid, this.measured = valid, taken.measured()
         taken.open(this.number)
         return this, rows, valid
+
+    def _gathered(self, this: _Pass) -> dict:
+        """What the consumer of the gathered pass `this` has taken so far, for the stats: its
+        steps and samples, their time (the mean time from one taken batch to the next, times
+        the steps), and the producer's (the framework's gathering) time and samples."""
+        this.catch_up(len(self._plan))
+        now, then = this.taken.measured(), this.measured
+        steps = max(this.handed, 0)
+        if self._tracker is not None:  # batches read ahead of the step were not trained on
+            per_epoch, trained = len(self._plan), self._tracked()
+            begun = this.start.epoch * per_epoch + this.start.step
+            steps = max(0, min(steps, trained.epoch * per_epoch + trained.step - begun))
+        intervals = now["intervals"] - then["intervals"]
+        step_s = (now["step_us"] - then["step_us"]) / 1e6
+        return {
+            "steps": steps,
+            "samples": int(this.valid[:steps].sum()),
+            "wall_s": step_s / intervals * steps if intervals else 0.0,
+            "busy_s": (now["busy_us"] - then["busy_us"]) / 1e6,
+            "produced": now["made"] - then["made"],
+        }
 
     def _next(self, pipeline: Pipeline) -> Any:
         """The next item of the hand-off; a failure closes the feeder and raises its error."""
@@ -591,6 +632,7 @@ class Feeder:
 
     def _settle(self) -> None:
         self._settled = (self._position, self._passes)
+        self._settled_counters = self._stats.consumer_counters()
         self._untracked = False
 
     def fit_callback(self) -> Any:
@@ -611,12 +653,28 @@ class Feeder:
         locked = reason = None
         if self.layer.page_lock is not None and device_pool is not None:
             locked, reason = device_pool.page_locked, device_pool.page_lock_reason
-        return self._stats.snapshot(
+        snapshot = self._stats.snapshot(
             overflow_slots=sum(pool.overflow_allocations for pool in pools),
             slots_allocated=sum(pool.allocated + pool.overflow_allocations for pool in pools),
             page_locked=locked,
             page_lock_reason=reason,
             staged=0 if self._pipeline is None else self._pipeline.handoff.staged,
+        )
+        this = self._active
+        if this is None or this.taken is None or this.counted:
+            return snapshot
+        # A gathered pass being read: what its consumer has taken so far counts already.
+        got, s = self._gathered(this), snapshot
+        busy_s, produced = s.producer_busy_s + got["busy_s"], s.produced_samples + got["produced"]
+        return dataclasses.replace(
+            s,
+            steps=s.steps + got["steps"],
+            samples=s.samples + got["samples"],
+            wall_s=s.wall_s + got["wall_s"],
+            untimed_steps=s.untimed_steps + got["steps"],
+            untimed_s=s.untimed_s + got["wall_s"],
+            producer_busy_s=busy_s,
+            produced_samples=produced,
         )
 
     def describe(self) -> FeederDescription:
@@ -700,7 +758,7 @@ class Feeder:
         last, tracker = self._last_fit, self._tracker
         if last is None or last.number <= tracker.first_pass:
             return self._position  # this epoch's pass has not begun: it begins there
-        return last.after(min(tracker.steps, last.handed))
+        return last.after(min(tracker.finished, last.handed))
 
     def _position_state(self, position: Position) -> dict:
         """The state at `position`, without what the source adds."""
@@ -740,6 +798,7 @@ class Feeder:
         self._active = None
         self._stop_pipeline()
         self._position = position
+        self._interrupted_at = None
         self._producer.restore(self._position, state.get("source"))
         self._settle()
 
@@ -752,9 +811,12 @@ class Feeder:
         self._end_interrupted_fit()
         position, passes = self._settled
         if self._passes != passes:
+            if self._active is not None:
+                self._active.counted = True  # Keras's look, not a step
             self._active = None
             self._stop_pipeline()
             self._position = position
+            self._stats.restore_consumer(self._settled_counters)
             self._settle()
         self._fit_start = self._position
         self._tracker = tracker
@@ -764,11 +826,11 @@ class Feeder:
         if self._tracker is not tracker:
             return
         position = self._tracked()
-        self._tracker = None
         if position != self._position or self._active is not None:
-            self._active = None
+            self._active = None  # while the tracker still says what the pass trained
             self._stop_pipeline()
             self._position = position
+        self._tracker = None
         self._settle()
 
     def _end_interrupted_fit(self) -> None:
@@ -777,6 +839,7 @@ class Feeder:
         if self._tracker is not None:
             self._tracker.interrupted()
             self._untrack(self._tracker)
+            self._interrupted_at = self._position
 
     def _reads_this(self, data: Any) -> bool:
         """Whether `data` reads this feeder (a framework adds its own datasets)."""
@@ -832,19 +895,57 @@ class Feeder:
             return None
         return len(self._plan) - self._position_state(self._position)["step"]
 
-    def _check_fit_epochs(self, steps: int | None, epochs: int) -> None:
-        """Refuses a tracked fit's `epochs` epochs of `steps` batches that are not the feeder's
-        next, from what the fit has trained (a `prefetch` may have taken the next epoch's
-        first batches already)."""
-        self._check_passes_from(self._tracked(), steps, epochs)
+    def _check_fit_epochs(
+        self, steps: int | None, epochs: int, *, total: int, itself: bool = False
+    ) -> None:
+        """Refuses a tracked fit's `epochs` epochs (of `total`) of `steps` batches that are
+        not the feeder's next, from what the fit has trained (a `prefetch` may have taken the
+        next epoch's first batches already). A fit that reads the feeder `itself` (Keras's
+        adapter) runs Keras epochs of a whole epoch's batches: its first pass, begun mid-epoch,
+        ends with that epoch, which Keras takes as an epoch that ran out early."""
+        if itself and self._plan is not None and steps == len(self._plan):
+            return
+        if self._plan is None:
+            self._check_unknown_epochs(steps, epochs, total=total, itself=itself)
+            return
+        self._check_passes_from(self._tracked(), steps, epochs, total=total)
 
-    def _check_passes_from(self, position: Position, steps: int | None, epochs: int | None) -> None:
+    def _check_unknown_epochs(
+        self, steps: int | None, epochs: int, *, total: int, itself: bool
+    ) -> None:
+        """Refuses a fit of several epochs begun mid-epoch on a source of unknown length:
+        Keras takes its first epoch's steps, here the rest of the feeder's, for every epoch,
+        and would run short ones (its warning that the input ran out is the feeder's to quiet
+        at an epoch's end, so nothing would say so)."""
+        position = self._tracked()
+        if steps is not None or epochs <= 1 or position.step == 0:
+            return
+        epoch, step = position
+        entry = "feeder" if itself else "feeder.as_dataset()"
+        if position == self._interrupted_at:
+            what = (
+                f"The last fit on this feeder was interrupted (Ctrl-C or an error) at step "
+                f"{step} of epoch {epoch}"
+            )
+        else:
+            what = f"The feeder is at step {step} of epoch {epoch} (restored there)"
+        raise ValueError(
+            f"{what}, and its source does not say how many samples it has, so Keras would take "
+            f"the rest of that epoch's length for each of the {epochs} epochs of this fit and "
+            f"run short ones. Finish that epoch in a fit of its own, model.fit({entry}, "
+            f"epochs=1, callbacks=[feeder.fit_callback(), ...]), then go on with "
+            f"model.fit({entry}, epochs={total - 1}, ...)."
+        )
+
+    def _check_passes_from(
+        self, position: Position, steps: int | None, epochs: int | None, total: int | None = None
+    ) -> None:
         """Refuses passes of `steps` batches (`epochs` of them) from `position` that are not
         the feeder's epochs.
 
         Keras runs every epoch of a fit for the same number of steps, the dataset's length,
-        fixed when `as_dataset()` is called: the rest of an epoch after a restore mid-epoch
-        needs a fit of its own.
+        fixed when `as_dataset()` is called: the rest of an epoch needs a fit of its own on
+        a dataset, where `model.fit(feeder)` goes on by itself.
         """
         if self._plan is None:
             return
@@ -854,6 +955,19 @@ class Feeder:
         if steps == left and (step == 0 or epochs is None or epochs <= 1):
             return
         entry = "feeder.as_dataset()" if self.layer.name == "tensorflow" else "feeder"
+        runs = "" if epochs is None else f" (model.fit runs {epochs} such epochs)"
+        if step > 0 and position == self._interrupted_at:
+            more = "" if total is None else f"epochs={total}, "
+            raise ValueError(
+                f"This dataset cannot go on after an interrupted fit: the last fit on this "
+                f"feeder stopped (Ctrl-C or an error) at step {step} of epoch {epoch}, which "
+                f"has {left} batches left; each pass over this "
+                f"dataset has {steps} batches{runs}, and Keras runs every epoch of a fit for "
+                f"the same number of steps. Pass the feeder itself, which goes on: "
+                f"model.fit(feeder, {more}"
+                "callbacks=[feeder.fit_callback(), ...]) trains the rest of epoch "
+                f"{epoch}, then whole epochs."
+            )
         if step == 0:
             fix = (
                 f"this dataset was made mid-epoch and serves only the rest of that epoch; for "
@@ -867,7 +981,6 @@ class Feeder:
                 f"epochs={epoch + 1}), then go on with model.fit({entry}, "
                 f"initial_epoch={epoch + 1}, epochs=...)"
             )
-        runs = "" if epochs is None else f" (model.fit runs {epochs} such epochs)"
         raise ValueError(
             f"Each pass over this dataset has {steps} batches{runs}, but the feeder is at step "
             f"{step} of epoch {epoch}, which has {left} batches left, and later epochs have "

@@ -221,3 +221,28 @@ def test_dropping_a_feeder_and_its_gathered_dataset_frees_both():
     del feeder, dataset
     gc.collect()
     assert gone() is None
+
+
+@pytest.mark.parametrize("entry", ["as_dataset under a strategy", "fit(feeder)"])
+def test_a_fit_on_arrays_reports_the_steps_and_samples_it_took_and_no_verdict_on_waits(
+    devices, entry
+):
+    """The README's Quick start: arrays, TensorFlow's gathered path, model.fit."""
+    length, batch, epochs = 100, 32, 3  # 4 steps an epoch, the last of 4 real samples
+    x = np.random.default_rng(0).normal(size=(length, 8)).astype("float32")
+    y = (np.arange(length) % 3).astype("int32")
+    strategy = tf.distribute.MirroredStrategy(devices) if "strategy" in entry else None
+    with (strategy or tf.distribute.get_strategy()).scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with fp.Feeder((x, y), batch, strategy=strategy, shuffle=True) as feeder:
+        assert feeder._gathers()
+        assert str(feeder.stats()).startswith("no steps measured yet")
+        data = feeder.as_dataset() if strategy is not None else feeder
+        model.fit(data, epochs=epochs, verbose=0, callbacks=[feeder.fit_callback()])
+        stats = feeder.stats()
+    assert (stats.steps, stats.samples) == (epochs * 4, epochs * length)
+    assert stats.wall_s > 0 and stats.samples_per_s > 0
+    assert stats.produced_samples >= epochs * length and stats.producer_busy_s > 0
+    assert stats.verdict == "input wait not measured"
+    assert "not input-bound" not in str(stats) and "over 0 steps" not in str(stats)

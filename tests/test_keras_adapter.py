@@ -6,6 +6,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import feedpipe as fp
 
@@ -36,14 +37,15 @@ def test_fit_on_the_feeder_equals_fit_on_its_dataset():
         np.testing.assert_array_equal(mine, theirs)
 
 
-def test_the_adapter_reports_the_epochs_batches_and_no_partial_batch():
+def test_the_adapter_reports_whole_epochs_of_batches_and_no_partial_batch():
     with fp.Feeder(data(), 32) as feeder:
         assert feeder.num_batches == 4 and feeder.batch_size == 32
         assert not feeder.has_partial_batch and feeder.partial_batch_size is None
         loop = iter(feeder)
         next(loop)
         loop.close()
-        assert feeder.num_batches == 3  # the rest of the epoch
+        # Keras's epochs are whole ones; its first, from mid-epoch, ends with the feeder's.
+        assert feeder.num_batches == 4
 
 
 def test_a_tensorflow_feeder_asked_for_jax_batches_says_how_to_build_one():
@@ -71,3 +73,106 @@ def test_a_fit_interrupted_and_run_again_goes_on_from_what_was_trained():
         whole.fit(feeder, epochs=1, callbacks=[feeder.fit_callback()], verbose=0)
     for mine, theirs in zip(fed.get_weights(), whole.get_weights(), strict=True):
         np.testing.assert_allclose(mine, theirs, rtol=1e-6, atol=1e-6)
+
+
+def classifier(strategy=None, **compile_args) -> keras.Model:
+    """A model whose unweighted `accuracy` would count padding rows if it were given them."""
+    with (strategy or tf.distribute.get_strategy()).scope():
+        keras.utils.set_random_seed(1)
+        net = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+        net.compile(
+            "sgd",
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+            **compile_args,
+        )
+    return net
+
+
+UNEVEN = 37  # with a global batch of 8, the last batch holds 5 real rows and 3 padding rows
+
+
+@pytest.mark.usefixtures("as_dataset_path")
+@pytest.mark.parametrize("mirrored", [False, True], ids=["no strategy", "mirrored-4"])
+def test_predict_on_the_feeder_returns_one_prediction_per_real_sample(devices, mirrored):
+    x, y = (a[:UNEVEN] for a in data())
+    strategy = tf.distribute.MirroredStrategy(devices) if mirrored else None
+    net = classifier(strategy)
+    with fp.Feeder((x, y), 8, strategy=strategy) as feeder:
+        predicted = net.predict(feeder, verbose=0)
+    assert predicted.shape == (UNEVEN, 3)
+    np.testing.assert_allclose(predicted, net.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.usefixtures("as_dataset_path")
+def test_evaluate_on_the_feeder_counts_each_real_sample_once_in_every_metric():
+    x, y = (a[:UNEVEN] for a in data())
+    net = classifier()
+    with fp.Feeder((x, y), 8) as feeder:
+        fed = net.evaluate(feeder, verbose=0, return_dict=True)
+    plain = net.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+    assert fed == pytest.approx(plain, rel=1e-6)
+
+
+@pytest.mark.usefixtures("as_dataset_path")
+def test_validation_on_a_feeder_counts_each_real_sample_once_in_every_metric():
+    x, y = (a[:UNEVEN] for a in data())
+    net = classifier()
+    with fp.Feeder(data(), 32) as train, fp.Feeder((x, y), 8) as validation:
+        history = net.fit(
+            train, validation_data=validation, callbacks=[train.fit_callback()], verbose=0
+        )
+    plain = net.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+    assert history.history["val_accuracy"][-1] == pytest.approx(plain["accuracy"], rel=1e-6)
+    assert history.history["val_loss"][-1] == pytest.approx(plain["loss"], rel=1e-5)
+
+
+class CtrlCAfter(keras.callbacks.Callback):
+    """Raises KeyboardInterrupt after step `step` of the first epoch, as Ctrl-C does."""
+
+    def __init__(self, step: int):
+        super().__init__()
+        self.step, self.epoch = step, None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.epoch == 0 and batch == self.step:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.usefixtures("as_dataset_path")
+def test_the_same_fit_run_again_after_ctrl_c_finishes_the_epoch_then_whole_epochs_once():
+    with fp.Feeder(data(), 32, shuffle=True) as feeder:
+        fed = model()
+        with pytest.raises(KeyboardInterrupt):
+            fed.fit(feeder, epochs=3, callbacks=[feeder.fit_callback(), CtrlCAfter(1)], verbose=0)
+        # The notebook cell run again: the rest of epoch 0, then epochs 1 and 2.
+        history = fed.fit(feeder, epochs=3, callbacks=[feeder.fit_callback()], verbose=0)
+        assert len(history.history["loss"]) == 3
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (3, 0)
+    with fp.Feeder(data(), 32, shuffle=True) as feeder:
+        whole = model()
+        whole.fit(feeder, epochs=3, callbacks=[feeder.fit_callback()], verbose=0)
+    for mine, theirs in zip(fed.get_weights(), whole.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_a_dataset_fit_run_again_after_ctrl_c_names_the_interrupted_fit_and_the_call_that_goes_on():
+    with fp.Feeder(data(), 32) as feeder:
+        fed = model()
+        with pytest.raises(KeyboardInterrupt):
+            fed.fit(
+                feeder.as_dataset(),
+                epochs=3,
+                callbacks=[feeder.fit_callback(), CtrlCAfter(1)],
+                verbose=0,
+            )
+        refused = pytest.raises(
+            ValueError, match=r"interrupted fit.*step 2 of epoch 0.*model\.fit\(feeder, epochs=3"
+        )
+        with refused:
+            fed.fit(feeder.as_dataset(), epochs=3, callbacks=[feeder.fit_callback()], verbose=0)
+        assert "restore" not in str(refused.excinfo.value)
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (0, 2)

@@ -7,6 +7,10 @@ whose epochs' length is unknown."""
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import signal
+import time
 import warnings
 
 import keras
@@ -81,8 +85,9 @@ def test_a_fit_run_again_on_the_same_dataset_after_ctrl_c_never_trains_a_batch_t
                 dataset, epochs=2, verbose=0, callbacks=[feeder.fit_callback(), InterruptAfter(2)]
             )
         # The notebook pattern: the same cell run again. The dataset holds whole epochs, so it
-        # is refused, naming the fit that finishes the interrupted one; nothing is retrained.
-        with pytest.raises(ValueError, match=r"at step 3 of epoch 0.*initial_epoch=0, epochs=1"):
+        # is refused, naming the interrupted fit and the call that goes on; nothing is retrained.
+        goes_on = r"interrupted fit.*at step 3 of epoch 0.*model\.fit\(feeder, epochs=2"
+        with pytest.raises(ValueError, match=goes_on):
             model.fit(dataset, epochs=2, verbose=0, callbacks=[feeder.fit_callback()])
         assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (0, 3)
         assert rest_of_epoch(feeder) == list(range(3 * BATCH, LENGTH))
@@ -249,4 +254,112 @@ def test_a_generator_sources_fit_after_ctrl_c_goes_on_from_what_it_trained():
                 callbacks=[feeder.fit_callback(), InterruptAfter(2)],
             )
         assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (0, 3)
+        assert rest_of_epoch(feeder) == list(range(3 * BATCH, LENGTH))
+
+
+@pytest.mark.parametrize("entry", ["as_dataset", "feeder"])
+def test_the_state_read_right_after_a_step_raised_is_where_the_feeder_goes_on(entry):
+    with fp.Feeder(ids_data(), BATCH) as feeder:
+        data = feeder.as_dataset() if entry == "as_dataset" else feeder
+        with pytest.raises(tf.errors.InvalidArgumentError):
+            failing_model(3 * BATCH).fit(
+                data, epochs=1, verbose=0, callbacks=[feeder.fit_callback()]
+            )
+        state = feeder.get_state()  # read first, as a handler saving a checkpoint does
+        assert (state["epoch"], state["step"]) == (0, 3)
+        assert rest_of_epoch(feeder) == list(range(3 * BATCH, LENGTH))
+
+
+class SigintAtSample(keras.layers.Layer):
+    """Sends this process SIGINT, as Ctrl-C in a terminal does, from inside the step on the
+    batch holding sample `index`: Python raises KeyboardInterrupt once the step's op returns."""
+
+    def __init__(self, index: int, **kwargs):
+        super().__init__(**kwargs)
+        self.index = index
+
+    def call(self, x):
+        def press(batch):
+            if self.index in batch:
+                os.kill(os.getpid(), signal.SIGINT)
+            return batch
+
+        pressed = tf.numpy_function(press, [x], x.dtype, stateful=True)
+        return tf.reshape(pressed, tf.shape(x))
+
+
+class SigintBeforeStep(keras.callbacks.Callback):
+    """Sends this process SIGINT as step `step` is about to run."""
+
+    def __init__(self, step: int):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == self.step:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1.0)  # Python raises KeyboardInterrupt here, at the latest
+
+
+@pytest.mark.parametrize("entry", ["as_dataset", "feeder"])
+@pytest.mark.parametrize("where", ["in the step", "before the step"])
+def test_a_checkpoint_saved_in_the_ctrl_c_handler_restores_to_where_the_feeder_goes_on(
+    entry, where
+):
+    with fp.Feeder(ids_data(), BATCH) as feeder:
+        data = feeder.as_dataset() if entry == "as_dataset" else feeder
+        layers = [keras.Input((1,)), keras.layers.Dense(1)]
+        callbacks = [feeder.fit_callback()]
+        if where == "in the step":
+            layers.insert(1, SigintAtSample(3 * BATCH))
+        else:
+            callbacks.append(SigintBeforeStep(3))
+        model = keras.Sequential(layers)
+        model.compile("sgd", "mse")
+        try:
+            model.fit(data, epochs=2, verbose=0, callbacks=callbacks)
+        except KeyboardInterrupt:
+            saved = json.loads(json.dumps(feeder.get_state()))  # the user's handler
+        else:
+            pytest.fail("Ctrl-C did not interrupt the fit")
+        goes_on = rest_of_epoch(feeder)
+    assert goes_on[0] == saved["step"] * BATCH, (saved, goes_on[:1])
+    with fp.Feeder(ids_data(), BATCH) as restored:
+        restored.set_state(saved)
+        assert rest_of_epoch(restored) == goes_on
+
+
+@pytest.mark.parametrize("entry", ["as_dataset", "feeder"])
+def test_a_generator_fit_of_several_epochs_from_mid_epoch_is_refused_with_the_fit_that_finishes_it(
+    entry,
+):
+    with fp.Feeder(fp.from_generator(counting), BATCH) as feeder:
+        for _, _ in zip(range(3), feeder, strict=False):
+            pass
+        state = feeder.get_state()
+    assert (state["epoch"], state["step"]) == (0, 3)
+    with fp.Feeder(fp.from_generator(counting), BATCH) as feeder:
+        feeder.set_state(state)
+        data = feeder.as_dataset() if entry == "as_dataset" else feeder
+        call = r"feeder\.as_dataset\(\)" if entry == "as_dataset" else "feeder"
+        refused = rf"at step 3 of epoch 0.*short ones.*model\.fit\({call}, epochs=1"
+        with pytest.raises(ValueError, match=refused):
+            dense_model().fit(data, epochs=3, verbose=0, callbacks=[feeder.fit_callback()])
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (0, 3)
+        # The fit it names finishes the epoch; whole epochs follow.
+        dense_model().fit(data, epochs=1, verbose=0, callbacks=[feeder.fit_callback()])
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (1, 0)
+        dense_model().fit(data, epochs=2, verbose=0, callbacks=[feeder.fit_callback()])
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (3, 0)
+
+
+def test_a_generator_fit_run_again_after_ctrl_c_names_the_interrupted_fit():
+    with fp.Feeder(fp.from_generator(counting), BATCH) as feeder:
+        model = dense_model()
+        with pytest.raises(KeyboardInterrupt):
+            model.fit(
+                feeder, epochs=3, verbose=0, callbacks=[feeder.fit_callback(), InterruptAfter(2)]
+            )
+        with pytest.raises(ValueError, match=r"interrupted.*at step 3 of epoch 0.*epochs=1"):
+            model.fit(feeder, epochs=3, verbose=0, callbacks=[feeder.fit_callback()])
         assert rest_of_epoch(feeder) == list(range(3 * BATCH, LENGTH))

@@ -60,11 +60,29 @@ def test_derived_figures_follow_from_the_snapshot():
     assert "highly input-bound" in str(stats) and "25.0%" in str(stats)
 
 
-def test_an_empty_snapshot_divides_by_nothing():
+def test_a_snapshot_with_nothing_measured_says_so_and_claims_no_verdict():
     stats = snapshot(steps=0, samples=0, wall_s=0.0, consumer_wait_s=0.0, producer_busy_s=0.0)
     assert stats.input_bound_fraction == stats.samples_per_s == 0.0
     assert stats.producer_samples_per_s == stats.consumer_samples_per_s == 0.0
-    assert stats.verdict == "not input-bound"
+    assert stats.verdict == "no steps measured yet"
+    assert str(stats).startswith("no steps measured yet") and "input-bound" not in str(stats)
+
+
+def test_steps_whose_wait_was_not_timed_are_counted_and_judged_by_no_verdict():
+    recorder = StatsRecorder(depth=2)
+    recorder.gathered(steps=40, samples=37 * 8, wall_s=0.4, busy_s=0.01, produced=37 * 8)
+    stats = recorder.snapshot()
+    assert (stats.steps, stats.samples, stats.untimed_steps) == (40, 296, 40)
+    assert stats.samples_per_s == pytest.approx(296 / 0.4)
+    assert stats.verdict == "input wait not measured"
+    assert "40 steps took 296 samples" in str(stats) and "input-bound" not in str(stats)
+
+
+def test_untimed_steps_leave_the_input_bound_fraction_of_the_timed_ones_alone():
+    stats = snapshot(wall_s=2.0 + 3.0, untimed_steps=30, untimed_s=3.0, steps=40)
+    assert stats.input_bound_fraction == pytest.approx(0.25)
+    assert stats.verdict == "highly input-bound"
+    assert "over 10 steps (30 more gathered by TensorFlow, untimed)" in str(stats)
 
 
 def test_stats_are_a_frozen_snapshot():

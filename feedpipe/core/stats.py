@@ -17,6 +17,13 @@ HIGH_FRACTION = 0.20
 """The TensorFlow profiler's threshold for a highly input-bound step."""
 
 
+NOTHING_MEASURED = "no steps measured yet"
+"""What `FeedStats.verdict` says before any batch was taken: there is nothing to judge."""
+WAIT_NOT_MEASURED = "input wait not measured"
+"""What `FeedStats.verdict` says where every step's batch was gathered in TensorFlow's own
+threads (`as_dataset()` over arrays): the steps are counted, their waits cannot be timed."""
+
+
 def verdict(input_bound_fraction: float) -> str:
     """The profiler's words for an input-bound fraction."""
     if input_bound_fraction < MODERATE_FRACTION:
@@ -84,6 +91,13 @@ class FeedStats:
     them directly, near the link's rate); None where no slot is copied to an accelerator."""
     page_lock_reason: str | None = None
     """Why the slots are not page-locked, where `page_locked` is False."""
+    untimed_steps: int = 0
+    """Steps among `steps` whose wait for their batch could not be timed: TensorFlow's own
+    threads gathered their batches (`as_dataset()` over arrays in memory), and the consumer
+    took them from a `prefetch` no Python sees. Their time is in `wall_s` and `untimed_s`,
+    and the input-bound fraction leaves them out."""
+    untimed_s: float = 0.0
+    """Consumer time across the `untimed_steps`, from one taken batch to the next."""
     service_lag_wait_s: float = 0.0
     """The part of `service_wait_s` spent on batches whose rows a slow, stopped or lost tf.data
     service worker held while the others went on: the feeder keeps at most
@@ -114,13 +128,26 @@ class FeedStats:
         return self.copy_s / self.copies if self.copies else 0.0
 
     @property
+    def timed_steps(self) -> int:
+        """Steps whose wait for their batch was timed: the input-bound fraction's steps."""
+        return self.steps - self.untimed_steps
+
+    @property
     def input_bound_fraction(self) -> float:
-        """Share of wall time the step waited for input; the profiler's starvation signal."""
-        return self.consumer_wait_s / self.wall_s if self.wall_s > 0 else 0.0
+        """Share of wall time the step waited for input, over the timed steps; the profiler's
+        starvation signal."""
+        timed_s = self.wall_s - self.untimed_s
+        return self.consumer_wait_s / timed_s if timed_s > 0 else 0.0
 
     @property
     def verdict(self) -> str:
-        """`not`, `moderately` or `highly input-bound`, by the profiler's thresholds."""
+        """`not`, `moderately` or `highly input-bound`, by the profiler's thresholds, over the
+        timed steps; `no steps measured yet` before any, `input wait not measured` where no
+        step's wait could be timed (then `fp.StarvationMonitor` judges the fit)."""
+        if self.steps == 0:
+            return NOTHING_MEASURED
+        if self.timed_steps == 0:
+            return WAIT_NOT_MEASURED
         return verdict(self.input_bound_fraction)
 
     @property
@@ -136,11 +163,25 @@ class FeedStats:
 
     @property
     def consumer_samples_per_s(self) -> float:
-        """What the step alone could sustain: samples per second of time not spent waiting."""
+        """What the step alone could sustain: samples per second of time not spent waiting
+        (where no wait was timed, the samples delivered per second)."""
         busy = self.wall_s - self.consumer_wait_s
         return self.samples / busy if busy > 0 else 0.0
 
     def __str__(self) -> str:
+        if self.steps == 0:
+            return f"{NOTHING_MEASURED}: no batch has been taken from the feeder"
+        if self.timed_steps == 0:
+            return (
+                f"{WAIT_NOT_MEASURED}: {self.steps} steps took {self.samples:,} samples, "
+                f"{self.samples_per_s:,.0f} samples/s delivered, producer alone "
+                f"{self.producer_samples_per_s:,.0f}/s; TensorFlow's own threads gathered "
+                "these batches from the arrays (as_dataset), where no wait can be timed: "
+                "fp.StarvationMonitor(feeder) in the fit's callbacks measures it"
+            )
+        untimed = ""
+        if self.untimed_steps:
+            untimed = f" ({self.untimed_steps} more gathered by TensorFlow, untimed)"
         service = ""
         if self.service_wait_s > 0 and self.producer_busy_s > 0:
             share = self.service_wait_s / self.producer_busy_s
@@ -149,8 +190,8 @@ class FeedStats:
             service = f" ({share:.0%} of it waiting for tf.data service{lagging})"
         return (
             f"{self.verdict}: input-bound fraction {self.input_bound_fraction:.1%} over "
-            f"{self.steps} steps; {self.samples_per_s:,.0f} samples/s delivered, producer alone "
-            f"{self.producer_samples_per_s:,.0f}/s{service}, step alone "
+            f"{self.timed_steps} steps{untimed}; {self.samples_per_s:,.0f} samples/s "
+            f"delivered, producer alone {self.producer_samples_per_s:,.0f}/s{service}, step alone "
             f"{self.consumer_samples_per_s:,.0f}/s; mean occupancy "
             f"{self.mean_occupancy:.2f} of {self.depth}{self._copies()}"
         )
@@ -177,6 +218,8 @@ _CONSUMER_COUNTERS = (
     "occupancy_count",
     "startup_wait_s",
     "_last_taken",
+    "untimed_steps",
+    "untimed_s",
 )
 
 
@@ -209,6 +252,21 @@ class StatsRecorder:
         self.copy_path: str | None = None
         self.device_blocks = 0
         self.fence_wait_s = 0.0
+        self.untimed_steps = 0
+        self.untimed_s = 0.0
+
+    def gathered(
+        self, *, steps: int, samples: int, wall_s: float, busy_s: float, produced: int
+    ) -> None:
+        """Records batches a framework gathered and the consumer took in its own threads:
+        counted, timed from one taken to the next, their waits untimed (see `FeedStats`)."""
+        self.steps += steps
+        self.samples += samples
+        self.untimed_steps += steps
+        self.untimed_s += wall_s
+        self.step_s += wall_s
+        self.producer_busy_s += busy_s
+        self.produced_samples += produced
 
     def copied(self, nbytes: int, seconds: float) -> None:
         """Records one batch's host-to-device copy, from its start to its end."""
@@ -304,4 +362,6 @@ class StatsRecorder:
             copy_path=self.copy_path if self.copies else None,
             device_blocks=self.device_blocks,
             fence_wait_s=self.fence_wait_s,
+            untimed_steps=self.untimed_steps,
+            untimed_s=self.untimed_s,
         )

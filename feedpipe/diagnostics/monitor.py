@@ -381,9 +381,9 @@ class StarvationMonitor(keras.callbacks.Callback):
         )
         producer = feeder_wait = None
         stats = None if self.feeder is None else self.feeder.stats()
-        # A feeder whose batches TensorFlow gathered itself (arrays under as_dataset) handed
-        # none over this epoch: it saw no wait and made nothing, so it has nothing to say.
-        if stats is not None and stats.steps > self._feeder_at_begin.steps:
+        # A feeder whose batches TensorFlow gathered itself (arrays under as_dataset) timed
+        # no wait this epoch (it counts those steps untimed), so it has nothing to say of it.
+        if stats is not None and stats.timed_steps > self._feeder_at_begin.timed_steps:
             producer = stats.producer_samples_per_s
             feeder_wait = _wait_fraction_between(self._feeder_at_begin, stats)
         result = EpochStarvation(
@@ -457,5 +457,5 @@ class StarvationMonitor(keras.callbacks.Callback):
 
 def _wait_fraction_between(begin: FeedStats, end: FeedStats) -> float:
     """The share of the consumer's time it waited for a staged batch between two snapshots."""
-    wall_s = end.wall_s - begin.wall_s
+    wall_s = (end.wall_s - end.untimed_s) - (begin.wall_s - begin.untimed_s)
     return (end.consumer_wait_s - begin.consumer_wait_s) / wall_s if wall_s > 0 else 0.0

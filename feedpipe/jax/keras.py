@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax.numpy as jnp
+import optree
 
 from feedpipe.core.weights import added_weights, scaled_weights, weighting
 
@@ -42,22 +43,47 @@ def _check_distribution(feeder: Any) -> None:
         )
 
 
-def keras_batches(feeder: Any) -> Iterator[Any]:
+def _check_real_rows_divide(feeder: Any, count: int | None) -> None:
+    """Refuses to predict or evaluate a batch of `count` real rows (None: the epoch's last,
+    where the length is known) that cannot be sharded evenly over the feeder's devices, as
+    Keras's step shards every batch."""
+    length, size = feeder._source.length, feeder.options.global_batch_size
+    if count is None:
+        count = length % size if feeder.options.remainder == "pad" and length else 0
+    devices = len(feeder.devices)
+    if feeder.share.num_hosts > 1 or (devices > 1 and count % devices):
+        raise ValueError(
+            f"model.predict(feeder) and model.evaluate(feeder) read each real sample once, but "
+            f"the epoch's last batch holds {count} real samples, which the {devices} devices "
+            "Keras's step shards every batch over cannot share evenly (and its padding rows "
+            "would be predicted, and counted by every metric, as samples). Predict and "
+            "evaluate on one device: keras.distribution.set_distribution(None) and a feeder "
+            "built with devices=[jax.devices()[0]]."
+        )
+
+
+def keras_batches(feeder: Any, *, real_only: bool = False) -> Iterator[Any]:
     """The rest of the feeder's current epoch as Keras takes it: `x`, `(x, y)` or
-    `(x, y, sample_weight)` of global arrays; the feeder's next epoch on the next call.
+    `(x, y, sample_weight)` of global arrays; the feeder's next epoch on the next call. With
+    `real_only` (for `predict` and `evaluate`), each batch's real rows alone, as the source
+    gives them.
 
     A batch's row weights depend only on its pattern of real rows, so they are made on the
     devices once per pattern (the stager's masks are made once per pattern too) and reused.
     """
     _check_distribution(feeder)
-    how = weighting(feeder.spec, feeder.options.remainder)
+    if real_only:
+        _check_real_rows_divide(feeder, None)
+    how = None if real_only else weighting(feeder.spec, feeder.options.remainder)
     size = feeder.options.global_batch_size
     made: dict[int, tuple[Any, Any]] = {}
     """Per pattern, keyed by its masks (kept, so that the key stays theirs): rows or weights."""
     feeder._end_open_pass()
-    steps = feeder._steps_left() if feeder.share.num_hosts == 1 else None
-    for batch in feeder._iterate(fit=True, host=False, steps=steps):
+    for batch in feeder._iterate(fit=True, host=False):
         inputs, mask = batch.distributed()
+        if real_only and batch.num_valid < size:  # padding rows come last on JAX
+            _check_real_rows_divide(feeder, batch.num_valid)
+            inputs = optree.tree_map(lambda a, n=batch.num_valid: a[:n], inputs)
         if how is None:
             yield inputs
             continue

@@ -4,7 +4,8 @@ Keras 3 takes any `DataAdapter` as it is ("Allow passing a custom data adapter" 
 `get_data_adapter`). A feeder built once Keras is imported is one (`with_keras`), and hands each
 backend what suits it: TensorFlow gets `feeder.as_dataset()`; JAX gets the global batch as
 `jax.Array`s already sharded over the feeder's devices (Keras's `DataParallel` takes them as
-they are), with padding rows weighted zero. As with `as_dataset()`, pass
+they are), with padding rows weighted zero (to `predict` and `evaluate`, the real rows alone,
+so that each real sample is seen once). As with `as_dataset()`, pass
 `callbacks=[feeder.fit_callback()]` so that the feeder's state is what the step trained on.
 
 The base class is Keras's private `DataAdapter` (`feedpipe._internals.keras_data_adapter`):
@@ -16,7 +17,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from feedpipe._internals import keras_data_adapter
+from feedpipe._internals import keras_data_adapter, keras_reading
 
 
 class KerasInput:
@@ -24,16 +25,17 @@ class KerasInput:
 
     @property
     def num_batches(self) -> int | None:
-        """Batches Keras takes per epoch: the rest of the current one (None: length unknown).
+        """Batches Keras takes per epoch: a whole epoch's (None: length unknown).
 
         Keras reads it first in every `fit`, before any callback: a fit that raised (an error,
-        Ctrl-C) ends here, so the next one goes on from what that one trained on, as a new
-        `as_dataset()` does.
+        Ctrl-C) ends here, so the next one goes on from what that one trained on. Each pass
+        Keras reads is the rest of the feeder's current epoch: from mid-epoch (a fit
+        interrupted and run again, a restore) the first Keras epoch ends early with the
+        feeder's, as an input that ran out does, and Keras's later epochs are whole ones, so
+        `model.fit(feeder, epochs=n)` run again finishes the epoch, then trains whole epochs.
         """
         self._end_interrupted_fit()
-        if self.share.num_hosts > 1 and self._plan is not None:  # endless: whole epochs
-            return len(self._plan)
-        return self._steps_left()
+        return None if self._plan is None else len(self._plan)
 
     @property
     def batch_size(self) -> int:
@@ -55,7 +57,7 @@ class KerasInput:
                 "tf.data.Dataset; build the feeder with TensorFlow devices (or none) under "
                 "KERAS_BACKEND=tensorflow."
             )
-        return self.as_dataset()
+        return self._dataset(real_only=_evaluating(self), whole=True)
 
     def get_jax_iterator(self) -> Any:
         if self.layer.name != "jax":
@@ -65,7 +67,7 @@ class KerasInput:
             )
         from feedpipe.jax.keras import keras_batches
 
-        return keras_batches(self)
+        return keras_batches(self, real_only=_evaluating(self))
 
     def get_numpy_iterator(self) -> Any:
         raise TypeError(
@@ -81,6 +83,12 @@ class KerasInput:
 
     def on_epoch_end(self) -> None:
         """The pass's end is the feeder's own (its last batch carries the epoch's end)."""
+
+
+def _evaluating(feeder: Any) -> bool:
+    """Whether Keras reads `feeder` to predict or evaluate: then a padding row would be
+    predicted, or counted by every metric, as a sample, so Keras gets the real rows alone."""
+    return keras_reading(feeder) in ("evaluate", "predict")
 
 
 def _backend() -> str:

@@ -14,7 +14,7 @@ from typing import Any
 
 import keras
 
-from feedpipe._internals import keras_validation_input, unweighted_metrics
+from feedpipe._internals import keras_reading, keras_validation_input, unweighted_metrics
 
 
 class FitTracker(keras.callbacks.Callback):
@@ -40,10 +40,12 @@ class FitTracker(keras.callbacks.Callback):
         self.earlier = 0
         """Steps trained in this fit's earlier Keras epochs."""
         self.steps = 0
-        """Steps of this Keras epoch begun, counting the one running: what the callbacks of a
-        running step read (a checkpoint in `on_train_batch_end` saves the step it follows)."""
+        """Steps of this Keras epoch begun, counting the one running."""
         self.finished = 0
-        """Steps of this Keras epoch whose step returned: what a fit that raised trained on."""
+        """Steps of this Keras epoch whose step returned: what the fit has trained on, read
+        by the callbacks of a step (a checkpoint in `on_train_batch_end` saves the step it
+        follows) and right after a fit that raised in a step or was interrupted (a handler of
+        `KeyboardInterrupt` saves where the feeder goes on)."""
         self.epoch_steps: int | None = None
         """Steps Keras runs per epoch (None: the length is unknown); an epoch's last call may
         run fewer than `steps_per_execution`."""
@@ -56,11 +58,13 @@ class FitTracker(keras.callbacks.Callback):
         self._quiet_end_of_unknown_epoch()
 
     def on_epoch_begin(self, epoch, logs=None):
-        self.earlier += self.steps
+        self.earlier += self.finished
         self.first_pass, self.steps, self.finished = self.feeder._passes, 0, 0
         params = self.params or {}
         self.epoch_steps = params.get("steps")
-        self.feeder._check_fit_epochs(self.epoch_steps, params.get("epochs", epoch + 1) - epoch)
+        total = params.get("epochs", epoch + 1)
+        itself = keras_reading(self.feeder) == "fit"
+        self.feeder._check_fit_epochs(self.epoch_steps, total - epoch, total=total, itself=itself)
 
     def on_train_batch_begin(self, batch, logs=None):
         self.feeder._raise_failure()
@@ -113,7 +117,11 @@ class FitTracker(keras.callbacks.Callback):
         that the input "ran out of data; interrupting training": the feeder's epochs end so
         by design, and training goes on. That warning is silenced for this fit alone."""
         self._speak_again()
-        if (self.params or {}).get("steps") is None:
+        # A fit on the feeder itself begun mid-epoch ends its first Keras epoch with the
+        # feeder's (see `Feeder._check_fit_epochs`), as Keras's epochs of unknown length do.
+        left = self.feeder._steps_left()
+        mid_epoch = left is not None and left != len(self.feeder)
+        if (self.params or {}).get("steps") is None or mid_epoch:
             warnings.filterwarnings(
                 "ignore", message=_RAN_OUT, category=UserWarning, module=_KERAS_EPOCHS
             )
@@ -126,8 +134,9 @@ class FitTracker(keras.callbacks.Callback):
 
     @property
     def trained(self) -> int:
-        """Steps this fit has trained, as `steps` counts them in the current Keras epoch."""
-        return self.earlier + self.steps
+        """Steps this fit has trained: a step that has not returned (running, or raised)
+        trained nothing, as the feeder goes on from it."""
+        return self.earlier + self.finished
 
 
 _RAN_OUT = "Your input ran out of data; interrupting training"

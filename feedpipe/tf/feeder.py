@@ -70,23 +70,48 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
 
         The dataset holds the feeder; the feeder does not hold the dataset, so dropping both
         frees the workers and memory.
+
+        For `model.predict` and `model.evaluate` pass the feeder itself: Keras then reads
+        each real sample once, with no padding row (see `_dataset`).
         """
+        return self._dataset(real_only=False, whole=False)
+
+    def _dataset(
+        self, *, real_only: bool, whole: bool
+    ) -> tf.data.Dataset | tf.distribute.DistributedDataset:
+        """`as_dataset()`, or with `real_only` its batches cut to their real rows and without
+        added weights: what `model.predict` and `model.evaluate` read, since a padding row
+        would be predicted, and counted by every metric, as a sample (the last batch is then
+        smaller, which Keras and `tf.distribute` take for predict and evaluate). With `whole`
+        (Keras's adapter, whose `num_batches` says how long Keras's epochs are) each pass is
+        the rest of the feeder's epoch, whatever its position, and states no cardinality."""
         self._end_interrupted_fit()
         self._end_open_pass()
         hosts = self.share.num_hosts > 1
+        if real_only and hosts:
+            raise ValueError(
+                "model.predict(feeder) and model.evaluate(feeder) under a "
+                "MultiWorkerMirroredStrategy would read the padding rows of the last batch as "
+                "samples; predict and evaluate each host's share from arrays, "
+                "model.predict(x_shard), or iterate the feeder and keep the rows batch.masks "
+                "marks real."
+            )
         rows = self.split.per_replica if hosts else self.options.global_batch_size
+        rows = None if real_only else rows
         signature = self.spec.unflatten(
             [
                 tf.TensorSpec((rows, *leaf.shape), tf.as_dtype(leaf.dtype))
                 for leaf in self.spec.leaves
             ]
         )
-        how = weighting(self.spec, self.options.remainder)
+        how = None if real_only else weighting(self.spec, self.options.remainder)
         if how == "add":
             signature = (*signature, optree.tree_map(weight_spec, signature[1]))
-        steps = None if hosts else self._steps_left()
+        steps = None if hosts or whole else self._steps_left()
         if self._gathers():
-            dataset = gathered_dataset(self, signature, how, steps, core._SUPERSEDED)
+            dataset = gathered_dataset(
+                self, signature, how, steps, core._SUPERSEDED, real_only=real_only
+            )
             return self._as_dataset(dataset, steps)
         feeder = weakref.ref(self)  # TensorFlow keeps `generate` for the life of the process
 
@@ -99,7 +124,7 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
                 )
             if not hosts:
                 for batch in this._iterate(fit=True, host=True, steps=steps):
-                    yield _weighted(this, batch, how)
+                    yield _real(this, batch) if real_only else _weighted(this, batch, how)
                 return
             per_replica = this.split.per_replica
             while True:  # every epoch, one replica's rows at a time, as the strategy takes them
@@ -199,6 +224,14 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
     def deserialize(self, string_value: bytes) -> None:
         """For `tf.train.Checkpoint`: restores a state written by `serialize`."""
         self.set_state(json.loads(string_value))
+
+
+def _real(feeder: Feeder, batch: HostBatch) -> Any:
+    """The batch's sample, its real rows only."""
+    if batch.num_valid == len(batch.arrays[0]):
+        return feeder.spec.unflatten(batch.arrays)
+    real = slice(batch.num_valid) if batch.real is None else batch.real
+    return feeder.spec.unflatten([array[real] for array in batch.arrays])
 
 
 def _weighted(feeder: Feeder, batch: HostBatch, how: str | None) -> Any:

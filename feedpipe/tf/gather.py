@@ -6,7 +6,8 @@ real rows. A `map` gathers the rows from tensors made once per feeder, one batch
 the thread of the `prefetch` after it, and a last, synchronous `map` runs as the consumer takes
 each batch: it refuses a batch of a pass that was superseded and records which batch was taken
 (`TakenBatches`). From that record the feeder learns the consumer's position, as the batches it
-hands out tell it on its own path.
+hands out tell it on its own path, and its stats: the steps and samples taken, the time from one
+taken batch to the next and the time spent gathering, all timed in the graph.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ STEPS_PER_PASS = 1 << 32
 and the step are written together."""
 
 _OPEN, _LAST = 0, 1
+_LAST_AT, _STEP_US, _INTERVALS, _BUSY_US, _MADE = 2, 3, 4, 5, 6
+"""Keys of what is timed in the graph: when the last batch was taken, the microseconds from
+one batch taken to the next of the same pass and how many such intervals, the microseconds
+spent gathering, and the real samples gathered."""
 
 
 class TakenBatches:
@@ -73,20 +78,57 @@ class TakenBatches:
         `first` on, records once taken."""
         return number * STEPS_PER_PASS + first + tf.range(count) + 1
 
+    def measured(self) -> dict[str, int]:
+        """What the graph has timed so far (see `_LAST_AT`), for `Feeder.stats()`."""
+        keys = {"step_us": _STEP_US, "intervals": _INTERVALS, "busy_us": _BUSY_US, "made": _MADE}
+        return {name: self._read(key) for name, key in keys.items()}
+
+    def _get(self, key: int) -> tf.Tensor:
+        return self._table.lookup(tf.constant(key, tf.int64))
+
+    def _add(self, values: dict[int, tf.Tensor]) -> tf.Operation:
+        """In the graph: adds each value to its key's (one thread writes each key)."""
+        keys = list(values)
+        sums = [self._get(key) + values[key] for key in keys]
+        return self._table.insert(tf.constant(keys, tf.int64), tf.stack(sums))
+
     def take(self, tag: tf.Tensor, message: str) -> tf.Operation:
         """In the dataset's graph: refuses the batch `tag` if its pass is no longer open, with
-        `message`, then records it as taken."""
-        is_open = tf.equal(self._table.lookup(tf.constant(_OPEN, tf.int64)), tag // STEPS_PER_PASS)
+        `message`, then records it as taken, and the time since the pass's previous batch."""
+        is_open = tf.equal(self._get(_OPEN), tag // STEPS_PER_PASS)
         with tf.control_dependencies([tf.debugging.Assert(is_open, [message])]):
-            return self._table.insert(tf.constant(_LAST, tf.int64), tag)
+            now = _microseconds()
+            same_pass = tf.equal(self._get(_LAST) // STEPS_PER_PASS, tag // STEPS_PER_PASS)
+            since = tf.where(same_pass, now - self._get(_LAST_AT), tf.constant(0, tf.int64))
+            counted = self._add({_STEP_US: since, _INTERVALS: tf.cast(same_pass, tf.int64)})
+        with tf.control_dependencies([counted]):
+            keys = tf.constant([_LAST, _LAST_AT], tf.int64)
+            return self._table.insert(keys, tf.stack([tag, now]))
+
+    def made(self, started: tf.Tensor, samples: tf.Tensor) -> tf.Operation:
+        """In the dataset's graph: a batch of `samples` real samples gathered, begun at
+        `started` (`_microseconds()`)."""
+        return self._add({_BUSY_US: _microseconds() - started, _MADE: samples})
+
+
+def _microseconds() -> tf.Tensor:
+    """In the graph: now, in microseconds (a float64 of seconds keeps them exactly)."""
+    return tf.cast(tf.timestamp() * 1e6, tf.int64)
 
 
 def gathered_dataset(
-    feeder: Any, signature: Any, how: str | None, steps: int, superseded: str
+    feeder: Any,
+    signature: Any,
+    how: str | None,
+    steps: int | None,
+    superseded: str,
+    *,
+    real_only: bool = False,
 ) -> tf.data.Dataset:
-    """The batches of `feeder`'s next pass of `steps` steps, gathered by TensorFlow, each
-    element `signature` (with an added sample weight where `how` is "add"); a batch of a
-    superseded pass raises `superseded` when taken."""
+    """The batches of `feeder`'s next pass of `steps` steps (None: the rest of its epoch),
+    gathered by TensorFlow, each element `signature` (with an added sample weight where `how`
+    is "add"; with `real_only`, a batch's real rows alone); a batch of a superseded pass
+    raises `superseded` when taken."""
     tensors = feeder._source_tensors()
     # The dataset's own record: a pass of another dataset ends this one's through
     # `TakenBatches.revoke`, as any pass's end does.
@@ -105,7 +147,7 @@ def gathered_dataset(
                 "while its dataset is read."
             )
         this_pass, rows, valid = this._gathered_pass(steps, taken)
-        planned = [np.int64(this_pass.number), np.int64(this_pass.start.step), rows]
+        planned = [np.int64(this_pass.number), np.int64(this_pass.start.step), rows, valid]
         if label_ranks:
             by_count = {v: row_weights(size, slice(v), v, size) for v in set(valid.tolist())}
             weights = np.stack([by_count[v] for v in valid.tolist()])
@@ -115,11 +157,11 @@ def gathered_dataset(
     def pass_steps(_) -> tuple:
         """One element per step of the pass: its tag (see `TakenBatches.tags`), its rows and
         its weights."""
-        types = [tf.int64] * 3 + [tf.float32] * len(label_ranks)
-        number, first, rows, *weights = tf.numpy_function(plan, [], types, stateful=True)
+        types = [tf.int64] * 4 + [tf.float32] * len(label_ranks)
+        number, first, rows, valid, *weights = tf.numpy_function(plan, [], types, stateful=True)
         rows = tf.ensure_shape(rows, [None, size])
         count = tf.shape(rows, out_type=tf.int64)[0]
-        element = (taken.tags(number, first, count), rows)
+        element = (taken.tags(number, first, count), rows, tf.ensure_shape(valid, [None]))
         if labels is None:
             return element
         weights = [
@@ -128,8 +170,16 @@ def gathered_dataset(
         ]
         return (*element, optree.tree_unflatten(labels, weights))
 
-    def gather(tag, rows, *weights):
-        sample = spec.unflatten([tf.gather(tensor, rows) for tensor in tensors])
+    def gather(tag, rows, valid, *weights):
+        if real_only:  # the real rows are the first `valid`, as a slot pads
+            rows = rows[:valid]
+        started = _microseconds()
+        with tf.control_dependencies([started]):
+            arrays = [tf.gather(tensor, rows) for tensor in tensors]
+        with tf.control_dependencies(arrays):
+            made = taken.made(started, valid)
+        with tf.control_dependencies([made]):
+            sample = spec.unflatten([tf.identity(array) for array in arrays])
         return tag, sample if not weights else (*sample, weights[0])
 
     def take_batch(tag, sample):

@@ -154,13 +154,55 @@ def test_a_state_saved_mid_fit_resumes_in_a_new_feeder_to_the_same_weights(keras
     assert_same_weights(resumed, whole)
 
 
-def test_a_fit_of_several_epochs_after_a_restore_mid_epoch_says_how_to_finish_it(keras, devices):
+def test_a_fit_of_several_epochs_after_a_restore_mid_epoch_finishes_it_then_trains_whole_ones(
+    keras, devices
+):
     x, y = data()
     with fp.Feeder((x, y), BATCH, devices=devices[:1]) as feeder:
         feeder.set_state({**feeder.get_state(), "step": 2})
-        fix = r"model\.fit\(feeder, initial_epoch=0, epochs=1\)"
-        with pytest.raises(ValueError, match=fix):
-            model(keras).fit(feeder, epochs=3, callbacks=[feeder.fit_callback()], verbose=0)
+        fed = model(keras)
+        fed.set_weights(model(keras).get_weights())
+        history = fed.fit(feeder, epochs=3, callbacks=[feeder.fit_callback()], verbose=0)
+        assert len(history.history["loss"]) == 3
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (3, 0)
+    plain = model(keras)
+    plain.fit(x[64:], y[64:], batch_size=BATCH, shuffle=False, epochs=1, verbose=0)
+    plain.fit(x, y, batch_size=BATCH, shuffle=False, epochs=2, verbose=0)
+    assert_same_weights(fed, plain)
+
+
+class CtrlCAfter:
+    """A callback raising KeyboardInterrupt after step `step` of the first epoch (Ctrl-C)."""
+
+    def __new__(cls, keras, step: int):
+        class Interrupt(keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch, logs=None):
+                self.epoch = epoch
+
+            def on_train_batch_end(self, batch, logs=None):
+                if self.epoch == 0 and batch == step:
+                    raise KeyboardInterrupt
+
+        return Interrupt()
+
+
+def test_the_same_fit_run_again_after_ctrl_c_finishes_the_epoch_then_whole_epochs_once(
+    keras, devices
+):
+    x, y = data()
+    with fp.Feeder((x, y), BATCH, devices=devices[:1], shuffle=True, seed=3) as feeder:
+        fed = model(keras)
+        with pytest.raises(KeyboardInterrupt):
+            fed.fit(
+                feeder, epochs=3, callbacks=[feeder.fit_callback(), CtrlCAfter(keras, 1)], verbose=0
+            )
+        history = fed.fit(feeder, epochs=3, callbacks=[feeder.fit_callback()], verbose=0)
+        assert len(history.history["loss"]) == 3
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (3, 0)
+    with fp.Feeder((x, y), BATCH, devices=devices[:1], shuffle=True, seed=3) as feeder:
+        whole = model(keras)
+        whole.fit(feeder, epochs=3, callbacks=[feeder.fit_callback()], verbose=0)
+    assert_same_weights(fed, whole)
 
 
 def test_without_the_callback_the_state_says_why_it_is_unknown(keras, devices):
@@ -205,3 +247,104 @@ def test_a_sources_error_leaves_fit_as_itself(keras, devices):
     with feeder, pytest.raises(Broke, match=r"^sample 40 is broken\n") as info:
         model(keras).fit(feeder, epochs=1, verbose=0, callbacks=[feeder.fit_callback()])
     assert any("sample index 40 of epoch 0" in note for note in info.value.__notes__)
+
+
+def classifier(keras):
+    """A model whose unweighted `accuracy` would count padding rows if it were given them."""
+    net = model(keras)
+    net.compile(
+        keras.optimizers.SGD(0.1),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return net
+
+
+@pytest.mark.parametrize("on", ["one device", "data parallel"])
+def test_predict_on_the_feeder_returns_one_prediction_per_real_sample(keras, devices, on):
+    x, y = data()  # the last batch's 4 real rows divide among 4 devices
+    if on == "data parallel":
+        keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    net = classifier(keras)
+    with fp.Feeder((x, y), BATCH, devices=devices if on == "data parallel" else devices[:1]) as f:
+        predicted = net.predict(f, verbose=0)
+    assert predicted.shape == (LENGTH, 3)
+    np.testing.assert_allclose(predicted, net.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def test_evaluate_on_the_feeder_counts_each_real_sample_once_in_every_metric(keras, devices):
+    x, y = data()
+    net = classifier(keras)
+    with fp.Feeder((x, y), BATCH, devices=devices[:1]) as feeder:
+        fed = net.evaluate(feeder, verbose=0, return_dict=True)
+    plain = net.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    assert fed == pytest.approx(plain, rel=1e-5)
+
+
+def test_predict_where_the_last_real_rows_cannot_be_sharded_says_to_use_one_device(keras, devices):
+    x, y = (a[:37] for a in data())  # the last batch's 5 real rows cannot split among 4
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    net = classifier(keras)
+    refused = pytest.raises(
+        ValueError, match=r"holds 5 real samples.*devices=\[jax\.devices\(\)\[0\]\]"
+    )
+    with fp.Feeder((x, y), 8, devices=devices) as feeder, refused:
+        net.predict(feeder, verbose=0)
+
+
+def counting(shard: int, num_shards: int):
+    """A generator source of LENGTH samples, each one's features its index."""
+    for index in range(shard, LENGTH, num_shards):
+        yield np.full(8, index, np.float32), np.int32(index % 3)
+
+
+class StepsSeen:
+    """A callback recording the feeder's state after every step, and the steps run."""
+
+    def __new__(cls, keras, feeder):
+        class Seen(keras.callbacks.Callback):
+            states, steps = [], 0
+
+            def on_train_batch_end(self, batch, logs=None):
+                self.steps += 1
+                self.states.append(json.loads(json.dumps(feeder.get_state())))
+
+        return Seen()
+
+
+def test_a_generator_state_saved_after_an_epochs_last_step_resumes_with_the_next_epoch(
+    keras, devices
+):
+    steps = -(-LENGTH // BATCH)
+    with fp.Feeder(fp.from_generator(counting), BATCH, devices=devices[:1]) as feeder:
+        seen = StepsSeen(keras, feeder)
+        model(keras).fit(feeder, epochs=1, callbacks=[feeder.fit_callback(), seen], verbose=0)
+    saved = seen.states[-1]  # after the epoch's last step
+    for resume in ("fit", "loop"):
+        with fp.Feeder(fp.from_generator(counting), BATCH, devices=devices[:1]) as feeder:
+            feeder.set_state(saved)
+            if resume == "fit":  # the README's "finish that epoch in a fit of its own"
+                again = StepsSeen(keras, feeder)
+                callbacks = [feeder.fit_callback(), again]
+                model(keras).fit(feeder, epochs=1, callbacks=callbacks, verbose=0)
+                assert again.steps == steps, "the next epoch, whole"
+            else:
+                firsts = [int(np.asarray(b.replicas[0][0])[0, 0]) for b in feeder]
+                assert firsts == list(range(0, LENGTH, BATCH))
+            assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (2, 0), resume
+
+
+def test_a_generator_fit_of_several_epochs_from_mid_epoch_is_refused_with_the_fit_that_finishes_it(
+    keras, devices
+):
+    with fp.Feeder(fp.from_generator(counting), BATCH, devices=devices[:1]) as feeder:
+        feeder.set_state({**feeder.get_state(), "step": 2})
+        fed = model(keras)
+        refused = pytest.raises(ValueError, match=r"at step 2 of epoch 0.*short ones.*epochs=1")
+        with refused:
+            fed.fit(feeder, epochs=3, callbacks=[feeder.fit_callback()], verbose=0)
+        seen = StepsSeen(keras, feeder)
+        fed.fit(feeder, epochs=1, callbacks=[feeder.fit_callback(), seen], verbose=0)
+        assert seen.steps == 2  # the rest of epoch 0
+        fed.fit(feeder, epochs=2, callbacks=[feeder.fit_callback()], verbose=0)
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (3, 0)
