@@ -225,13 +225,15 @@ def test_dropping_a_feeder_and_its_gathered_dataset_frees_both():
 
 @pytest.mark.parametrize("entry", ["as_dataset under a strategy", "fit(feeder)"])
 def test_a_fit_on_arrays_reports_the_steps_and_samples_it_took_and_no_verdict_on_waits(
-    devices, entry
+    request, entry
 ):
     """The README's Quick start: arrays, TensorFlow's gathered path, model.fit."""
     length, batch, epochs = 100, 32, 3  # 4 steps an epoch, the last of 4 real samples
     x = np.random.default_rng(0).normal(size=(length, 8)).astype("float32")
     y = (np.arange(length) % 3).astype("int32")
-    strategy = tf.distribute.MirroredStrategy(devices) if "strategy" in entry else None
+    # The suite's 4-replica strategy: TensorFlow's collectives allow one group of that size
+    # per process, and a second strategy's all-reduce would meet the first's instance keys.
+    strategy = request.getfixturevalue("strategy") if "strategy" in entry else None
     with (strategy or tf.distribute.get_strategy()).scope():
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
         model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
