@@ -348,6 +348,8 @@ def test_a_transform_whose_shape_varies_is_refused(service):
         fp.Feeder(records(8), 4, transform=ragged, service=service.address)
 
 
+ROW_BYTES = 3 * 4 + 8
+"""Bytes of one row of `records` through `scaled`: 3 float32 features and an int64 label."""
 ROW_S = 0.03
 """How often a service worker sends a row in `slow_feeder`s."""
 
@@ -437,13 +439,13 @@ def test_a_stopped_service_worker_keeps_the_rows_held_bounded_and_loses_no_row(
     tmp_path, devices, monkeypatch
 ):
     """One of two workers stopped (SIGSTOP) for 10 s as the first rows arrive: the rows the
-    feeder holds outside the slots stay within HELD_ROWS past the open steps (the other
+    feeder holds outside the slots stay within HELD_BYTES (32 rows) past the open steps (the other
     worker's rows of the whole epoch were kept), the stats say the producer waited for a
     lagging worker, and once it goes on (SIGCONT) the epoch is each sample once, in the local
     order and values. It is stopped as the feeder reads the first rows (see
     `at_the_first_rows`)."""
     monkeypatch.setattr(service_module, "ROWS_PER_ELEMENT", 8)
-    monkeypatch.setattr(service_module, "HELD_ROWS", 32)
+    monkeypatch.setattr(service_module, "HELD_BYTES", 32 * ROW_BYTES)
 
     def stop():
         os.kill(victim, signal.SIGSTOP)
@@ -477,6 +479,92 @@ def test_a_stopped_service_worker_keeps_the_rows_held_bounded_and_loses_no_row(
     assert max(held) <= 32 + open_steps, f"{max(held)} rows held outside the slots"
     assert stats.service_lag_wait_s > 0
     assert "lagging tf.data service worker" in str(stats)
+
+
+def rss_peak_while(work) -> tuple[int, int]:
+    """This process's RSS (bytes) before `work()` and its highest while it runs, sampled
+    every 20 ms with psutil."""
+    import psutil
+
+    process, peak, done = psutil.Process(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], process.memory_info().rss)
+            time.sleep(0.02)
+
+    before = process.memory_info().rss
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        work()
+    finally:
+        done.set()
+        sampler.join()
+    return before, peak[0]
+
+
+def test_a_stopped_service_worker_grows_the_trainer_by_the_slots_and_the_stated_cap_at_most(
+    tmp_path, devices, monkeypatch
+):
+    """128 MB of arrays (2048 rows of 64 KiB, row i all i) through `x * 2` in batches of 64,
+    one of two workers stopped (SIGSTOP) for 10 s as the first rows arrive: the trainer's RSS
+    grows by at most its slots and `MEMORY_CAP_BYTES`, and the epoch is each sample once, in
+    order, with its value. Before, every job carried the whole arrays in its graph (+386 MB
+    to start one) and the rows held were counted in rows (2048 of them: 128 MB)."""
+    rows, floats, global_batch, depth = 2048, 16384, 64, 2
+    values = np.ascontiguousarray(
+        np.broadcast_to(np.arange(rows, dtype=np.float32)[:, None], (rows, floats))
+    )
+    labels = np.arange(rows, dtype=np.int64)
+
+    def double(sample):
+        features, label = sample
+        return features * 2.0, label
+
+    def stop():
+        os.kill(victim, signal.SIGSTOP)
+        resume.start()
+
+    at_the_first_rows(monkeypatch, stop)
+    got, wrong = [], []
+
+    def epoch():
+        for batch in remote:
+            features, label = (field.numpy() for field in batch.replicas[0])
+            real = batch.masks[0].numpy()
+            got.extend(label[real].tolist())
+            if not np.all(features[real] == 2.0 * label[real, None]):
+                wrong.append(batch.step)
+
+    with service_cluster(workers=2, logs=tmp_path) as cluster:
+        victim = cluster.workers[0].pid
+        resume = threading.Timer(10.0, os.kill, (victim, signal.SIGCONT))
+        try:
+            with fp.Feeder(
+                (values, labels),
+                global_batch,
+                devices=devices[:1],
+                transform=double,
+                service=cluster.address,
+                depth=depth,
+            ) as remote:
+                before, peak = rss_peak_while(epoch)
+        finally:
+            resume.cancel()
+            os.kill(victim, signal.SIGCONT)
+        wait_for_the_readers_to_end()
+    assert got == labels.tolist()
+    assert not wrong, f"steps {wrong} held other values"
+    batch_bytes = global_batch * (floats * 4 + 8)
+    # Host slots (depth + 1 + the 2 being filled), and on a CPU device its staged batches and
+    # the one the loop holds.
+    slots = (depth + 3) * batch_bytes + (depth + 1) * batch_bytes
+    cap = service_module.MEMORY_CAP_BYTES
+    assert peak - before <= slots + cap, (
+        f"RSS grew by {(peak - before) / 2**20:.0f} MiB; slots {slots / 2**20:.0f} MiB and "
+        f"the stated cap {cap / 2**20:.0f} MiB"
+    )
 
 
 def test_a_service_worker_added_mid_epoch_loses_no_row(tmp_path, devices):

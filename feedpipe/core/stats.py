@@ -101,8 +101,8 @@ class FeedStats:
     service_lag_wait_s: float = 0.0
     """The part of `service_wait_s` spent on batches whose rows a slow, stopped or lost tf.data
     service worker held while the others went on: the feeder keeps at most
-    `feedpipe.service.HELD_ROWS` of their later rows, then asks a new job for the rows held
-    back. Above 0: a service worker lags (a busy, stopped or dead machine)."""
+    `feedpipe.service.client.HELD_BYTES` of their later rows, then asks a new job for the rows
+    held back. Above 0: a service worker lags (a busy, stopped or dead machine)."""
     copy_path: str | None = None
     """How the timed copies crossed to the devices: "feedpipe streams" (a CUDA stream of
     feedpipe's own per device, beside the running step) or the framework's own copy

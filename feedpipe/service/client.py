@@ -13,6 +13,7 @@ a value does not depend on the worker.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import queue
@@ -57,21 +58,67 @@ restarted (with `--work-dir`, it keeps its jobs); then reading fails with a Conn
 Jobs the dispatcher forgot are asked for again within it too; past it, its error is raised."""
 RELEASE_S = 3.0
 """Longest `close()` waits for the jobs' readers to let go of their jobs."""
-ROWS_QUEUED = 4
-"""Elements read ahead of the producer from one job."""
-HELD_ROWS = 2048
-"""Rows of later steps the feeder keeps, past the steps whose slots are open, while it waits for
-a row a slow, stopped or lost worker holds. TensorFlow's client hands on elements in the order
-they arrive, so pausing the read would hide that worker's rows behind the others'; instead the
-feeder takes no row past these and asks a new job for the rows still missing, the held-back
-ones first. A free worker makes them; a stopped one holds up the new job's start (in
-TensorFlow 2.21 a job starts once every registered worker has its task), so the others wait
-too until it goes on, and nothing piles up meanwhile. 2048 rows are 32 elements of 64: two in
-flight from each of 16 workers, arriving out of order, stay within it."""
+ELEMENTS_QUEUED = 2
+"""Elements read ahead of the producer from one job (each at most `ELEMENT_BYTES`)."""
+OUTSTANDING_ELEMENTS = 2
+"""TensorFlow's `max_outstanding_requests` for a job: elements its client asks of the workers
+at once, received or on the way. TensorFlow's own default (AUTOTUNE) is one per worker, which
+grows with the service: 16 workers, 16 elements. 2 is that default for two workers; each
+request is answered from a worker's buffer, so more keep the link no busier."""
 ROWS_PER_ELEMENT = 64
-"""Rows the service sends in one element: the client's cost is mostly per element (receiving
-and decoding it), and at 16 rows it took 3.4-4.0x the CPU per sample of `distribute` with a
-batch of 64 (kernels_bench/data_service.py)."""
+"""Rows the service sends in one element, at most: the client's cost is mostly per element
+(receiving and decoding it), and at 16 rows it took 3.4-4.0x the CPU per sample of
+`distribute` with a batch of 64 (kernels_bench/data_service.py). Fewer where 64 rows would
+pass `ELEMENT_BYTES`."""
+ELEMENT_BYTES = 4 << 20
+"""Most bytes of rows in one element (one row, if a row is larger): 64 float32 rows of
+64 x 64 x 3 (kernels_bench/data_service.py) are 3 MiB and still travel 64 to an element;
+64 rows of 224 x 224 x 3 would be 37 MiB each, times every element in flight."""
+HELD_BYTES = 64 << 20
+"""Bytes of rows of later steps the feeder keeps, past the steps whose slots are open, while
+it waits for a row a slow, stopped or lost worker holds (at least one element's rows).
+TensorFlow's client hands on elements in the order they arrive, so pausing the read would
+hide that worker's rows behind the others'; instead the feeder takes no row past these and
+asks a new job for the rows still missing, the held-back ones first. A free worker makes
+them; a stopped one holds up the new job's start (in TensorFlow 2.21 a job starts once every
+registered worker has its task), so the others wait too until it goes on, and nothing piles
+up meanwhile. 64 MiB are 16 elements of `ELEMENT_BYTES`: two in flight from each of 8
+workers, arriving out of order, stay within it; past it a lagging worker costs work asked
+again, not memory. Counted in bytes: a count of rows held 2048 rows, 128 MiB of 64 KiB rows."""
+JOB_BYTES = 4 << 20
+"""Most bytes of the source's rows one job carries (its first `ROWS_PER_SPLIT` rows at
+least): the service reads the arrays from the job's graph, which TensorFlow serialises to
+register it, and that briefly takes about three times their bytes here (measured: +385 MB to
+start a job over 128 MB of arrays, and 1 s of CPU; the graph then goes to every worker). So a
+job carries only its own rows, gathered, and an epoch whose rows weigh more is asked for in
+jobs of at most this, one after the other; paths of 100 characters and labels are one job an
+epoch up to 38,000 rows, several above. 4 MiB: over 128 MB of arrays with a worker
+stopped, jobs of 4 MiB grew the trainer by 130-160 MiB, slots included, jobs of 48 MiB by
+312 MiB (the allocator keeps what larger transients freed), one job of it all by 386 MiB."""
+JOB_COPIES = 4
+"""Copies of a job's rows while it starts: the gathered rows here, and TensorFlow's three
+(the graph, its serialised form, the request)."""
+ELEMENTS_HELD_ELSEWHERE = OUTSTANDING_ELEMENTS + ELEMENTS_QUEUED + 2
+"""Elements alive outside the rows held, at most: TensorFlow's, the queue's, the one the
+reader turns into arrays and the one the producer writes into slots."""
+ALLOCATOR_BYTES = 48 << 20
+"""Memory the C allocator keeps after feedpipe and TensorFlow free it (glibc keeps freed
+chunks below its mmap threshold, which rises to the largest chunk freed, in per-thread
+arenas; with the threshold fixed at 1 MiB, four epochs of 128 MB of arrays in jobs of 16 MiB
+grew the trainer by 139 MiB, where they grew it by 514 MiB).
+It is not counted chunk by chunk: 48 MiB is twice the most the growth passed the other parts
+here (160 MiB over 128 MB of arrays with a worker stopped: 32 MiB of slots, 104 MiB of
+parts, 24 MiB more)."""
+MEMORY_CAP_BYTES = (
+    HELD_BYTES + ELEMENTS_HELD_ELSEWHERE * ELEMENT_BYTES + JOB_COPIES * JOB_BYTES + ALLOCATOR_BYTES
+)
+"""The stated cap (152 MiB) on what the service client adds to the trainer's memory beyond
+the slots, a stopped or lost worker or not: the rows held (`HELD_BYTES`), the elements in
+flight (`ELEMENTS_HELD_ELSEWHERE` of `ELEMENT_BYTES`), a starting job (`JOB_COPIES` x
+`JOB_BYTES`) and what the allocator keeps (`ALLOCATOR_BYTES`). Where one row is larger than
+`ELEMENT_BYTES`, an element is one row and counts instead; where `ROWS_PER_SPLIT` source rows
+are larger than `JOB_BYTES`, a job is one split and counts instead. Tested as RSS with a
+worker stopped (tests/test_service.py)."""
 ROWS_PER_SPLIT = 16
 """Rows the dispatcher hands a worker at a time: one split per row cost the dispatcher 150-210
 µs of CPU a row; 16 to a split, 32-44 µs (kernels_bench/data_service.py)."""
@@ -145,7 +192,9 @@ class ServiceWork:
             )
         self.treespec = source.treespec
         """The structure of a transformed sample (known once the map is traced)."""
-        self._arrays = [tf.constant(array) for array in source.arrays]
+        source_row_bytes = max(1, sum(_row_bytes(array) for array in source.arrays))
+        self.rows_per_job = max(ROWS_PER_SPLIT, JOB_BYTES // source_row_bytes)
+        """Rows asked of one job at most: their source rows travel in its graph (`JOB_BYTES`)."""
         try:
             self._probe = self._rows(np.zeros(1, np.int64), epoch=0)
             """Sample 0 of epoch 0, traced once: its structure, then its value."""
@@ -158,9 +207,19 @@ class ServiceWork:
                 "to run Python per sample in worker processes."
             ) from error
         self._check(graph)
+        self.row_bytes = max(
+            1, sum(s.shape.num_elements() * s.dtype.size for s in self._probe.element_spec[1:])
+        )
+        """Bytes of one transformed row, as it travels and is held."""
+        self.rows_per_element = max(1, min(ROWS_PER_ELEMENT, ELEMENT_BYTES // self.row_bytes))
+        """Rows in one element the service sends (`ELEMENT_BYTES`)."""
+        self.held_rows = max(self.rows_per_element, HELD_BYTES // self.row_bytes)
+        """Rows of later steps kept outside the slots at most (`HELD_BYTES`)."""
 
-    def _sample(self, index: tf.Tensor, seed: tf.Tensor) -> list[tf.Tensor]:
-        fields = [tf.gather(array, index) for array in self._arrays]
+    def _sample(
+        self, arrays: list[tf.Tensor], index: tf.Tensor, seed: tf.Tensor
+    ) -> list[tf.Tensor]:
+        fields = [tf.gather(array, index) for array in arrays]
         sample = optree.tree_unflatten(self.source.treespec, fields)
         if self.with_seed:
             sample = self.transform(sample, seed)
@@ -179,10 +238,13 @@ class ServiceWork:
     ) -> tf.data.Dataset:
         """Samples `indices` of `epoch`, each after its tag (see `JOB_SHIFT`), shared out
         `ROWS_PER_SPLIT` at a time (the last split padded with rows tagged -1, dropped), made
-        in parallel in any order, or one after another with `in_order`."""
-        tags = (job << JOB_SHIFT) | np.arange(len(indices), dtype=np.int64)
+        in parallel in any order, or one after another with `in_order`. The graph holds only
+        these rows of the source's arrays (see `JOB_BYTES`)."""
+        arrays = [tf.constant(np.take(array, indices, axis=0)) for array in self.source.arrays]
+        places = np.arange(len(indices), dtype=np.int64)
+        tags = (job << JOB_SHIFT) | places
         seeds = sample_seeds(self.seed, epoch, indices)
-        rows = np.column_stack([tags, indices, seeds]).astype(np.int64)
+        rows = np.column_stack([tags, places, seeds]).astype(np.int64)
         splits = -(-len(rows) // ROWS_PER_SPLIT)
         padding = [(0, splits * ROWS_PER_SPLIT - len(rows)), (0, 0)]
         padded = np.pad(rows, padding, constant_values=-1)
@@ -191,7 +253,7 @@ class ServiceWork:
             tagged.unbatch()
             .filter(lambda row: row[0] >= 0)
             .map(
-                lambda row: (row[0], *self._sample(row[1], row[2:])),
+                lambda row: (row[0], *self._sample(arrays, row[1], row[2:])),
                 **({} if in_order else {"num_parallel_calls": tf.data.AUTOTUNE}),
                 deterministic=None if in_order else False,
             )
@@ -211,7 +273,8 @@ class ServiceWork:
         tried = 0
         while tried < len(indices) and time.monotonic() < until:
             try:
-                for _ in self._rows(indices[tried:], epoch, in_order=True):
+                chunk = indices[tried : tried + self.rows_per_job]
+                for _ in self._rows(chunk, epoch, in_order=True):
                     tried += 1
                     check()
                     if time.monotonic() >= until:
@@ -242,14 +305,15 @@ class ServiceWork:
                 )
 
     def job(self, service: str, indices: np.ndarray, epoch: int, job: int) -> tf.data.Dataset:
-        """A new service job over `indices`, tagged with `job` and their positions, shared
-        out dynamically."""
-        rows = self._rows(indices, epoch, job).batch(ROWS_PER_ELEMENT)
+        """A new service job over `indices` (at most `rows_per_job` of them), tagged with `job`
+        and their positions, shared out dynamically."""
+        rows = self._rows(indices, epoch, job).batch(self.rows_per_element)
         return rows.apply(
             tf.data.experimental.service.distribute(
                 processing_mode="distributed_epoch",
                 service=service,
                 job_name=f"feedpipe-{uuid.uuid4().hex}",
+                max_outstanding_requests=OUTSTANDING_ELEMENTS,
             )
         )
 
@@ -295,14 +359,14 @@ class ServiceProducer(Producer):
     def _epoch(self, epoch: int, steps: list[Step], supply: SlotSupply) -> Iterator:
         if not steps:
             return
-        rows = _Rows(steps, supply, window=self.slots_in_flight)
+        rows = _Rows(steps, supply, self.slots_in_flight, self.work.held_rows)
         indices = np.concatenate([step.rows for step in steps])
         job, patience, last_row = None, STALL_S, time.monotonic()
         waited, lagged = 0.0, False  # for the next step; whether a worker held its rows back
         try:
             while not rows.done():
-                if job is None:
-                    missing = rows.missing()
+                if job is None:  # the next rows still missing, as many as one job carries
+                    missing = rows.missing()[: self.work.rows_per_job]
                     job = self._start(indices[missing], epoch, missing)
                 supply.check_stop()
                 asked = time.perf_counter()
@@ -374,6 +438,13 @@ class ServiceProducer(Producer):
         return error is None
 
 
+def _row_bytes(array: np.ndarray) -> int:
+    """Bytes of one row of `array` in a TensorFlow graph: numpy's 4 bytes per character of a
+    str array are about 1 in TensorFlow's UTF-8 (paths are mostly ASCII)."""
+    row = array[:1].nbytes
+    return row // 4 if array.dtype.kind == "U" else row
+
+
 def _name(transform: Callable[..., Any] | None) -> str:
     """How a message names `transform`: its name, else its repr."""
     return getattr(transform, "__name__", None) or repr(transform)
@@ -423,7 +494,7 @@ class _Job:
         """The epoch's row positions its tags index."""
         self.number = secrets.randbits(31)
         """The job's random number, in every tag of its rows (see `JOB_SHIFT`)."""
-        self._items: queue.Queue = queue.Queue(maxsize=ROWS_QUEUED)
+        self._items: queue.Queue = queue.Queue(maxsize=ELEMENTS_QUEUED)
         self._abandoned = threading.Event()
         self._last = time.monotonic()
         self.thread = threading.Thread(
@@ -474,8 +545,12 @@ class _Job:
         return time.monotonic() - self._last
 
     def abandon(self) -> None:
-        """Stops reading once the thread's blocked read returns (if it ever does)."""
+        """Stops reading once the thread's blocked read returns (if it ever does), and lets go
+        of the elements queued: a reader blocked behind a stopped worker would keep them."""
         self._abandoned.set()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._items.get_nowait()
 
 
 class _Rows:
@@ -484,13 +559,15 @@ class _Rows:
     is; a step is handed on, in order, once all its rows are in.
 
     Invariant: the rows kept outside the slots are at most those of the next `window` steps
-    and `HELD_ROWS` more; a row past them is left missing, to be asked for again.
+    and `held` more (`HELD_BYTES`), each a copy of its own; a row past them is left missing,
+    to be asked for again.
     """
 
-    def __init__(self, steps: list[Step], supply: SlotSupply, window: int):
+    def __init__(self, steps: list[Step], supply: SlotSupply, window: int, held: int):
         self.steps = steps
         self.supply = supply
         self.window = window
+        self.held = held
         self.ends = np.cumsum([len(step.rows) for step in steps])
         self.step_of = np.repeat(np.arange(len(steps)), [len(step.rows) for step in steps])
         self.got = np.zeros(int(self.ends[-1]), bool)
@@ -531,7 +608,7 @@ class _Rows:
     def arrived(self, positions: np.ndarray, leaves: list[np.ndarray]) -> bool:
         """Takes an element's rows; False if some came too far ahead to keep (see the class):
         a worker lags, holding a row of an earlier step."""
-        limit = self._first(min(self.delivered + self.window, len(self.steps))) + HELD_ROWS
+        limit = self._first(min(self.delivered + self.window, len(self.steps))) + self.held
         kept_all = True
         for row, position in enumerate(positions.tolist()):
             if self.got[position]:  # a row sent twice holds the same value: keep the first
@@ -541,12 +618,11 @@ class _Rows:
                 continue
             self.got[position] = True
             step = int(self.step_of[position])
-            values = [leaf[row] for leaf in leaves]
             slot = self._slot(step)
-            if slot is None:
-                self.kept[position] = values
+            if slot is None:  # a copy: a view would keep the element's other rows alive
+                self.kept[position] = [leaf[row].copy() for leaf in leaves]
             else:
-                self._write(slot, position - self._first(step), values)
+                self._write(slot, position - self._first(step), [leaf[row] for leaf in leaves])
         return kept_all
 
     def deliver(self) -> Iterator[tuple[Step, HostSlot]]:
