@@ -2,20 +2,23 @@
 
 The pipeline, left to right, one module per box (the README's layout table lists them all):
 
-    source ──► sampler ──► producers ──► writer ──► split/slots ──► stage ──► feeder
-    what the   which       who makes     per-sample  which rows go   onto      the consumer's
-    samples    indices,    each batch,   work: read, where, in host  each      end: iteration,
-    are        what order  when (a       transform,  memory laid     device    state, passes
-               (remainder  thread, or    check,      out per                   of a fit
+    source ──► sampler ──► producers ──► writer ──► split/slots ──► stage ──► consumer
+    what the   which       who makes     per-sample  which rows go   onto      its position:
+    samples    indices,    each batch,   work: read, where, in host  each      passes, epoch
+    are        what order  when (a       transform,  memory laid     device    ends, state
+               (remainder  thread, or    check,      out per
                .py: the    workers)      write       replica
                last batch)
                                  stats observe every hop
 
 In layers: `core/` knows no framework (the boxes up to the host stager, the position and
-state, page-locked slots); `feeder.py` is the consumer's end on any framework and builds the
-subclass of the framework that `devices` or `strategy` name (`_frameworks`). `tf/` stages on
+state, page-locked slots, the copy engine); `assembly.py` builds the pipeline from the
+options (`options.py`), `consumer.py` keeps the consumer's position, and `feeder.py` is the
+facade over both, which builds the subclass of the framework that `devices` or `strategy` name
+(`_frameworks`). `tf/` stages on
 TensorFlow devices (`as_dataset`, checkpoints, `fp.train`); `jax/` on JAX devices and meshes;
-`keras/` makes a feeder Keras's data adapter (`model.fit(feeder)`) and tracks a fit;
+`keras/` makes a feeder Keras's data adapter (`model.fit(feeder)`) and keeps the ledger of
+what a fit trained on;
 `service/` is tf.data service; `diagnostics/` answers "is the step starved, and what would
 help" (`fp.StarvationMonitor`, `fp.diagnose`, the report); `cli` and `demo` are the
 `feedpipe` command; `dali` reads DALI pipelines; `_internals` wraps every call into
@@ -30,13 +33,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.3.0"
-"""The release: pyproject.toml reads it from here (one place), `feedpipe --version` prints it."""
+from feedpipe._version import __version__ as __version__  # written once there
 
 _EXPORTS = {
     "Batch": "feedpipe.core.batch",
     "Diagnosis": "feedpipe.diagnostics.diagnosis",
-    "FeedOptions": "feedpipe.feeder",
+    "FeedOptions": "feedpipe.options",
     "FeedStats": "feedpipe.core.stats",
     "Feeder": "feedpipe.feeder",
     "FeederDescription": "feedpipe.core.description",
@@ -75,7 +77,8 @@ if TYPE_CHECKING:
     from feedpipe.core.workers import WorkerError
     from feedpipe.diagnostics.diagnosis import Diagnosis, diagnose
     from feedpipe.diagnostics.monitor import StarvationMonitor
-    from feedpipe.feeder import Feeder, FeedOptions
+    from feedpipe.feeder import Feeder
+    from feedpipe.options import FeedOptions
     from feedpipe.tf.training import TowerStep, Trainer, WarmupLinearScaling, train
 
 

@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from feedpipe import __version__
+from feedpipe._version import __version__
 from feedpipe.core.checks import check_int
 
 START_UP_CHATTER = (

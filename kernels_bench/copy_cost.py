@@ -243,8 +243,8 @@ def measure_size(
         batches = harness.endless(feeder)
         for _ in range(DEPTH + 4):  # every slot allocated and touched once
             next(batches)
-        producer_clock = harness.cpu_clock(feeder._pipeline.thread.ident)
-        pool = feeder._pools[False]
+        producer_clock = harness.cpu_clock(feeder._assembly.pipeline.thread.ident)
+        pool = feeder._assembly.pools[False]
         for rep in range(settings.reps):
             row: dict = {}
             for what in harness.rotate(["memcpy", "gather", "bare", "feeder", "memory"], rep):

@@ -79,7 +79,7 @@ class Data:
 
 def time_feedpipe(feeder, step, warmup: int, gets: int) -> dict:
     """One epoch of the feeder: `next()` timed alone, then the release of the previous batch."""
-    pipeline_of = lambda: feeder._pipeline  # noqa: E731 (private: to check batches are staged)
+    pipeline_of = lambda: feeder._assembly.pipeline  # noqa: E731 (private: to check batches are staged)
     batches = iter(feeder)
     batch = next(batches)
     for _ in range(warmup):

@@ -116,7 +116,7 @@ def repetition(fp, tf, x, y, rows: int, options: dict, passes: int, seed: int) -
         for name in harness.rotate(list(peers), seed):
             gc.collect()
             measured[name] = timed(peers[name], passes)
-        overflow = feeder._pools[True].overflow_allocations
+        overflow = feeder._assembly.pools[True].overflow_allocations
     mb = rows * ROW_BYTES / 2**20
     (_, loop_s, loop_cpu), (start_s, data_s, data_cpu), (floor_start, floor_s, floor_cpu) = (
         measured["loop"],

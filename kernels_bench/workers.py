@@ -583,7 +583,7 @@ def held_memory(source, device: str, warmup: int, count: int) -> dict:
             peak = max(peak, rss_bytes())
         after = feeder.stats()
         del batch
-        pool = feeder._pools[False]
+        pool = feeder._assembly.pools[False]
         return {
             "before": before,
             "after": after,

@@ -275,7 +275,7 @@ def service_rows(strategy):
 def asked_of_service(feeder: fp.Feeder) -> list[dict]:
     """The rows of each job `feeder` asks its tf.data service for, as {epoch, indices}, listed
     as they are asked."""
-    work = feeder._producer.work
+    work = feeder._assembly.producer.work
     job = work.job
     asked = []
 

@@ -137,7 +137,7 @@ def test_at_most_depth_dali_batches_wait_staged(files, devices, depth):
         for _ in range(2):
             for _batch in feeder:
                 time.sleep(0.01)  # DALI and the producer run ahead until the ring is full
-                seen.append(feeder._pipeline.handoff.staged)
+                seen.append(feeder._assembly.pipeline.handoff.staged)
     assert max(seen) == depth
 
 

@@ -37,7 +37,7 @@ def test_strategy_run_sums_each_replicas_rows(strategy, shuffle):
         return strategy.run(replica_sum, args=(inputs, mask))
 
     with fp.Feeder((x, y), 8, strategy=strategy, shuffle=shuffle, seed=1) as feeder:
-        sampler_order = feeder._sampler.order(0)
+        sampler_order = feeder._assembly.sampler.order(0)
         steps = 0
         for batch in feeder:
             inputs, mask = batch.distributed()

@@ -787,7 +787,7 @@ def test_host_slots_never_exceed_depth_plus_two(devices, depth):
     with fp.Feeder(index_arrays(60), 4, devices=devices[:2], depth=depth) as feeder:
         for _ in range(3):
             assert epoch_ids(feeder) == list(range(60))
-        pool = feeder._pools[False]
+        pool = feeder._assembly.pools[False]
         assert pool.allocated <= depth + 2
         assert pool.overflow_allocations == 0
         assert feeder.stats().overflow_slots == 0
@@ -799,7 +799,7 @@ def test_at_most_depth_batches_wait_on_the_devices(devices, depth):
         seen = []
         for _ in feeder:
             time.sleep(0.01)  # the producer runs ahead until the staged batches fill up
-            seen.append(feeder._pipeline.handoff.staged)
+            seen.append(feeder._assembly.pipeline.handoff.staged)
     assert max(seen) == depth
 
 

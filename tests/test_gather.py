@@ -173,7 +173,7 @@ def test_handed_over_batches_share_their_slot_and_keep_their_rows_while_held(opt
         assert not feeder._gathers()
         for _ in feeder.as_dataset():  # one batch at a time: the pooled slots suffice
             pass
-        pool = feeder._pools[True]
+        pool = feeder._assembly.pools[True]
         assert pool.overflow_allocations == 0 and pool.allocated <= pool.capacity
         held = list(feeder.as_dataset())  # every batch of an epoch kept
         assert pool.overflow_allocations > 0

@@ -207,6 +207,61 @@ def test_no_import_cycle_inside_the_package():
     assert cycles == [], f"modules in an import cycle: {cycles}"
 
 
+FLOORS = {
+    "_version": 0,
+    "_internals": 0,
+    "core": 1,
+    "options": 2,
+    "service": 2,
+    "dali": 2,
+    "keras": 2,
+    "_frameworks": 3,
+    "assembly": 3,
+    "consumer": 4,
+    "feeder": 5,
+    "demo": 6,
+    "tf": 7,
+    "jax": 7,
+    "diagnostics": 8,
+    "cli": 9,
+    "__main__": 10,
+}
+"""The package's floors, ground first: the core, the rooms the facade is built from, the
+facade, the framework layers, diagnostics over any of them, and the command."""
+
+
+def test_no_module_imports_one_from_a_floor_above_it():
+    """Each module and subpackage imports only from the floors below it (even lazily, inside a
+    function), so the next engineer reads the package from the ground up."""
+    import ast
+    from pathlib import Path
+
+    package = Path(fp.__file__).parent
+    rooms = {p.stem for p in package.glob("*.py")} | {
+        p.parent.name for p in package.glob("*/__init__.py")
+    }
+    assert rooms - {"__init__"} == set(FLOORS), "a new module needs its floor here"
+    upward = []
+    for room, floor in FLOORS.items():
+        paths = [package / f"{room}.py"] if (package / f"{room}.py").exists() else []
+        paths += sorted((package / room).rglob("*.py"))
+        for path in paths:
+            for name in _feedpipe_imports(ast.parse(path.read_text())) - {room}:
+                if FLOORS.get(name, 0) >= floor:
+                    upward.append(f"{path.relative_to(package)} imports {name}")
+    assert upward == []
+
+
+def test_help_on_the_feeder_documents_every_parameter_and_the_keras_entry_point():
+    import inspect
+
+    doc = inspect.getdoc(fp.Feeder)
+    parameters = list(inspect.signature(fp.Feeder.__init__).parameters)[1:]
+    assert [name for name in parameters if f"{name}:" not in doc] == []
+    methods = {name for name, _ in inspect.getmembers(fp.Feeder) if not name.startswith("_")}
+    assert {"as_dataset", "fit_callback", "get_state", "set_state", "stats", "describe"} <= methods
+
+
 def test_the_readme_layout_names_every_module():
     from pathlib import Path
 

@@ -9,7 +9,11 @@ transfer." A bool is not a count: `True` is an `int` to Python, but `workers=Tru
 from __future__ import annotations
 
 import numbers
+import os
+import sys
 from typing import Any
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def check_int(name: str, value: Any, fix: str, *, minimum: int = 1) -> int:
@@ -28,3 +32,12 @@ def check_int(name: str, value: Any, fix: str, *, minimum: int = 1) -> int:
         return int(value)
     kind = " (a bool is not an integer)" if isinstance(value, bool) else ""
     raise ValueError(f"`{name}`={value!r} must be an integer >= {minimum}{kind}; {fix}.")
+
+
+def user_stacklevel() -> int:
+    """The `stacklevel` at which a warning raised by the caller of this function names the
+    first line outside feedpipe: the user's own call, however deep inside feedpipe it warns."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
+from feedpipe.core.checks import user_stacklevel
+
 REMAINDERS = ("pad", "drop", "error")
 
 
@@ -80,13 +82,13 @@ class Remainder:
                 f"row{'s' if length > 1 else ''} and {size - length} padding "
                 f"row{'s' if size - length > 1 else ''}, computed on for nothing; use a global "
                 f"batch of at most {length}.",
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
         if self.dropped(length):
             warnings.warn(
                 f'remainder="drop" leaves out the last {leftover} of {length} samples of every '
                 f"epoch's order (global batch {size}).",
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
 
     def check_stream_end(self, count: int, epoch: int, read: int) -> None:
@@ -100,9 +102,9 @@ class Remainder:
             )
 
 
-def warn_dropped(epoch: int, dropped: int, stacklevel: int) -> None:
+def warn_dropped(epoch: int, dropped: int) -> None:
     """Says how many samples "drop" left out of a stream's epoch (its length was unknown)."""
     warnings.warn(
         f'remainder="drop" left out the last {dropped} samples of epoch {epoch}.',
-        stacklevel=stacklevel + 1,
+        stacklevel=user_stacklevel(),
     )

@@ -16,7 +16,7 @@ import html
 import os
 from pathlib import Path
 
-from feedpipe import __version__
+from feedpipe._version import __version__
 from feedpipe.core.description import FeederDescription
 from feedpipe.diagnostics.verdict import SCHEMA_VERSION, Diagnosis
 

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import feedpipe as fp
 from feedpipe.core.checks import check_int
 from feedpipe.demo import (
     CLASSES,
@@ -29,6 +28,7 @@ from feedpipe.demo import (
     SyntheticRecords,
     progress_line,
 )
+from feedpipe.feeder import Feeder
 from feedpipe.jax.layer import BATCH_AXIS
 
 HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
@@ -138,8 +138,8 @@ class Training:
 
         return restore
 
-    def feeder(self, dataset: SyntheticRecords, global_batch_size: int) -> fp.Feeder:
-        return fp.Feeder(dataset, global_batch_size, devices=self._replicas)
+    def feeder(self, dataset: SyntheticRecords, global_batch_size: int) -> Feeder:
+        return Feeder(dataset, global_batch_size, devices=self._replicas)
 
     def progress_bar(self, steps: int) -> Callable[[int, float], None]:
         return progress_line(steps)

@@ -7,9 +7,11 @@ save it with Orbax or `json` beside the model's.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from feedpipe import feeder as core
+from feedpipe.jax.keras import keras_batches
 from feedpipe.jax.layer import JaxLayer
 
 
@@ -18,6 +20,10 @@ class Feeder(core.Feeder):
 
     def _layer(self, devices: Any, strategy: Any, global_batch_size: int) -> JaxLayer:
         return JaxLayer(devices, strategy, global_batch_size)
+
+    def _keras_batches(self, real_only: bool) -> Iterator[Any]:
+        """What Keras's JAX trainer reads from this feeder (`feedpipe.jax.keras`)."""
+        return keras_batches(self, real_only=real_only)
 
     @property
     def sharding(self) -> Any:

@@ -47,7 +47,7 @@ def _check_real_rows_divide(feeder: Any, count: int | None) -> None:
     """Refuses to predict or evaluate a batch of `count` real rows (None: the epoch's last,
     where the length is known) that cannot be sharded evenly over the feeder's devices, as
     Keras's step shards every batch."""
-    length, size = feeder._source.length, feeder.options.global_batch_size
+    length, size = feeder._assembly.source.length, feeder.options.global_batch_size
     if count is None:
         count = length % size if feeder.options.remainder == "pad" and length else 0
     devices = len(feeder.devices)
@@ -78,8 +78,8 @@ def keras_batches(feeder: Any, *, real_only: bool = False) -> Iterator[Any]:
     size = feeder.options.global_batch_size
     made: dict[int, tuple[Any, Any]] = {}
     """Per pattern, keyed by its masks (kept, so that the key stays theirs): rows or weights."""
-    feeder._end_open_pass()
-    for batch in feeder._iterate(fit=True, host=False):
+    feeder._consumer.end_open_pass()
+    for batch in feeder._consumer.iterate(fit=True, host=False):
         inputs, mask = batch.distributed()
         if real_only and batch.num_valid < size:  # padding rows come last on JAX
             _check_real_rows_divide(feeder, batch.num_valid)

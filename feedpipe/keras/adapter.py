@@ -34,8 +34,9 @@ class KerasInput:
         feeder's, as an input that ran out does, and Keras's later epochs are whole ones, so
         `model.fit(feeder, epochs=n)` run again finishes the epoch, then trains whole epochs.
         """
-        self._end_interrupted_fit()
-        return None if self._plan is None else len(self._plan)
+        self._consumer.fits.end_interrupted()
+        plan = self._assembly.plan
+        return None if plan is None else len(plan)
 
     @property
     def batch_size(self) -> int:
@@ -65,9 +66,7 @@ class KerasInput:
                 f"This feeder stages for {self.layer.name}, but Keras's backend is JAX; build "
                 "it with devices=jax.devices() (or under KERAS_BACKEND=jax, with none)."
             )
-        from feedpipe.jax.keras import keras_batches
-
-        return keras_batches(self, real_only=_evaluating(self))
+        return self._keras_batches(real_only=_evaluating(self))
 
     def get_numpy_iterator(self) -> Any:
         raise TypeError(

@@ -2,9 +2,8 @@
 
 `FitTracker` (made by `feeder.fit_callback()`) gives the feeder the step count Keras gives its
 callbacks, so the feeder's state is the batches the step trained on. It reaches the feeder only
-through the methods the feeder keeps for it (`_track`, `_untrack`, `_check_fit_epochs`,
-`_raise_failure`, `_refuse_as_validation`), and never imports the feeder's module: the feeder
-imports this one.
+through its consumer's ledger of fits (`feedpipe.keras.ledger`), and never imports the
+feeder's module.
 """
 
 from __future__ import annotations
@@ -52,32 +51,35 @@ class FitTracker(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self.earlier, self.steps, self.finished = 0, 0, 0
-        self.feeder._track(self)
+        self.feeder._consumer.fits.track(self)
         self._wrap_train_function()
         _warn_unweighted_metrics(self.model, self.feeder)
         self._quiet_end_of_unknown_epoch()
 
     def on_epoch_begin(self, epoch, logs=None):
         self.earlier += self.finished
-        self.first_pass, self.steps, self.finished = self.feeder._passes, 0, 0
+        self.first_pass, self.steps, self.finished = self.feeder._consumer.passes, 0, 0
         params = self.params or {}
         self.epoch_steps = params.get("steps")
         total = params.get("epochs", epoch + 1)
         itself = keras_reading(self.feeder) == "fit"
-        self.feeder._check_fit_epochs(self.epoch_steps, total - epoch, total=total, itself=itself)
+        self.feeder._consumer.fits.check_epochs(
+            self.epoch_steps, total - epoch, total=total, itself=itself
+        )
 
     def on_train_batch_begin(self, batch, logs=None):
-        self.feeder._raise_failure()
+        self.feeder._consumer.raise_failure()
         self.steps = batch + self.model.steps_per_execution
         if self.epoch_steps:
             self.steps = min(self.steps, self.epoch_steps)
 
     def on_test_begin(self, logs=None):
-        self.feeder._raise_failure()
-        self.feeder._refuse_as_validation(keras_validation_input(self.model))
+        self.feeder._consumer.raise_failure()
+        data = keras_validation_input(self.model)
+        self.feeder._consumer.fits.refuse_as_validation(data, self.feeder._reads_this(data))
 
     def on_train_end(self, logs=None):
-        self.feeder._untrack(self)
+        self.feeder._consumer.fits.untrack(self)
         self._speak_again()
         function = self.model.train_function
         if getattr(function, "__self__", None) is self:
@@ -98,7 +100,7 @@ class FitTracker(keras.callbacks.Callback):
         try:
             logs = self._original(*args)
         except Exception as error:
-            failure = self.feeder._failure
+            failure = self.feeder._consumer.failure
             if failure is None or failure is error:
                 raise
             raise failure from None
@@ -118,8 +120,8 @@ class FitTracker(keras.callbacks.Callback):
         by design, and training goes on. That warning is silenced for this fit alone."""
         self._speak_again()
         # A fit on the feeder itself begun mid-epoch ends its first Keras epoch with the
-        # feeder's (see `Feeder._check_fit_epochs`), as Keras's epochs of unknown length do.
-        left = self.feeder._steps_left()
+        # feeder's (see `FitLedger.check_epochs`), as Keras's epochs of unknown length do.
+        left = self.feeder._consumer.steps_left()
         mid_epoch = left is not None and left != len(self.feeder)
         if (self.params or {}).get("steps") is None or mid_epoch:
             warnings.filterwarnings(
@@ -145,7 +147,8 @@ _KERAS_EPOCHS = r"keras\.src\.trainers\.epoch_iterator"
 
 def _warn_unweighted_metrics(model: keras.Model, feeder: Any) -> None:
     """Warns when the compiled `metrics` (which ignore sample_weight) will count padding."""
-    padding = feeder._rule.padding(feeder._source.length)
+    assembly = feeder._assembly
+    padding = assembly.rule.padding(assembly.source.length)
     if padding == 0:
         return
     unweighted = unweighted_metrics(model)

@@ -14,7 +14,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-import feedpipe as fp
 from feedpipe.core.checks import check_int
 from feedpipe.demo import (
     CLASSES,
@@ -24,6 +23,7 @@ from feedpipe.demo import (
     MOMENTUM,
     SyntheticRecords,
 )
+from feedpipe.feeder import Feeder
 
 
 def configure_devices(count: int) -> list[str]:
@@ -141,8 +141,8 @@ class Training:
 
         return restore
 
-    def feeder(self, dataset: SyntheticRecords, global_batch_size: int) -> fp.Feeder:
-        return fp.Feeder(dataset, global_batch_size, strategy=self.strategy)
+    def feeder(self, dataset: SyntheticRecords, global_batch_size: int) -> Feeder:
+        return Feeder(dataset, global_batch_size, strategy=self.strategy)
 
     def progress_bar(self, steps: int) -> Callable[[int, float], None]:
         """Keras's bar: live on a terminal; one summary line when the output is a file or a

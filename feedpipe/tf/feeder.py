@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from feedpipe import feeder as core
 from feedpipe._internals import dataset_pipeline, generator_dataset
+from feedpipe.consumer import SUPERSEDED
 from feedpipe.core.source import ArraySource
 from feedpipe.core.stage import HostBatch
 from feedpipe.core.weights import row_weights, weighting, with_weights
@@ -46,14 +47,15 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
         """A `tf.data.Dataset` of global batches for `model.fit` and other wrappers.
 
         Each complete pass over the dataset is the feeder's next epoch; a pass left early does
-        not count (see `_iterate`). Under `model.fit`, pass `callbacks=[feeder.fit_callback()]`
-        so that the feeder's state (and a checkpoint holding it) is the batches the step
-        trained on. With `remainder="pad"` an `(x, y)` source gets a third element,
-        `sample_weight`: 0 on padding rows, and real rows scaled by `global_batch_size /
-        num_valid` so the batch's mean loss is the mean over its real samples (an `(x, y, w)`
-        source has its weights scaled the same way). The weight of a label field of shape `s`
-        has shape `[batch, 1, ..., 1]` with `len(s)` ones, so that it broadcasts against
-        per-element losses (per pixel, per timestep) as well as per-sample ones.
+        not count (see `Consumer.iterate`). Under `model.fit`, pass
+        `callbacks=[feeder.fit_callback()]` so that the feeder's state (and a checkpoint
+        holding it) is the batches the step trained on. With `remainder="pad"` an `(x, y)`
+        source gets a third element, `sample_weight`: 0 on padding rows, and real rows scaled
+        by `global_batch_size / num_valid` so the batch's mean loss is the mean over its real
+        samples (an `(x, y, w)` source has its weights scaled the same way). The weight of a
+        label field of shape `s` has shape `[batch, 1, ..., 1]` with `len(s)` ones, so that it
+        broadcasts against per-element losses (per pixel, per timestep) as well as per-sample
+        ones.
 
         Arrays in memory read as they are (no `transform`, `transpose` or workers) are
         gathered by TensorFlow's own threads in the feeder's order, with no Python per batch
@@ -85,8 +87,8 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
         smaller, which Keras and `tf.distribute` take for predict and evaluate). With `whole`
         (Keras's adapter, whose `num_batches` says how long Keras's epochs are) each pass is
         the rest of the feeder's epoch, whatever its position, and states no cardinality."""
-        self._end_interrupted_fit()
-        self._end_open_pass()
+        self._consumer.fits.end_interrupted()
+        self._consumer.end_open_pass()
         hosts = self.share.num_hosts > 1
         if real_only and hosts:
             raise ValueError(
@@ -107,11 +109,9 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
         how = None if real_only else weighting(self.spec, self.options.remainder)
         if how == "add":
             signature = (*signature, optree.tree_map(weight_spec, signature[1]))
-        steps = None if hosts or whole else self._steps_left()
+        steps = None if hosts or whole else self._consumer.steps_left()
         if self._gathers():
-            dataset = gathered_dataset(
-                self, signature, how, steps, core._SUPERSEDED, real_only=real_only
-            )
+            dataset = gathered_dataset(self, signature, how, steps, SUPERSEDED, real_only=real_only)
             return self._as_dataset(dataset, steps)
         feeder = weakref.ref(self)  # TensorFlow keeps `generate` for the life of the process
 
@@ -123,12 +123,12 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
                     "while its dataset is read."
                 )
             if not hosts:
-                for batch in this._iterate(fit=True, host=True, steps=steps):
+                for batch in this._consumer.iterate(fit=True, host=True, steps=steps):
                     yield _real(this, batch) if real_only else _weighted(this, batch, how)
                 return
             per_replica = this.split.per_replica
             while True:  # every epoch, one replica's rows at a time, as the strategy takes them
-                for batch in this._iterate(fit=True, host=True):
+                for batch in this._consumer.iterate(fit=True, host=True):
                     sample = _weighted(this, batch, how)
                     for lo in range(0, len(batch.arrays[0]), per_replica):
                         yield optree.tree_map(lambda a, lo=lo: a[lo : lo + per_replica], sample)
@@ -180,18 +180,18 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
         `feedpipe.tf.gather`): arrays in memory up to `GATHER_MAX_BYTES`, read as they are,
         on one host, with no weights of the source's own to scale."""
         return (
-            self._rows_as_given
-            and isinstance(self._source, ArraySource)
+            self._assembly.rows_as_given
+            and isinstance(self._assembly.source, ArraySource)
             and self.share.num_hosts == 1
             and weighting(self.spec, self.options.remainder) != "scale"
-            and sum(array.nbytes for array in self._source.arrays) <= GATHER_MAX_BYTES
+            and sum(array.nbytes for array in self._assembly.source.arrays) <= GATHER_MAX_BYTES
         )
 
     def _source_tensors(self) -> list[tf.Tensor]:
         """The source's arrays as tensors on the host, made on first use."""
         if self._tensors is None:
             with tf.device("/cpu:0"):
-                self._tensors = [tf.convert_to_tensor(a) for a in self._source.arrays]
+                self._tensors = [tf.convert_to_tensor(a) for a in self._assembly.source.arrays]
         return self._tensors
 
     def _reads_this(self, data: Any) -> bool:

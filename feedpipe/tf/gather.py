@@ -1,7 +1,7 @@
 """`as_dataset()` over arrays in memory: TensorFlow's own threads gather each batch's rows, in
 the feeder's order, with no Python per batch.
 
-The feeder plans a pass in one Python call (`Feeder._gathered_pass`): every batch's rows and
+The feeder plans a pass in one Python call (`Consumer.gathered_pass`): every batch's rows and
 real rows. A `map` gathers the rows from tensors made once per feeder, one batch at a time in
 the thread of the `prefetch` after it, and a last, synchronous `map` runs as the consumer takes
 each batch: it refuses a batch of a pass that was superseded and records which batch was taken
@@ -146,7 +146,7 @@ def gathered_dataset(
                 "The fp.Feeder of this dataset was closed and collected; keep the feeder "
                 "while its dataset is read."
             )
-        this_pass, rows, valid = this._gathered_pass(steps, taken)
+        this_pass, rows, valid = this._consumer.gathered_pass(steps, taken)
         planned = [np.int64(this_pass.number), np.int64(this_pass.start.step), rows, valid]
         if label_ranks:
             by_count = {v: row_weights(size, slice(v), v, size) for v in set(valid.tolist())}

@@ -337,7 +337,7 @@ def _untaken_on_error(feeder: Feeder, group: list[Batch]) -> Iterator[None]:
         yield
     except BaseException:
         if group:
-            feeder._untake(group[0])
+            feeder._consumer.untake(group[0])
         raise
 
 

@@ -102,7 +102,7 @@ def test_a_stream_end_the_policy_serves_is_accepted(policy, count):
 
 def test_the_samples_a_stream_dropped_are_counted_in_a_warning_at_the_callers_line():
     with pytest.warns(UserWarning) as caught:
-        warn_dropped(epoch=3, dropped=2, stacklevel=1)
+        warn_dropped(epoch=3, dropped=2)
     (warning,) = caught
     assert str(warning.message) == 'remainder="drop" left out the last 2 samples of epoch 3.'
-    assert warning.filename == __file__  # stacklevel 1: the function that called warn_dropped
+    assert warning.filename == __file__  # the first line outside feedpipe: this test's

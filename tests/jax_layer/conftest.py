@@ -28,7 +28,7 @@ def keras_on_jax() -> bool:
 def keras():
     """Keras on JAX, with no distribution set before or after the test."""
     if not keras_on_jax():
-        pytest.skip("needs Keras on JAX: run with KERAS_BACKEND=jax (the CI's JAX step does)")
+        pytest.skip("needs Keras on JAX: where TensorFlow is installed, KERAS_BACKEND=jax")
     from feedpipe._frameworks import import_keras
 
     keras = import_keras("the Keras-on-JAX tests")

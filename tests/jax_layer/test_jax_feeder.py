@@ -233,7 +233,7 @@ def test_at_most_depth_batches_wait_and_depth_plus_two_slots_hold_them(devices, 
         for _ in range(2):
             for _batch in feeder:
                 time.sleep(0.01)  # the producer runs ahead until the staged batches fill up
-                seen.append(feeder._pipeline.handoff.staged)
+                seen.append(feeder._assembly.pipeline.handoff.staged)
         assert max(seen) == depth
         assert feeder.stats().slots_allocated <= depth + 2
         assert feeder.stats().overflow_slots == 0

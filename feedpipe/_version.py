@@ -1,0 +1,3 @@
+"""The version, written once: the package, its metadata and every report read it here."""
+
+__version__ = "0.3.0"

@@ -1,0 +1,398 @@
+"""Assembly: the pipeline a feeder's options build, source → sampler → producer → slots → stager.
+
+It adapts the source and checks it against the options, reads what a sample looks like (in a
+worker where there are workers: a source that crashes or hangs on first use does so there),
+picks who makes the batches (one thread, workers, tf.data service, or the source's own
+threads), refuses host slots the machine cannot map, and starts and stops the pipeline that
+makes batches and stages them on the devices. It owns the host slot pools. It keeps no
+position: what the consumer has taken is `feedpipe.consumer`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import optree
+
+from feedpipe.core.agreement import check_hosts_agree
+from feedpipe.core.description import (
+    FeederDescription,
+    describe_fields,
+    describe_slots,
+    describe_source,
+    is_cpu,
+)
+from feedpipe.core.pipeline import Pipeline
+from feedpipe.core.producers import ThreadProducer, WorkerProducer
+from feedpipe.core.remainder import Remainder
+from feedpipe.core.sampler import Sampler
+from feedpipe.core.slots import SlotLayout, SlotPool, check_host_memory
+from feedpipe.core.source import ArraySource, SampleSpec, TFDatasetSource, as_source, field_name
+from feedpipe.core.stage import HostStager, Layer
+from feedpipe.core.state import Position, Stream
+from feedpipe.core.stats import StatsRecorder
+from feedpipe.core.writer import SampleWriter, first_look
+from feedpipe.options import FeedOptions
+
+
+class Assembly:
+    """The parts of one feeder's pipeline, built once from its options, and the pipeline run.
+
+    Invariant: at most one pipeline runs, and every part this builds (workers, producer, slot
+    pools, what the layer holds on the devices) is let go of by `close()`, which is idempotent.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        options: FeedOptions,
+        layer: Layer,
+        *,
+        transform: Callable[..., Any] | None,
+        transpose: Any,
+        service: str | None,
+    ):
+        self.options = options
+        self.layer = layer
+        self.share = layer.share
+        """This host's rows of each global batch (all of them on one host)."""
+        self.split = self.share.local_split
+        """How this host's rows divide among its devices."""
+        self.pipeline: Pipeline | None = None
+        self.workers = None
+        self.producer = None
+        self.pools: dict[bool, SlotPool] = {}
+        """The host slot pools: batches staged on the devices (False) or kept on the host for
+        a framework's own input pipeline (True)."""
+        try:
+            own_producer = self._adapt(source, transform, transpose, service)
+            self._build(own_producer, transform, transpose, service)
+        except BaseException:
+            self.close()
+            raise
+
+    def _adapt(self, source: Any, transform: Any, transpose: Any, service: Any) -> Any:
+        """Adapts `source`, checks it against the options, and plans its epochs; returns the
+        producer of a source that makes batches in threads of its own (DALI), else None."""
+        o = self.options
+        self.source = as_source(
+            source, text=transform is not None, global_batch_size=o.global_batch_size
+        )
+        """The source as feedpipe reads it (`feedpipe.core.source`)."""
+        rule = self.rule = Remainder(o.remainder, o.global_batch_size)
+        own_producer = self.source.producer(self.share, self.layer.devices, rule)
+        self._refuse_mismatches(own_producer, transform, transpose)
+        self.rows_as_given = (
+            own_producer is None
+            and not o.workers
+            and transform is None
+            and transpose is None
+            and service is None
+        )
+        """Each batch is the source's rows as they are, made in this process: nothing runs
+        per sample, so a framework may gather the rows itself (`Consumer.gathered_pass`)."""
+        length = self.source.length
+        self.plan = (
+            None
+            if length is None
+            else Sampler(
+                length,
+                o.global_batch_size,
+                remainder=o.remainder,
+                shuffle=o.shuffle,
+                seed=o.seed,
+                block_size=self.source.block_size,
+                share=self.share.rows,
+            )
+        )
+        """The epoch's batches, where the length is known (it applies the remainder rules)."""
+        self.sampler = self.plan if self.source.indexed else None
+        """What chooses the samples of indexed sources; streams keep their own order."""
+        self.shared = o.workers > 0 and o.worker_mode == "process"
+        """Whether the slots are shared memory that worker processes write into."""
+        return own_producer
+
+    def _refuse_mismatches(self, own_producer: Any, transform: Any, transpose: Any) -> None:
+        """Refuses options the source cannot serve, naming what to pass instead."""
+        o, source = self.options, self.source
+        if self.share.num_hosts > 1 and not source.indexed and own_producer is None:
+            raise ValueError(
+                f"A {type(source).__name__} has no indices, but under a "
+                f"MultiWorkerMirroredStrategy each of the {self.share.num_hosts} hosts makes "
+                "only its replicas' rows of each global batch, chosen by index; pass an indexed "
+                "source (arrays, a sequence with __len__ and __getitem__, a PyDataset)."
+            )
+        if own_producer is not None and (
+            o.workers or transform is not None or transpose is not None
+        ):
+            raise ValueError(
+                "A DaliSource decodes and augments in DALI's own threads: pass workers=0, "
+                "transform=None and transpose=None, and do that work in the DALI pipeline "
+                "(its num_threads sets the parallelism)."
+            )
+        if o.shuffle and not source.indexed:
+            raise ValueError(
+                f"`shuffle`=True, but a {type(source).__name__} has no indices to shuffle; "
+                "shuffle inside the generator, the tf.data.Dataset or the DALI reader "
+                "(random_shuffle=True), and pass shuffle=False."
+            )
+
+    def _build(self, own_producer: Any, transform: Any, transpose: Any, service: Any) -> None:
+        """Reads the spec and picks the producer; refuses slots the host cannot map."""
+        o = self.options
+        address, work = None, None
+        if service is not None:
+            address, work = self._service_work(service, transform, transpose)
+        if o.workers:
+            self.workers = self._start_workers(transform)
+            sample_spec = self.workers.first_spec()  # read in a worker: a crash there is theirs
+        elif work is not None:
+            sample_spec = SampleSpec.of(work.first_sample())
+        else:
+            sample_spec, _ = first_look(self.source, transform, o.seed)
+        axes = transposition(transpose, sample_spec)
+        self.spec = sample_spec.transposed(axes)
+        """What each host slot holds: the samples after `transform` and `transpose`."""
+        as_given = isinstance(self.source, ArraySource) and transform is None
+        self.staged_spec = self.layer.check_stageable(
+            self.spec, self.source.arrays if as_given else None
+        )
+        """Each field as the step receives it: `spec`, or a dtype the framework narrows
+        where no value changes (int64 ids that fit arrive as int32 on JAX without x64)."""
+        rows = self.split.global_batch_size
+        if own_producer is not None:
+            self.producer = own_producer
+        elif work is not None:
+            from feedpipe.service.client import ServiceProducer
+
+            self.producer = ServiceProducer(work, address, self.sampler)
+        elif o.workers:
+            layouts = {c: SlotLayout(self.spec, self.split, contiguous=c) for c in (False, True)}
+            self.workers.configure(sample_spec, axes, layouts)
+            self.producer = WorkerProducer(self.workers, self.source, rows, self.sampler, self.rule)
+        else:
+            writer = SampleWriter(self.source, sample_spec, transform, o.seed, axes)
+            self.producer = ThreadProducer(writer, rows, self.sampler, self.rule)
+        check_host_memory(
+            SlotLayout(self.spec, self.split),
+            self.slot_capacity() if self.producer.slots_in_flight else 0,
+            shared=self.shared,
+            hosts=self.share.num_hosts,
+        )
+
+    def _service_work(self, service: str, transform: Any, transpose: Any) -> tuple[str, Any]:
+        """The dispatcher's address and the per-sample work it will run, both checked (see
+        `feedpipe.service.client`)."""
+        if self.options.workers or transpose is not None:
+            raise ValueError(
+                f"`service`={service!r} runs the per-sample work on tf.data service workers: "
+                "pass workers=0, and transpose inside `transform` (tf.transpose)."
+            )
+        from feedpipe.service.client import ServiceWork, check_address
+
+        address = check_address(service)
+        return address, ServiceWork(self.source, transform, self.options.seed)
+
+    def _start_workers(self, transform: Any) -> Any:
+        from feedpipe.core import workers as pool
+
+        o = self.options
+        if isinstance(self.source, TFDatasetSource):
+            raise ValueError(
+                f"`workers`={o.workers}, but a tf.data.Dataset runs in TensorFlow's own threads "
+                "and cannot be read by workers; use workers=0 (and num_parallel_calls in "
+                "dataset.map for parallel work)."
+            )
+        if self.shared:
+            pool.check_picklable("source", self.source)
+            pool.check_picklable("transform", transform)
+        setup = {
+            "source": self.source,
+            "transform": transform,
+            "seed": o.seed,
+            "num_shards": self.num_shards(),
+        }
+        kind = pool.ProcessWorkers if self.shared else pool.ThreadWorkers
+        return kind(o.workers, setup, o.timeout_s)
+
+    # ---- the order, and what every host must agree on ------------------------------------
+
+    def num_shards(self) -> int:
+        """The generator shards whose rotation is the stream's order (1 for other sources)."""
+        return self.options.workers if self.source.shards_order else 1
+
+    def stream(self) -> Stream:
+        """What this feeder's order depends on: a state restores only where it agrees."""
+        return Stream(
+            dataset_length=self.source.length,
+            global_batch_size=self.options.global_batch_size,
+            num_replicas=self.share.num_replicas,
+            num_shards=self.num_shards(),
+            seed=self.options.seed,
+            shuffle=self.options.shuffle,
+            steps_per_epoch=None if self.plan is None else len(self.plan),
+            replicas_order=self.source.replicas_order,
+        )
+
+    def check_hosts_agree(self) -> None:
+        """Refuses to start unless every host built a feeder of the same order, exchanged
+        through the layer's collectives (`feedpipe.core.agreement`); the source's block_size
+        orders a shuffle too."""
+        fields = {
+            "remainder": self.options.remainder,
+            "block_size": self.source.block_size,
+            **self.stream().order_fields(),
+        }
+        check_hosts_agree(self.layer.exchange, self.share, fields)
+
+    # ---- the pipeline ------------------------------------------------------------------------
+
+    def slot_capacity(self) -> int:
+        """Slots per pool: besides the staged batches, one the consumer holds, and those being
+        filled."""
+        return self.options.depth + 1 + self.producer.slots_in_flight
+
+    def pool(self, host: bool) -> SlotPool:
+        """The slot pool of batches staged on the devices, or with `host` kept on the host."""
+        if host not in self.pools:
+            # Batches handed to tf.data lease their slot as the device path's do: TensorFlow
+            # takes the aligned arrays without a copy, and the slot returns when it frees them.
+            self.pools[host] = SlotPool(
+                SlotLayout(self.spec, self.split, contiguous=host),
+                self.slot_capacity(),
+                shared=self.shared,
+                page_lock=None if host else self.layer.page_lock,
+            )
+        return self.pools[host]
+
+    def start(self, host: bool, position: Position, stats: StatsRecorder) -> Pipeline:
+        """The pipeline making batches from `position`, staged on the devices or, with `host`,
+        kept on the host: the one running if it is of that kind, else a fresh one."""
+        if self.pipeline is not None and self.pipeline.host == host:
+            return self.pipeline
+        self.stop()
+        stats.stream_started()
+        pool = self.pool(host)
+        stager = HostStager(pool.layout) if host else self.layer.stager(pool.layout, stats)
+        self.pipeline = Pipeline(
+            self.producer, stager, pool, self.options.depth, position, stats, host=host
+        )
+        return self.pipeline
+
+    def stop(self) -> None:
+        """Stops the pipeline; the batches it staged are made again by the next one."""
+        # Forgotten first: a second Ctrl-C during the close must not leave a stopped pipeline
+        # for the next loop to wait on (it stops by itself once `close` has set its stop).
+        pipeline, self.pipeline = self.pipeline, None
+        if pipeline is not None:
+            pipeline.close()
+
+    def slot_stats(self) -> dict:
+        """The slot figures of `FeedStats`: one-off slots, slots made, whether page-locked."""
+        pools = self.pools.values()
+        device_pool = self.pools.get(False)
+        locked = reason = None
+        if self.layer.page_lock is not None and device_pool is not None:
+            locked, reason = device_pool.page_locked, device_pool.page_lock_reason
+        return {
+            "overflow_slots": sum(pool.overflow_allocations for pool in pools),
+            "slots_allocated": sum(pool.allocated + pool.overflow_allocations for pool in pools),
+            "page_locked": locked,
+            "page_lock_reason": reason,
+            "staged": 0 if self.pipeline is None else self.pipeline.handoff.staged,
+        }
+
+    def describe(self) -> FeederDescription:
+        """What the pipeline is (see `Feeder.describe`)."""
+        o, share, device_pool = self.options, self.share, self.pools.get(False)
+        layout = (
+            device_pool.layout if device_pool is not None else SlotLayout(self.spec, self.split)
+        )
+        devices = self.layer.devices
+        accelerated = not all(is_cpu(device) for device in devices)
+        return FeederDescription(
+            framework=self.layer.name,
+            source=describe_source(self.source, max(self.num_shards(), 1)),
+            fields=describe_fields(self.staged_spec),
+            service=getattr(self.producer, "service", None),
+            global_batch_size=o.global_batch_size,
+            per_replica_batch_size=self.split.per_replica,
+            host_batch_size=self.split.global_batch_size,
+            batch_bytes=layout.batch_bytes,
+            steps_per_epoch=None if self.plan is None else len(self.plan),
+            devices=tuple(str(device) for device in devices),
+            accelerated=accelerated,
+            hosts=share.num_hosts,
+            host=share.host,
+            workers=o.workers,
+            worker_mode=o.worker_mode,
+            depth=o.depth,
+            remainder=o.remainder,
+            shuffle=o.shuffle,
+            seed=o.seed,
+            slots=describe_slots(
+                self.slot_capacity() if self.producer.slots_in_flight else 0,
+                layout.nbytes,
+                self.layer.name,
+                accelerated,
+                self.layer.page_lock,
+                device_pool,
+            ),
+            copy_path=self.layer.copy_path.name,
+            copy_path_reason=self.layer.copy_path.reason,
+        )
+
+    def close(self) -> None:
+        """Stops the pipeline, the workers and the producer, and lets go of the slot pools and
+        what the layer holds on the devices; idempotent."""
+        self.stop()
+        if self.workers is not None:
+            self.workers.close()
+        if self.producer is not None:
+            self.producer.close()
+        self.pools.clear()  # staged batches still held keep their own slots alive
+        self.layer.close()  # and their own device blocks
+
+
+def transposition(transpose: Any, spec: SampleSpec) -> list[tuple[int, ...] | None]:
+    """`transpose` as one axis order (or None) per field of `spec`, checked.
+
+    `transpose` is an axis order for a sample that is one array, or a dict from field (a key
+    of a dict sample, an index of a tuple sample, or a tuple of those for nested samples) to
+    the order of that field's axes, as in `np.transpose`: `{"image": (2, 0, 1)}` makes HWC
+    images CHW.
+    """
+    if transpose is None:
+        return [None] * len(spec.leaves)
+    paths = [tuple(p) for p in optree.tree_paths(spec.unflatten([0] * len(spec.leaves)))]
+    if not isinstance(transpose, dict):
+        if paths != [()]:
+            raise TypeError(
+                f"`transpose`={transpose!r} is one axis order, but samples have the fields "
+                f"{', '.join(leaf.name for leaf in spec.leaves)}; pass a dict from field to "
+                "axis order, e.g. {'image': (2, 0, 1)}."
+            )
+        transpose = {(): transpose}
+    by_path = {}
+    for key, order in transpose.items():
+        path = key if isinstance(key, tuple) else (key,)
+        if path not in paths:
+            raise ValueError(
+                f"`transpose` names the field {key!r}, which samples do not have; their fields "
+                f"are {', '.join(field_name(p) for p in paths)}."
+            )
+        by_path[path] = order
+    axes = []
+    for path, leaf in zip(paths, spec.leaves, strict=True):
+        order = by_path.get(path)
+        if order is not None:
+            order = tuple(order)
+            if sorted(order) != list(range(len(leaf.shape))):
+                raise ValueError(
+                    f"`transpose` gives field {leaf.name} the axis order {order}, but that field "
+                    f"has shape {leaf.shape}; give a permutation of "
+                    f"{tuple(range(len(leaf.shape)))} (the batch axis is not counted)."
+                )
+        axes.append(order)
+    return axes

@@ -1,0 +1,401 @@
+"""Consumer: the consumer's end of the pipeline: its position, its passes, and its state.
+
+The position is what the consumer has taken, never what was produced: batches staged and not
+taken are made again after a restore. Each loop over the feeder is a pass over the rest of the
+current epoch; a pass a framework's `fit` reads (`as_dataset`, Keras's adapter) counts only what
+the fit trained on, which its ledger (`feedpipe.keras.ledger`) says. A failure in the pipeline
+closes the feeder and is raised by every later read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from feedpipe.assembly import Assembly
+from feedpipe.core._sync import Failure
+from feedpipe.core.pipeline import Pipeline
+from feedpipe.core.remainder import warn_dropped
+from feedpipe.core.sampler import EpochEnd
+from feedpipe.core.state import Position
+from feedpipe.core.stats import FeedStats, StatsRecorder
+from feedpipe.keras.ledger import FitLedger
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Pass:
+    """One loop over the feeder: its mode, where it started, and the stats it started from."""
+
+    fit: bool
+    """A pass a framework's `fit` reads (`as_dataset`, Keras's adapter), not the user's loop."""
+    start: Position
+    counters: dict
+    number: int
+    """Passes begun on this feeder so far, this one included."""
+    handed: int = 0
+    """Batches handed to the consumer; a pass's batches are consecutive steps of one epoch."""
+    end: Position | None = None
+    """Where the next pass starts, once this one has reached the end of its epoch."""
+    taken: Any = None
+    """For a pass whose batches the framework gathers itself (see `Consumer.gathered_pass`):
+    what its consumer took, as the framework's threads record it (`TakenBatches`); None where
+    this feeder hands out the batches and counts them as it does."""
+    valid: Any = None
+    """For a gathered pass: each of its batches' count of real samples."""
+    measured: dict | None = None
+    """For a gathered pass: what `taken` had timed when it began (see `Consumer.gathered`)."""
+    counted: bool = False
+    """For a gathered pass: its batches are in the feeder's stats."""
+
+    def catch_up(self, steps_per_epoch: int) -> None:
+        """Reads how far the consumer of a gathered pass has got: `handed`, and `end` once it
+        took the epoch's last batch."""
+        if self.taken is None:
+            return
+        step = self.taken.after(self.number)
+        self.handed = 0 if step is None else step - self.start.step
+        if step == steps_per_epoch:
+            self.end = Position(self.start.epoch + 1, 0)
+
+    def after(self, count: int) -> Position:
+        """The position once the consumer has used the first `count` batches of this pass."""
+        if count == self.handed and self.end is not None:
+            return self.end
+        return Position(self.start.epoch, self.start.step + count)
+
+
+SUPERSEDED = (
+    "This loop over feeder.as_dataset() was superseded: another loop over the dataset (or the "
+    "feeder) began, or set_state() was called, before it ended. A feeder is one stream with one "
+    "consumer: finish or drop one iterator before starting the next, and build a second "
+    "fp.Feeder to read the same data twice at once."
+)
+
+
+class Consumer:
+    """The position of one feeder's consumer, and the passes that move it.
+
+    Invariant: at most one pass is active; a user's loop refuses a second, and a fit's pass is
+    superseded by the next one begun (TensorFlow finalises its iterators late).
+    """
+
+    def __init__(self, assembly: Assembly, stats: StatsRecorder):
+        self.assembly = assembly
+        self.stats = stats
+        self.position = Position(0, 0)
+        """What the consumer has taken, as the step of the epoch it goes on from."""
+        self._active: Pass | None = None
+        self.passes = 0
+        """Passes begun so far."""
+        self.last_fit: Pass | None = None
+        """The latest pass of `as_dataset`, ended or not: what a `fit` has been reading."""
+        self.failure: BaseException | None = None
+        """The error that closed the feeder: every later read raises it again."""
+        self.closed = False
+        self.fits = FitLedger(self)
+        """What the fits reading this feeder trained on."""
+        self.settle()
+
+    @property
+    def active(self) -> Pass | None:
+        """The pass being iterated, if any."""
+        return self._active
+
+    @active.setter
+    def active(self, this: Pass | None) -> None:
+        # Whatever ends a gathered pass, its batches still waiting in the framework's threads
+        # must be refused when taken, as `iterate` refuses a superseded pass's.
+        left, self._active = self._active, this
+        if left is not None and left is not this and left.taken is not None:
+            left.taken.revoke(left.number)
+            if not left.counted:
+                left.counted = True
+                self.stats.gathered(**self.gathered(left))
+
+    # ---- passes ---------------------------------------------------------------------------
+
+    def iterate(self, *, fit: bool, host: bool, steps: int | None = None) -> Iterator[Any]:
+        """One pass over the rest of the current epoch (`steps` batches, where given), staged
+        on the devices or, with `host`, kept on the host.
+
+        A loop left early keeps its position (the next loop resumes there). A `fit` pass
+        (`as_dataset`, Keras's adapter) left early does not count unless a `FitTracker` says
+        which of its batches the step used, because TensorFlow prefetches batches the step never
+        takes and Keras peeks at a batch to build the model: the next pass starts again where
+        it began. Such a pass, if TensorFlow finalises it late, is superseded, and raises if
+        read again.
+        """
+        this = self.begin_pass(fit=fit, steps=steps)
+        plan = self.assembly.plan
+        pipeline = self.assembly.start(host, self.position, self.stats)
+        try:
+            while True:
+                item = self._next(pipeline)
+                if isinstance(item, EpochEnd):
+                    if this.handed == 0 and this.start.step > 0:
+                        # A source of unknown length learns its epoch's end by reading on, so
+                        # a state taken after the last batch can say (e, steps): that epoch is
+                        # over, and this pass is the next one, never an empty one.
+                        self.position = this.start = Position(item.epoch + 1, 0)
+                        continue
+                    self._end_epoch(this, item)
+                    return
+                self.position = Position(item.epoch, item.step + 1)
+                this.handed += 1
+                if plan is not None and item.step + 1 == len(plan):
+                    # The epoch's end is taken with its last batch: Keras never asks past it,
+                    # nor does a loop that takes len(feeder) batches (islice, zip with range).
+                    self._end_epoch(this, self._next(pipeline))
+                    yield item
+                    return
+                yield item
+                del item  # the slot returns when the consumer drops the batch, not this frame
+                if self.active is not this:
+                    raise RuntimeError(SUPERSEDED)
+        finally:
+            # At interpreter exit a suspended loop is finalised after modules are torn down.
+            if self.active is this and not sys.is_finalizing():
+                self.stats.loop_ended()
+                if fit:
+                    self.supersede()
+                else:
+                    self.active = None
+                    self.assembly.stop()  # staged batches are made again by the next loop
+                    self.settle()
+
+    def begin_pass(self, *, fit: bool, steps: int | None, taken: Any = None) -> Pass:
+        """Begins a pass from the consumer's position, superseding a `fit` pass still open."""
+        if self.closed:
+            if self.failure is not None:
+                raise self.failure
+            raise RuntimeError("The feeder is closed; build a new fp.Feeder to read again.")
+        if self.active is not None:
+            if not self.active.fit:
+                raise RuntimeError(
+                    "The feeder is already being iterated; finish or break that loop first "
+                    "(one consumer per feeder)."
+                )
+            self.supersede()
+        if not fit:
+            self.fits.end_interrupted()
+        if steps is not None:
+            self.fits.check_passes_from(self.position, steps, None)
+        self.passes += 1
+        this = Pass(fit, self.position, self.stats.consumer_counters(), self.passes, taken=taken)
+        self.active = this
+        if fit:
+            self.last_fit = this
+            self.fits.untracked = self.fits.untracked or self.fits.tracker is None
+        return this
+
+    def gathered_pass(self, steps: int | None, taken: Any) -> tuple[Pass, Any, Any]:
+        """Begins a pass of `as_dataset()` whose batches the framework gathers itself from the
+        source's arrays, in its own threads, with no Python per batch: the pass, the rows of
+        each of its `steps` batches (padded as a slot pads: the real rows repeated in
+        order, so `HostSlot.pad` and this agree row for row) and each batch's count of real
+        rows.
+
+        The consumer's position follows from what `taken` records of the pass (see
+        `Pass.catch_up`), read when the pass ends; until then `position` is where it began.
+        """
+        this = self.begin_pass(fit=True, steps=steps, taken=taken)
+        self.assembly.stop()  # nothing the feeder's thread stages is read in such a pass
+        rows, valid = self.assembly.plan.padded_rows(this.start.epoch, this.start.step)
+        this.valid, this.measured = valid, taken.measured()
+        taken.open(this.number)
+        return this, rows, valid
+
+    def gathered(self, this: Pass) -> dict:
+        """What the consumer of the gathered pass `this` has taken so far, for the stats: its
+        steps and samples, their time (the mean time from one taken batch to the next, times
+        the steps), and the producer's (the framework's gathering) time and samples."""
+        per_epoch = len(self.assembly.plan)
+        this.catch_up(per_epoch)
+        now, then = this.taken.measured(), this.measured
+        steps = max(this.handed, 0)
+        if self.fits.tracker is not None:  # batches read ahead of the step were not trained on
+            trained = self.fits.tracked()
+            begun = this.start.epoch * per_epoch + this.start.step
+            steps = max(0, min(steps, trained.epoch * per_epoch + trained.step - begun))
+        intervals = now["intervals"] - then["intervals"]
+        step_s = (now["step_us"] - then["step_us"]) / 1e6
+        return {
+            "steps": steps,
+            "samples": int(this.valid[:steps].sum()),
+            "wall_s": step_s / intervals * steps if intervals else 0.0,
+            "busy_s": (now["busy_us"] - then["busy_us"]) / 1e6,
+            "produced": now["made"] - then["made"],
+        }
+
+    def _next(self, pipeline: Pipeline) -> Any:
+        """The next item of the hand-off; a failure closes the feeder and raises its error."""
+        item = pipeline.get()
+        if isinstance(item, Failure):
+            self.failure = item.error
+            self.close()
+            raise item.error
+        return item
+
+    def _end_epoch(self, this: Pass, end: EpochEnd) -> None:
+        self.position = this.end = Position(end.epoch + 1, 0)
+        if end.dropped and self.assembly.plan is None:
+            warn_dropped(end.epoch, end.dropped)
+        self.active = None
+        if not this.fit:
+            self.settle()
+
+    def supersede(self) -> None:
+        """Ends the pass of `as_dataset` being read: the consumer's position is the end of its
+        epoch where a gathered pass's last batch was taken, else what a tracker says it used,
+        else where the pass began (its batches will be made and taken again)."""
+        left, self.active = self.active, None
+        self.assembly.stop()
+        if left is not None and self.assembly.plan is not None:
+            left.catch_up(len(self.assembly.plan))
+        if left is not None and left.end is not None:
+            self.position = left.end  # a gathered pass whose last batch was taken
+        elif self.fits.tracker is not None:
+            self.position = self.fits.tracked()
+        elif left is not None:
+            self.position = left.start
+            self.stats.restore_consumer(left.counters)
+
+    def end_open_pass(self) -> None:
+        """Ends a fit pass left open (Keras's look at a batch, a pass read in part), so that
+        the rest of the epoch is counted from what the step trained on."""
+        if self.active is not None and self.active.fit:
+            self.supersede()
+
+    # ---- where the consumer is ------------------------------------------------------------
+
+    def settle(self) -> None:
+        """The position is the consumer's now (set_state, the end of a `for` loop or of a
+        tracked `fit`): later passes of `as_dataset` may be Keras's look at a batch."""
+        self._settled = (self.position, self.passes)
+        self._settled_counters = self.stats.consumer_counters()
+        self.fits.untracked = False
+
+    def forget_unsettled(self) -> None:
+        """Passes of `as_dataset` since the position was last settled trained nothing (Keras's
+        look at a batch to build the model): the position and the stats go back to then."""
+        position, passes = self._settled
+        if self.passes == passes:
+            return
+        if self.active is not None:
+            self.active.counted = True  # Keras's look, not a step
+        self.active = None
+        self.assembly.stop()
+        self.position = position
+        self.stats.restore_consumer(self._settled_counters)
+        self.settle()
+
+    def move_to(self, position: Position) -> None:
+        """Ends any pass and goes on from `position` (a tracked fit's end)."""
+        if position != self.position or self.active is not None:
+            self.active = None
+            self.assembly.stop()
+            self.position = position
+
+    def untake(self, batch: Any) -> None:
+        """`batch` and the batches taken after it trained nothing (the step raised): the next
+        loop begins at it. Call once the loop that took them is closed."""
+        self.assembly.stop()
+        self.position = Position(batch.epoch, batch.step)
+        self.settle()
+
+    def steps_left(self) -> int | None:
+        """Batches left in the current epoch (None where the length is unknown): a feeder left
+        or restored mid-epoch serves the rest of that epoch in a fit's first pass."""
+        plan = self.assembly.plan
+        if plan is None:
+            return None
+        return len(plan) - self.assembly.stream().state(self.position)["step"]
+
+    def consumed(self) -> Position:
+        """The batches the consumer has used, as a position."""
+        if self.fits.tracker is not None:
+            return self.fits.tracked()
+        if self.fits.untracked:
+            raise RuntimeError(
+                "get_state() cannot tell which batches of feeder.as_dataset() were trained on: "
+                "TensorFlow and Keras take batches ahead of the step (and Keras reads some to "
+                "build the model), so the batches the dataset handed out are not the ones used. "
+                "Pass the feeder's callback to fit, model.fit(dataset, "
+                "callbacks=[feeder.fit_callback(), ...]), and the state is exactly the batches "
+                "the step consumed; in a loop of your own, iterate the feeder (for batch in "
+                "feeder), whose state is exact."
+            )
+        return self.position
+
+    def get_state(self) -> dict:
+        """The consumer's position as a state, with the source's own where it keeps one."""
+        state = self.assembly.stream().state(self.consumed())
+        source_state = self.assembly.producer.state_at(Position(state["epoch"], state["step"]))
+        if source_state is not None:  # a DALI source: its pipelines' own checkpoints
+            state["source"] = source_state
+        return state
+
+    def set_state(self, state: dict) -> None:
+        """Goes on from where `state` was taken; staged batches are remade."""
+        if self.active is not None and not self.active.fit:
+            raise RuntimeError(
+                "set_state() was called while a loop over the feeder is running; restore "
+                "before the loop starts (or break out of it first)."
+            )
+        assembly = self.assembly
+        position = assembly.stream().position(state)
+        if position.step > 0:
+            assembly.source.check_resumable(position.step * assembly.options.global_batch_size)
+        self.active = None
+        assembly.stop()
+        self.position = position
+        self.fits.interrupted_at = None
+        assembly.producer.restore(self.position, state.get("source"))
+        self.settle()
+
+    @contextlib.contextmanager
+    def set_aside(self) -> Iterator[None]:
+        """A block whose reads train nothing (see `Feeder.set_aside`)."""
+        self.fits.end_interrupted()
+        self.end_open_pass()
+        position = self.position
+        if position.step > 0 and self.assembly.plan is not None:
+            self.assembly.stop()
+            self.position = Position(position.epoch + 1, 0)
+        try:
+            yield
+        finally:
+            self.active = None
+            self.assembly.stop()
+            self.position = position
+            self.settle()
+
+    def snapshot(self) -> FeedStats:
+        """The stats so far, with what the consumer of a gathered pass being read has taken."""
+        snapshot = self.stats.snapshot(**self.assembly.slot_stats())
+        this = self.active
+        if this is None or this.taken is None or this.counted:
+            return snapshot
+        got, s = self.gathered(this), snapshot
+        return dataclasses.replace(
+            s,
+            steps=s.steps + got["steps"],
+            samples=s.samples + got["samples"],
+            wall_s=s.wall_s + got["wall_s"],
+            untimed_steps=s.untimed_steps + got["steps"],
+            untimed_s=s.untimed_s + got["wall_s"],
+            producer_busy_s=s.producer_busy_s + got["busy_s"],
+            produced_samples=s.produced_samples + got["produced"],
+        )
+
+    def raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def close(self) -> None:
+        """Refuses every later pass, and closes the pipeline's parts; idempotent."""
+        self.closed = True
+        self.assembly.close()

@@ -1,0 +1,175 @@
+"""Ledger: what a Keras `fit` reading a feeder has trained on, and which fits can go on.
+
+TensorFlow and Keras take batches ahead of the step, and Keras reads one to build the model, so
+during a `fit` the batches a feeder handed out are not the ones trained on. A fit's
+`FitTracker` (`feedpipe.keras.fit`) reports its steps here; the consumer's position follows
+from them (`tracked`). A fit that raised (an error, Ctrl-C) never says it ended: the next read
+of the feeder ends it (`end_interrupted`). The ledger also refuses fits whose epochs cannot be
+the feeder's, naming the call that goes on. It imports no framework: the consumer keeps one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from feedpipe.core.state import Position
+
+
+class FitLedger:
+    """The fits that read one consumer's feeder: the one running (its tracker), where it began,
+    and where the last one was interrupted."""
+
+    def __init__(self, consumer: Any):
+        """`consumer` is the `feedpipe.consumer.Consumer` whose position the fits move."""
+        self.consumer = consumer
+        self.tracker: Any = None
+        """The `FitTracker` of the `model.fit` reading the feeder, if any."""
+        self.fit_start = Position(0, 0)
+        """Where the tracked `fit` began."""
+        self.untracked = False
+        """Passes of `as_dataset` were read since the position was settled, with no tracker."""
+        self.interrupted_at: Position | None = None
+        """Where the last tracked `fit` stopped, if it raised (an error, Ctrl-C)."""
+
+    def track(self, tracker: Any) -> None:
+        """A tracked `fit` begins: passes of `as_dataset` since the position was last settled
+        were Keras's look at a batch to build the model, not training. A fit on the same
+        dataset that raised goes on from what it trained."""
+        self.end_interrupted()
+        self.consumer.forget_unsettled()
+        self.fit_start = self.consumer.position
+        self.tracker = tracker
+
+    def untrack(self, tracker: Any) -> None:
+        """A tracked `fit` ended: the position becomes what it trained on."""
+        if self.tracker is not tracker:
+            return
+        self.consumer.move_to(self.tracked())  # while the tracker still says what it trained
+        self.tracker = None
+        self.consumer.settle()
+
+    def end_interrupted(self) -> None:
+        """A `fit` that raised (an error, Ctrl-C) never tells its tracker it ended: what it
+        trained on becomes the position before anything else reads the feeder."""
+        if self.tracker is not None:
+            self.tracker.interrupted()
+            self.untrack(self.tracker)
+            self.interrupted_at = self.consumer.position
+
+    def tracked(self) -> Position:
+        """The position after the batches the tracked `fit` has trained on: the fit's start
+        moved on by its steps, whatever reads ahead (`prefetch`) or repeats the dataset; where
+        the epochs' length is unknown, the passes of the dataset mark their ends."""
+        consumer = self.consumer
+        if consumer.assembly.plan is not None:
+            return consumer.assembly.stream().after(self.fit_start, self.tracker.trained)
+        last, tracker = consumer.last_fit, self.tracker
+        if last is None or last.number <= tracker.first_pass:
+            return consumer.position  # this epoch's pass has not begun: it begins there
+        return last.after(min(tracker.finished, last.handed))
+
+    def refuse_as_validation(self, data: Any, reads_feeder: bool) -> None:
+        """Refuses a fit whose `validation_data` reads this feeder: validation would take the
+        epoch after each one trained, so training would see every other epoch."""
+        if data is not None and reads_feeder:
+            raise ValueError(
+                "`validation_data` reads the feeder this fit trains on: each validation would "
+                "take the feeder's next epoch, and training would see every other one. Give "
+                "validation data of its own: a second fp.Feeder over the validation samples, "
+                "or arrays, validation_data=(x_val, y_val)."
+            )
+
+    def check_epochs(
+        self, steps: int | None, epochs: int, *, total: int, itself: bool = False
+    ) -> None:
+        """Refuses a tracked fit's `epochs` epochs (of `total`) of `steps` batches that are
+        not the feeder's next, from what the fit has trained (a `prefetch` may have taken the
+        next epoch's first batches already). A fit that reads the feeder `itself` (Keras's
+        adapter) runs Keras epochs of a whole epoch's batches: its first pass, begun mid-epoch,
+        ends with that epoch, which Keras takes as an epoch that ran out early."""
+        plan = self.consumer.assembly.plan
+        if itself and plan is not None and steps == len(plan):
+            return
+        if plan is None:
+            self._check_unknown_epochs(steps, epochs, total=total, itself=itself)
+            return
+        self.check_passes_from(self.tracked(), steps, epochs, total=total)
+
+    def _check_unknown_epochs(
+        self, steps: int | None, epochs: int, *, total: int, itself: bool
+    ) -> None:
+        """Refuses a fit of several epochs begun mid-epoch on a source of unknown length:
+        Keras takes its first epoch's steps, here the rest of the feeder's, for every epoch,
+        and would run short ones (its warning that the input ran out is the feeder's to quiet
+        at an epoch's end, so nothing would say so)."""
+        position = self.tracked()
+        if steps is not None or epochs <= 1 or position.step == 0:
+            return
+        epoch, step = position
+        entry = "feeder" if itself else "feeder.as_dataset()"
+        if position == self.interrupted_at:
+            what = (
+                f"The last fit on this feeder was interrupted (Ctrl-C or an error) at step "
+                f"{step} of epoch {epoch}"
+            )
+        else:
+            what = f"The feeder is at step {step} of epoch {epoch} (restored there)"
+        raise ValueError(
+            f"{what}, and its source does not say how many samples it has, so Keras would take "
+            f"the rest of that epoch's length for each of the {epochs} epochs of this fit and "
+            f"run short ones. Finish that epoch in a fit of its own, model.fit({entry}, "
+            f"epochs=1, callbacks=[feeder.fit_callback(), ...]), then go on with "
+            f"model.fit({entry}, epochs={total - 1}, ...)."
+        )
+
+    def check_passes_from(
+        self, position: Position, steps: int | None, epochs: int | None, total: int | None = None
+    ) -> None:
+        """Refuses passes of `steps` batches (`epochs` of them) from `position` that are not
+        the feeder's epochs.
+
+        Keras runs every epoch of a fit for the same number of steps, the dataset's length,
+        fixed when `as_dataset()` is called: the rest of an epoch needs a fit of its own on
+        a dataset, where `model.fit(feeder)` goes on by itself.
+        """
+        assembly = self.consumer.assembly
+        if assembly.plan is None:
+            return
+        state = assembly.stream().state(position)
+        epoch, step = state["epoch"], state["step"]
+        left = len(assembly.plan) - step
+        if steps == left and (step == 0 or epochs is None or epochs <= 1):
+            return
+        entry = "feeder.as_dataset()" if assembly.layer.name == "tensorflow" else "feeder"
+        runs = "" if epochs is None else f" (model.fit runs {epochs} such epochs)"
+        if step > 0 and position == self.interrupted_at:
+            more = "" if total is None else f"epochs={total}, "
+            raise ValueError(
+                f"This dataset cannot go on after an interrupted fit: the last fit on this "
+                f"feeder stopped (Ctrl-C or an error) at step {step} of epoch {epoch}, which "
+                f"has {left} batches left; each pass over this "
+                f"dataset has {steps} batches{runs}, and Keras runs every epoch of a fit for "
+                f"the same number of steps. Pass the feeder itself, which goes on: "
+                f"model.fit(feeder, {more}"
+                "callbacks=[feeder.fit_callback(), ...]) trains the rest of epoch "
+                f"{epoch}, then whole epochs."
+            )
+        if step == 0:
+            fix = (
+                f"this dataset was made mid-epoch and serves only the rest of that epoch; for "
+                f"the next epochs make a new one, model.fit({entry}, "
+                f"initial_epoch={epoch}, epochs=...)"
+            )
+        else:
+            fix = (
+                f"after a restore mid-epoch, finish that epoch in a fit of its own on a dataset "
+                f"made after the restore, model.fit({entry}, initial_epoch={epoch}, "
+                f"epochs={epoch + 1}), then go on with model.fit({entry}, "
+                f"initial_epoch={epoch + 1}, epochs=...)"
+            )
+        raise ValueError(
+            f"Each pass over this dataset has {steps} batches{runs}, but the feeder is at step "
+            f"{step} of epoch {epoch}, which has {left} batches left, and later epochs have "
+            f"{len(assembly.plan)}: Keras runs every epoch of a fit for the same number of "
+            f"steps. Leave steps_per_epoch unset; {fix}."
+        )

@@ -1,0 +1,71 @@
+"""Options: how a feeder batches, orders and stages samples, as one frozen, validated value."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from feedpipe.core.checks import check_int
+from feedpipe.core.remainder import check_remainder
+
+WORKER_MODES = ("process", "thread")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FeedOptions:
+    """How a `Feeder` batches, orders and stages samples; validated on creation.
+
+    `global_batch_size`, the one required field, may come first by position, as it does in
+    `fp.Feeder(source, 256)`: `FeedOptions(128, shuffle=True)`. Every other field is keyword-only,
+    so a call names what it sets and a field added later cannot change what an old call means.
+    """
+
+    global_batch_size: int
+    """Samples per step across all replicas; must divide evenly among them."""
+    _: dataclasses.KW_ONLY
+    remainder: str = "pad"
+    """The last partial batch: "pad" (repeat real samples, masked), "drop", or "error".
+    Default "pad": every sample is seen and every replica runs the same steps."""
+    shuffle: bool = False
+    """Shuffle each epoch's order from (seed, epoch). Default off: the order users expect."""
+    seed: int = 0
+    """Seeds the order and each sample's `transform` rng, so runs are reproducible."""
+    workers: int = 0
+    """0 produces in one background thread; N > 0 in N workers. Default 0: arrays without a
+    `transform` are gathered fastest in one thread; Python per-sample code wants workers."""
+    depth: int = 2
+    """Batches staged per device ahead of the step. Default 2 hides one transfer behind one
+    step while the next is being made."""
+    worker_mode: str = "process"
+    """"process" (each worker its own interpreter and GIL) or "thread" (shares this process's
+    GIL; for code that releases it). Default "process": per-sample Python holds the GIL, and
+    only processes scale it (see kernels_bench/workers.py)."""
+    timeout_s: float | None = None
+    """Longest a worker may spend on one sample before `TimeoutError`; None waits forever
+    (`close()` still ends a hung worker)."""
+
+    def __post_init__(self):
+        check_int("global_batch_size", self.global_batch_size, "pass the samples per step")
+        check_remainder(self.remainder)
+        if not isinstance(self.shuffle, bool):
+            raise TypeError(f"`shuffle`={self.shuffle!r} must be True or False.")
+        check_int("seed", self.seed, "pass seed=0 or any larger integer", minimum=0)
+        check_int(
+            "workers",
+            self.workers,
+            "use 0 for one background thread, or the number of worker processes (for example "
+            "os.cpu_count())",
+            minimum=0,
+        )
+        check_int("depth", self.depth, "use depth=2 to hide one step's transfer")
+        if self.worker_mode not in WORKER_MODES:
+            raise ValueError(f'`worker_mode`={self.worker_mode!r} must be "process" or "thread".')
+        if self.timeout_s is not None:
+            if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float):
+                raise TypeError(f"`timeout_s`={self.timeout_s!r} must be a number of seconds.")
+            if not self.timeout_s > 0:
+                raise ValueError(f"`timeout_s`={self.timeout_s!r} must be > 0 seconds or None.")
+            if self.workers == 0:
+                raise ValueError(
+                    f"`timeout_s`={self.timeout_s!r} watches workers, but `workers`=0; use "
+                    "workers >= 1 or timeout_s=None."
+                )
