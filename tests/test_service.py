@@ -426,7 +426,7 @@ def test_a_service_worker_killed_mid_epoch_loses_no_row(tmp_path, devices, monke
     with service_cluster(workers=2, logs=tmp_path) as cluster:
         with slow_feeder(cluster.address, 128, devices) as remote:
             got = [row for batch in remote for row in stream_of(batch)]
-            jobs = remote._producer.jobs
+            jobs = remote._assembly.producer.jobs
         (port,) = ports
         # The abandoned job ends once a worker serves at the lost one's address again.
         cluster.add_worker(port=port)
@@ -730,7 +730,7 @@ def test_a_file_the_transform_cannot_find_reaches_the_loop_and_is_not_asked_agai
         with pytest.raises(tf.errors.NotFoundError, match=r"11\.txt") as missing:
             for _ in remote:
                 pass
-        jobs = remote._producer.jobs
+        jobs = remote._assembly.producer.jobs
     assert jobs == 1
     assert any("sample index 11 of epoch 0" in note for note in missing.value.__notes__)
     wait_for_the_readers_to_end(within_s=10.0)
