@@ -6,6 +6,9 @@ al. 2017): start at the base rate and rise linearly to base * global_batch / 256
 warm-up steps. The same seed gives the same parameters on 1 device or 4, to float tolerance.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python examples/jax_custom_loop.py
+
+XLA:CPU with 4 forced host devices on 2 cores can hang in an all-reduce when steps are queued
+deep (feedpipe or not), so the loop waits for each step's result before the next.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ def train(x: np.ndarray, y: np.ndarray, devices, global_batch=64, epochs=3, seed
             for batch in feeder:
                 (bx, by), mask = batch.distributed()
                 params, state, loss = step(params, state, bx, by, mask, batch.num_valid)
+                loss.block_until_ready()  # forced host devices can hang with steps queued deep
             print(f"epoch {epoch}: loss {float(loss):.4f}; {feeder.stats()}")
     return params
 

@@ -1,6 +1,6 @@
 """feedpipe keeps every accelerator fed.
 
-The pipeline, left to right, one module per box (the README's layout table lists them all):
+The pipeline, left to right, one module per box (docs/layout.md lists them all):
 
     source ──► sampler ──► producers ──► writer ──► split/slots ──► stage ──► consumer
     what the   which       who makes     per-sample  which rows go   onto      its position:

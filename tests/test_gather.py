@@ -227,7 +227,7 @@ def test_dropping_a_feeder_and_its_gathered_dataset_frees_both():
 def test_a_fit_on_arrays_reports_the_steps_and_samples_it_took_and_no_verdict_on_waits(
     request, entry
 ):
-    """The README's Quick start: arrays, TensorFlow's gathered path, model.fit."""
+    """The README's Quick start on TensorFlow: arrays, TensorFlow's gathered path, model.fit."""
     length, batch, epochs = 100, 32, 3  # 4 steps an epoch, the last of 4 real samples
     x = np.random.default_rng(0).normal(size=(length, 8)).astype("float32")
     y = (np.arange(length) % 3).astype("int32")

@@ -253,7 +253,8 @@ def test_a_host_lost_mid_epoch_makes_the_others_raise_within_the_bound(tmp_path,
 def test_as_dataset_feeds_a_custom_loop_with_each_hosts_rows(tmp_path, devices):
     """`as_dataset()` under the strategy: every step gathered is the one-host batch with its
     padding weighed 0, epoch after epoch, without TensorFlow's per-step "has data" all-reduce;
-    Keras 3's `fit` fails on it inside Keras (keras-team/keras#20585), as the README says."""
+    Keras 3's `fit` fails on it inside Keras (keras-team/keras#20585), as docs/multi-host.md
+    says."""
     length, global_batch, epochs = 10, 4, 2
     codes, results = run_cluster(
         "dataset", 2, tmp_path, {"length": length, "global_batch": global_batch, "epochs": epochs}

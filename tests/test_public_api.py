@@ -262,19 +262,18 @@ def test_help_on_the_feeder_documents_every_parameter_and_the_keras_entry_point(
     assert {"as_dataset", "fit_callback", "get_state", "set_state", "stats", "describe"} <= methods
 
 
-def test_the_readme_layout_names_every_module():
-    from pathlib import Path
-
+def test_the_layout_page_names_every_module_and_the_readme_links_it():
     package = Path(fp.__file__).parent
-    readme = (package.parent / "README.md").read_text()
-    layout = readme[readme.index("## Layout") :]
+    root = package.parent
+    layout = (root / "docs" / "layout.md").read_text()
     modules = sorted(
         p.relative_to(package).as_posix()
         for p in package.rglob("*.py")
         if p.stem not in ("__init__", "__main__")
     )
     missing = [name for name in modules if f"`{name}`" not in layout]
-    assert missing == [], f"README's layout does not name {missing}"
+    assert missing == [], f"docs/layout.md does not name {missing}"
+    assert "(docs/layout.md)" in (root / "README.md").read_text()
 
 
 def test_the_version_is_written_once_and_the_installed_package_says_it(capsys):

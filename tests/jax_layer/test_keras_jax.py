@@ -323,7 +323,7 @@ def test_a_generator_state_saved_after_an_epochs_last_step_resumes_with_the_next
     for resume in ("fit", "loop"):
         with fp.Feeder(fp.from_generator(counting), BATCH, devices=devices[:1]) as feeder:
             feeder.set_state(saved)
-            if resume == "fit":  # the README's "finish that epoch in a fit of its own"
+            if resume == "fit":  # docs/fit.md's "finish that epoch in a fit of its own"
                 again = StepsSeen(keras, feeder)
                 callbacks = [feeder.fit_callback(), again]
                 model(keras).fit(feeder, epochs=1, callbacks=callbacks, verbose=0)
