@@ -17,31 +17,11 @@ import pytest
 
 import feedpipe as fp
 from tests.processes import REPO_ROOT
-from tests.worker_fakes import index_pairs
+from tests.worker_fakes import BadSample, FailsOn, index_pairs
 
 LENGTH = 30
 BATCH = 8  # 2 rows per device on 4 devices; 4 steps, the last holding 6 real samples
 BAD = (3, 12, 29)
-
-
-class BadSample(Exception):
-    pass
-
-
-class FailsOn:
-    """A transform that raises on the samples `bad` (labels are indices), counting its calls
-    where it runs in this process."""
-
-    def __init__(self, bad):
-        self.bad = frozenset(bad)
-        self.calls: dict[int, int] = {}
-
-    def __call__(self, sample):
-        index = int(sample[1])
-        self.calls[index] = self.calls.get(index, 0) + 1
-        if index in self.bad:
-            raise BadSample(f"sample {index} is corrupt")
-        return sample
 
 
 def rows(batch) -> list[tuple[int, bool]]:
