@@ -27,6 +27,7 @@ from feedpipe.core.pipeline import Pipeline
 from feedpipe.core.producers import ThreadProducer, WorkerProducer
 from feedpipe.core.remainder import Remainder
 from feedpipe.core.sampler import Sampler
+from feedpipe.core.skips import SkipLedger
 from feedpipe.core.slots import SlotLayout, SlotPool, check_host_memory
 from feedpipe.core.source import ArraySource, SampleSpec, TFDatasetSource, as_source, field_name
 from feedpipe.core.stage import HostStager, Layer
@@ -111,6 +112,8 @@ class Assembly:
         """What chooses the samples of indexed sources; streams keep their own order."""
         self.shared = o.workers > 0 and o.worker_mode == "process"
         """Whether the slots are shared memory that worker processes write into."""
+        self.skips = SkipLedger(o.error_policy, length) if o.error_policy.skips else None
+        """The samples `errors="skip"` has left out (None with `errors="raise"`)."""
         return own_producer
 
     def _refuse_mismatches(self, own_producer: Any, transform: Any, transpose: Any) -> None:
@@ -131,11 +134,38 @@ class Assembly:
                 "transform=None and transpose=None, and do that work in the DALI pipeline "
                 "(its num_threads sets the parallelism)."
             )
+        if o.error_policy.skips:
+            self._refuse_skips(own_producer)
         if o.shuffle and not source.indexed:
             raise ValueError(
                 f"`shuffle`=True, but a {type(source).__name__} has no indices to shuffle; "
                 "shuffle inside the generator, the tf.data.Dataset or the DALI reader "
                 "(random_shuffle=True), and pass shuffle=False."
+            )
+
+    def _refuse_skips(self, own_producer: Any) -> None:
+        """Refuses `errors="skip"` where a skipped sample could not stay a padding row of its
+        batch without moving the others, naming why and what to do."""
+        source, hosts = self.source, self.share.num_hosts
+        why = None
+        if own_producer is not None:
+            why = "a DaliSource makes its batches in DALI's own threads"
+        elif not source.indexed:
+            why = (
+                f"a {type(source).__name__} is read in its own order, so a resumed stream "
+                "cannot skip the same samples without reading them, and a generator that raised "
+                "has ended"
+            )
+        elif hosts > 1:
+            why = (
+                f"each of the {hosts} hosts makes only its rows of a batch, and num_valid must "
+                "be the same on every host"
+            )
+        if why is not None:
+            raise ValueError(
+                f'`errors`="skip" needs an indexed source on one host, but {why}; pass '
+                'errors="raise", or an indexed source (arrays, a sequence with __len__ and '
+                "__getitem__, a PyDataset) and drop the bad samples inside it."
             )
 
     def _build(self, own_producer: Any, transform: Any, transpose: Any, service: Any) -> None:
@@ -166,14 +196,24 @@ class Assembly:
         elif work is not None:
             from feedpipe.service.client import ServiceProducer
 
+            if o.error_policy.skips:
+                raise ValueError(
+                    f'`errors`="skip" with `service`={service!r}: the transform runs on tf.data '
+                    'service workers, which cannot skip a sample in place; pass errors="raise", '
+                    "or workers=N without service."
+                )
             self.producer = ServiceProducer(work, address, self.sampler)
         elif o.workers:
             layouts = {c: SlotLayout(self.spec, self.split, contiguous=c) for c in (False, True)}
             self.workers.configure(sample_spec, axes, layouts)
-            self.producer = WorkerProducer(self.workers, self.source, rows, self.sampler, self.rule)
+            self.producer = WorkerProducer(
+                self.workers, self.source, rows, self.sampler, self.rule, self.skips
+            )
         else:
-            writer = SampleWriter(self.source, sample_spec, transform, o.seed, axes)
-            self.producer = ThreadProducer(writer, rows, self.sampler, self.rule)
+            writer = SampleWriter(
+                self.source, sample_spec, transform, o.seed, axes, skips=self.skips is not None
+            )
+            self.producer = ThreadProducer(writer, rows, self.sampler, self.rule, self.skips)
         check_host_memory(
             SlotLayout(self.spec, self.split),
             self.slot_capacity() if self.producer.slots_in_flight else 0,
@@ -212,6 +252,7 @@ class Assembly:
             "transform": transform,
             "seed": o.seed,
             "num_shards": self.num_shards(),
+            "skips": o.error_policy.skips,
         }
         kind = pool.ProcessWorkers if self.shared else pool.ThreadWorkers
         return kind(o.workers, setup, o.timeout_s)

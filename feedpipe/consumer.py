@@ -333,9 +333,12 @@ class Consumer:
     def get_state(self) -> dict:
         """The consumer's position as a state, with the source's own where it keeps one."""
         state = self.assembly.stream().state(self.consumed())
-        source_state = self.assembly.producer.state_at(Position(state["epoch"], state["step"]))
+        position = Position(state["epoch"], state["step"])
+        source_state = self.assembly.producer.state_at(position)
         if source_state is not None:  # a DALI source: its pipelines' own checkpoints
             state["source"] = source_state
+        if self.assembly.skips is not None:  # the epoch's skips count against its budget
+            state["skipped"] = self.assembly.skips.state(position)
         return state
 
     def set_state(self, state: dict) -> None:
@@ -354,6 +357,8 @@ class Consumer:
         self.position = position
         self.fits.interrupted_at = None
         assembly.producer.restore(self.position, state.get("source"))
+        if assembly.skips is not None:
+            assembly.skips.restore(state.get("skipped", []))
         self.settle()
 
     @contextlib.contextmanager
@@ -376,6 +381,9 @@ class Consumer:
     def snapshot(self) -> FeedStats:
         """The stats so far, with what the consumer of a gathered pass being read has taken."""
         snapshot = self.stats.snapshot(**self.assembly.slot_stats())
+        if self.assembly.skips is not None:
+            taken = tuple(self.assembly.skips.before(self.position))
+            snapshot = dataclasses.replace(snapshot, skipped=taken)
         this = self.active
         if this is None or this.taken is None or this.counted:
             return snapshot

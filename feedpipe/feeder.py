@@ -52,6 +52,10 @@ class Feeder:
             `transform(sample, rng)` (or `(sample, seed)` for tf.data service).
         worker_mode: "process" (each worker its own interpreter and GIL) or "thread".
         timeout_s: Longest a worker may spend on one sample before `TimeoutError`.
+        errors: A sample that raises: "raise" (default) or "skip" (a masked padding row, named
+            in `stats().skipped` and the state; docs/errors.md).
+        max_skipped: With errors="skip", the samples an epoch may skip: a count, or a fraction
+            of the epoch (default 0.01).
         transpose: Axis orders applied as samples are written, one order or a dict from field
             to order: `{"image": (2, 0, 1)}` makes HWC images CHW.
         service: A tf.data service dispatcher, "grpc://host:port", to run a TensorFlow-ops
@@ -85,6 +89,8 @@ class Feeder:
         *,
         worker_mode: str = "process",
         timeout_s: float | None = None,
+        errors: str = "raise",
+        max_skipped: int | float | None = None,
         transpose: Any = None,
         service: str | None = None,
         framework: str | None = None,
@@ -99,6 +105,8 @@ class Feeder:
             depth=depth,
             worker_mode=worker_mode,
             timeout_s=timeout_s,
+            errors=errors,
+            max_skipped=max_skipped,
         )
         if transform is not None and not callable(transform):
             raise TypeError(
@@ -248,6 +256,7 @@ class Feeder:
             f"seed={o.seed}, workers={o.workers}, depth={o.depth}"
             + (f", worker_mode={o.worker_mode!r}" if o.workers else "")
             + (f", timeout_s={o.timeout_s}" if o.timeout_s is not None else "")
+            + (f", errors={o.errors!r}" if o.errors != "raise" else "")
             + (
                 f", host={self.share.host} of {self.share.num_hosts}"
                 if self.share.num_hosts > 1

@@ -6,6 +6,7 @@ import dataclasses
 
 from feedpipe.core.checks import check_int
 from feedpipe.core.remainder import check_remainder
+from feedpipe.core.skips import ErrorPolicy, check_error_policy
 
 WORKER_MODES = ("process", "thread")
 
@@ -43,6 +44,22 @@ class FeedOptions:
     """Longest a worker may spend on one sample before `TimeoutError`; None waits forever
     (`close()` still ends a hung worker)."""
 
+    errors: str = "raise"
+    """A sample whose reading or `transform` raises: "raise" (the error reaches the loop, the
+    feeder closes) or "skip" (its row becomes a padding row of its batch: masked, weight 0,
+    named in `stats()` and the state; see docs/errors.md). Default "raise": nothing is left
+    out of training unless asked for."""
+    max_skipped: int | float | None = None
+    """With errors="skip", the samples an epoch may skip before the error is raised: a count
+    (int >= 0) or a fraction of the epoch's samples (float in (0, 1], at least 1 sample).
+    Default None: 0.01 of the epoch, room for a few corrupt files while a transform broken
+    for every sample stops in its first batches."""
+
+    @property
+    def error_policy(self) -> ErrorPolicy:
+        """`errors` and `max_skipped`, as the pipeline applies them."""
+        return ErrorPolicy(self.errors, self.max_skipped)
+
     def __post_init__(self):
         check_int("global_batch_size", self.global_batch_size, "pass the samples per step")
         check_remainder(self.remainder)
@@ -57,6 +74,7 @@ class FeedOptions:
             minimum=0,
         )
         check_int("depth", self.depth, "use depth=2 to hide one step's transfer")
+        check_error_policy(self.errors, self.max_skipped)
         if self.worker_mode not in WORKER_MODES:
             raise ValueError(f'`worker_mode`={self.worker_mode!r} must be "process" or "thread".')
         if self.timeout_s is not None:

@@ -344,3 +344,23 @@ def import_a_package_named_tensorflow(sample, fake_root: str):
     import tensorflow  # noqa: F401
 
     return sample
+
+
+class BadSample(Exception):
+    pass
+
+
+class FailsOn:
+    """A transform that raises on the samples `bad` (labels are indices), counting its calls
+    where it runs in this process."""
+
+    def __init__(self, bad):
+        self.bad = frozenset(bad)
+        self.calls: dict[int, int] = {}
+
+    def __call__(self, sample):
+        index = int(sample[1])
+        self.calls[index] = self.calls.get(index, 0) + 1
+        if index in self.bad:
+            raise BadSample(f"sample {index} is corrupt")
+        return sample

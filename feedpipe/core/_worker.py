@@ -47,16 +47,21 @@ class TaskRunner:
 
     Until `configure` gives it the spec, it can only look at its first sample (`("spec", id)`:
     the spec and a digest, see `first_look`). Then:
-    `("rows", id, slot, epoch, first_row, indices)` fills those rows of a slot;
+    `("rows", id, slot, epoch, first_row, indices, known)` fills those rows of a slot, leaving
+    out the samples in `known` and, under `errors="skip"`, those that raise (it returns the rows
+    written and the skips, each error pickled with its traceback);
     `("stream", id, slot, epoch, generation)` fills a slot with the next rows of this worker's
     shard, restarting the shard for a new (generation, epoch); `("epoch_end", id, epoch)` tells
     the source an epoch ended. `run` returns the rows written (the spec, for "spec").
     """
 
-    def __init__(self, source, transform, seed: int, status: np.ndarray | None):
+    def __init__(
+        self, source, transform, seed: int, status: np.ndarray | None, skips: bool = False
+    ):
         self.source = source
         self.transform = transform
         self.seed = seed
+        self.skips = skips
         self.status = status
         self.writer: SampleWriter | None = None
         self.layouts: dict[bool, SlotLayout] = {}
@@ -64,7 +69,9 @@ class TaskRunner:
         self._stream: tuple[tuple[int, int], RowStream] | None = None
 
     def configure(self, spec, axes, layouts: dict[bool, SlotLayout]) -> None:
-        self.writer = SampleWriter(self.source, spec, self.transform, self.seed, axes)
+        self.writer = SampleWriter(
+            self.source, spec, self.transform, self.seed, axes, skips=self.skips
+        )
         self.writer.status = self.status
         self.layouts = layouts
 
@@ -79,9 +86,9 @@ class TaskRunner:
         if kind == "spec":
             return first_look(self.source, self.transform, self.seed, self.status)
         if kind == "rows":
-            _, _, ident, epoch, first_row, indices = task
-            self.writer.fill_rows(self.slots[ident], epoch, first_row, indices)
-            return len(indices)
+            _, _, ident, epoch, first_row, indices, known = task
+            skipped = self.writer.fill_rows(self.slots[ident], epoch, first_row, indices, known)
+            return len(indices), [pack_skip(*skip) for skip in skipped]
         if kind == "stream":
             _, _, ident, epoch, generation = task
             slot = self.slots[ident]
@@ -113,6 +120,20 @@ def pack_error(error: BaseException) -> bytes:
             stand_in.add_note(note)
         packed = pickle.dumps(stand_in)
     return packed
+
+
+def code_at(filename: str, make, args: tuple):
+    """The code object `make(*args)` with `co_filename` set to `filename`: how code sent by
+    value arrives (see `feedpipe.core.workers.dumps`), so a traceback here names the user's
+    file and line, and `linecache` shows the line's text."""
+    return make(*args).replace(co_filename=filename)
+
+
+def pack_skip(row: int, index: int, error: BaseException | None) -> tuple:
+    """A skipped row as a reply carries it: its error pickled, with its traceback as text."""
+    if error is None:
+        return row, index, None, ""
+    return row, index, pack_error(error), "".join(traceback.format_exception(error))
 
 
 def _library_paths() -> tuple[str, ...]:
@@ -245,7 +266,7 @@ def _load(conn: Connection, index: int) -> TaskRunner:
     if setup["num_shards"] > 1:
         source = source.sharded(index, setup["num_shards"])
     row = status.view(np.float64)[3 * index : 3 * index + 3]
-    return TaskRunner(source, setup["transform"], setup["seed"], row)
+    return TaskRunner(source, setup["transform"], setup["seed"], row, setup["skips"])
 
 
 def main(argv: list[str]) -> int:

@@ -20,9 +20,11 @@ import numpy as np
 from feedpipe.core._sync import WAIT_SLICE_S
 from feedpipe.core.remainder import Remainder
 from feedpipe.core.sampler import EpochEnd, Sampler, Step
+from feedpipe.core.skips import SkipLedger, SkippedSample, describe, named
 from feedpipe.core.slots import HostSlot
 from feedpipe.core.state import Position
-from feedpipe.core.writer import RowStream, SampleWriter
+from feedpipe.core.workers import unpack_skips
+from feedpipe.core.writer import RowStream, SampleWriter, Skip, cover
 
 
 class SlotSupply(Protocol):
@@ -89,6 +91,26 @@ def _last_batch(
     yield EpochEnd(epoch)
 
 
+def book_skips(step: Step, skipped: list[Skip], ledger: SkipLedger) -> Step:
+    """`step` with its `skipped` rows left out, each new one booked in `ledger` (which raises
+    past the budget); raises the last error where no real row of the batch is left."""
+    errors = [skip for skip in skipped if skip.error is not None]
+    for skip in errors:
+        kind, message = describe(skip.error)
+        ledger.record(SkippedSample(step.epoch, skip.index, step.index, kind, message), skip.error)
+    step = step.skipping([skip.row for skip in skipped])
+    if step.num_valid <= 0:
+        error = errors[-1].error if errors else RuntimeError("every sample was skipped before")
+        error.add_note(
+            f'feedpipe: errors="skip" skipped every sample of step {step.index} of epoch '
+            f"{step.epoch} (indices {named(ledger.known(step.epoch) & set(step.rows.tolist()))}"
+            "); a batch needs one real sample to be trained on. Fix the samples or the "
+            "transform."
+        )
+        raise error
+    return step
+
+
 class ThreadProducer(Producer):
     """Produces in the calling thread: the feeder's background thread when `workers=0`."""
 
@@ -98,11 +120,14 @@ class ThreadProducer(Producer):
         global_batch_size: int,
         sampler: Sampler | None,
         rule: Remainder,
+        ledger: SkipLedger | None = None,
     ):
         self.writer = writer
         self.global_batch_size = global_batch_size
         self.sampler = sampler
         self.rule = rule
+        self.ledger = ledger
+        """Where `errors="skip"` books the samples it skips (None: `errors="raise"`)."""
 
     def slots(
         self, start: Position, supply: SlotSupply
@@ -115,9 +140,12 @@ class ThreadProducer(Producer):
                 yield from self._stream_epoch(epoch, first, supply)
 
     def _indexed_epoch(self, epoch: int, first: int, supply: SlotSupply) -> Iterator:
+        known = () if self.ledger is None else self.ledger.known(epoch)
         for step in self.sampler.steps(epoch, first):
             slot = supply.acquire()
-            self.writer.fill(slot, step)
+            skipped = self.writer.fill(slot, step, known)
+            if skipped:
+                step = book_skips(step, skipped, self.ledger)
             yield step, slot
         self.writer.source.on_epoch_end()
         yield EpochEnd(epoch, self.sampler.dropped_per_epoch)
@@ -142,7 +170,17 @@ MAX_TASKS_PER_WORKER = 2
 class _Filling:
     """A slot that workers are filling: the step it will hold and the tasks still out."""
 
-    __slots__ = ("abandoned", "errors", "give_back", "rows", "slot", "step", "tasks", "worker")
+    __slots__ = (
+        "abandoned",
+        "errors",
+        "give_back",
+        "rows",
+        "skipped",
+        "slot",
+        "step",
+        "tasks",
+        "worker",
+    )
 
     def __init__(self, step: Step, slot: HostSlot, give_back, tasks: int, worker: int = -1):
         self.step = step
@@ -152,6 +190,7 @@ class _Filling:
         self.worker = worker
         self.rows = 0
         self.errors: list[tuple[int, BaseException]] = []
+        self.skipped: list[Skip] = []
         self.abandoned = False
 
     def check(self) -> None:
@@ -178,8 +217,13 @@ class WorkerProducer(Producer):
         global_batch_size: int,
         sampler: Sampler | None,
         rule: Remainder,
+        ledger: SkipLedger | None = None,
     ):
         self.workers = workers
+        self.ledger = ledger
+        """Where `errors="skip"` books the samples it skips (None: `errors="raise"`)."""
+        self._known: tuple[int, frozenset[int]] = (-1, frozenset())
+        """The epoch being planned and its samples already skipped."""
         self.size = global_batch_size
         self.sampler = sampler
         self.rule = rule
@@ -243,6 +287,10 @@ class WorkerProducer(Producer):
             filling.tasks -= 1
             if reply.kind == "error":
                 filling.errors.append((first_row, reply.value))
+            elif filling.step is not None and filling.step.rows is not None:  # a "rows" task
+                rows, skipped = reply.value
+                filling.rows += rows
+                filling.skipped += unpack_skips(skipped, self.workers.names[reply.worker])
             else:
                 filling.rows += reply.value
             if filling.abandoned and not filling.tasks:
@@ -303,8 +351,12 @@ class WorkerProducer(Producer):
                     continue
                 self._deliver(head)
                 filling_now -= 1
-                head.slot.pad(len(head.step.rows))
-                yield head.step, head.slot
+                step = head.step
+                if head.skipped:
+                    step = book_skips(step, head.skipped, self.ledger)
+                    cover(head.slot, [skip.row for skip in head.skipped], len(step.rows))
+                head.slot.pad(len(step.rows))
+                yield step, head.slot
             if not delivered:
                 self._collect(supply)
 
@@ -321,8 +373,18 @@ class WorkerProducer(Producer):
             if queued[worker] >= MAX_TASKS_PER_WORKER:
                 return
             filling, lo, rows = runs.popleft()
-            task = ("rows", filling.slot.ident, filling.step.epoch, lo, rows)
+            epoch = filling.step.epoch
+            task = ("rows", filling.slot.ident, epoch, lo, rows, self._known_in(epoch, rows))
             self._send(worker, filling, lo, task)
+
+    def _known_in(self, epoch: int, rows: np.ndarray) -> tuple[int, ...]:
+        """The samples of `rows` already skipped in `epoch`: the worker does not read them."""
+        if self.ledger is None:
+            return ()
+        if self._known[0] != epoch:
+            self._known = (epoch, self.ledger.known(epoch))
+        known = self._known[1]
+        return tuple(index for index in rows.tolist() if index in known) if known else ()
 
     # ---- generators -----------------------------------------------------------------------
 

@@ -65,14 +65,27 @@ class Step:
     its own shard (DALI); None when the real rows come first in the global batch."""
     first_row: int = 0
     """The row of the global batch where this host's rows begin (0 on one host)."""
+    skipped: tuple[int, ...] = ()
+    """Rows whose sample `errors="skip"` left out: padding rows among the real ones, which
+    `num_valid` does not count (see `feedpipe.core.skips`)."""
 
     def real_rows(self, num_replicas: int, per_replica: int) -> np.ndarray:
         """One bool per row this host makes (all of the global batch on one host): True for a
-        real sample, False for padding."""
+        real sample, False for padding and skipped rows."""
         if self.replica_valid is None:
-            return self.first_row + np.arange(num_replicas * per_replica) < self.num_valid
-        offsets = np.arange(per_replica)
-        return np.concatenate([offsets < valid for valid in self.replica_valid])
+            read = self.num_valid + len(self.skipped)
+            real = self.first_row + np.arange(num_replicas * per_replica) < read
+        else:
+            offsets = np.arange(per_replica)
+            real = np.concatenate([offsets < valid for valid in self.replica_valid])
+        real[list(self.skipped)] = False
+        return real
+
+    def skipping(self, rows: list[int]) -> Step:
+        """This step with `rows` (of this host's) skipped as well."""
+        skipped = tuple(sorted({*self.skipped, *rows}))
+        added = len(skipped) - len(self.skipped)
+        return dataclasses.replace(self, num_valid=self.num_valid - added, skipped=skipped)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -221,7 +221,7 @@ def host_array(tensor: Any) -> np.ndarray:
 
 class HostBatch:
     """A global batch on the host: one array per field, padding rows last unless `real` says
-    which rows are real (sources that fill each replica from its own shard)."""
+    which rows are real (sources that fill each replica from its own shard, skipped samples)."""
 
     __slots__ = ("arrays", "epoch", "num_valid", "real", "step")
 
@@ -259,7 +259,7 @@ class HostStager:
         else:
             arrays = self.layout.global_views(leased)
         real = None
-        if step.replica_valid is not None or step.first_row:
+        if step.replica_valid is not None or step.first_row or step.skipped:
             real = self._real(step)
         return HostBatch(arrays, step.num_valid, step.epoch, step.index, real)
 
@@ -283,7 +283,7 @@ class MaskCache:
         self._made: dict[Any, Any] = {}
 
     def __call__(self, step: Step) -> Any:
-        key = step.replica_valid or step.num_valid
+        key = (step.replica_valid, step.num_valid, step.skipped)
         if key not in self._made:
             real = step.real_rows(self.num_replicas, self.per_replica)
             self._made[key] = self._make(real.reshape(-1, self.per_replica))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from feedpipe.core.skips import SkippedSample, named
+
 MODERATE_FRACTION = 0.05
 """The TensorFlow profiler's threshold for a moderately input-bound step."""
 HIGH_FRACTION = 0.20
@@ -115,6 +117,15 @@ class FeedStats:
     """Time the staging thread waited for the device to finish a step before reusing a device
     block: the consumer had queued more steps than the device had run. Above 0: the step sets
     the pace, not the input."""
+    skipped: tuple[SkippedSample, ...] = ()
+    """The samples `errors="skip"` left out of the batches taken, in order, each with its
+    epoch, index, step and the type and message of its error (since the feeder was built, or
+    since the epoch of the state it was restored to began). Empty with `errors="raise"`."""
+
+    @property
+    def skipped_samples(self) -> int:
+        """How many samples `errors="skip"` left out of the batches taken."""
+        return len(self.skipped)
 
     @property
     def copy_gb_per_s(self) -> float:
@@ -193,8 +204,13 @@ class FeedStats:
             f"{self.timed_steps} steps{untimed}; {self.samples_per_s:,.0f} samples/s "
             f"delivered, producer alone {self.producer_samples_per_s:,.0f}/s{service}, step alone "
             f"{self.consumer_samples_per_s:,.0f}/s; mean occupancy "
-            f"{self.mean_occupancy:.2f} of {self.depth}{self._copies()}"
+            f"{self.mean_occupancy:.2f} of {self.depth}{self._copies()}{self._skips()}"
         )
+
+    def _skips(self) -> str:
+        if not self.skipped:
+            return ""
+        return f"; skipped {self.skipped_samples} failing samples ({named(self.skipped)})"
 
     def _copies(self) -> str:
         if not self.copies:

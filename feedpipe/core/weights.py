@@ -16,11 +16,13 @@ import optree
 from feedpipe.core.source import SampleSpec
 
 
-def weighting(spec: SampleSpec, remainder: str) -> str | None:
+def weighting(spec: SampleSpec, remainder: str, errors: str = "raise") -> str | None:
     """How padding is weighted: "add" a sample weight to `(x, y)`, "scale" the `w` of
-    `(x, y, w)`, or None (nothing to weigh, or no padding)."""
+    `(x, y, w)`, or None (nothing to weigh, or no padding: `remainder` pads the last batch,
+    and `errors="skip"` turns a failing sample's row into padding in any batch)."""
     treespec = spec.treespec
-    if remainder != "pad" or treespec.kind != optree.PyTreeKind.TUPLE:
+    pads = remainder == "pad" or errors == "skip"
+    if not pads or treespec.kind != optree.PyTreeKind.TUPLE:
         return None
     return {2: "add", 3: "scale"}.get(treespec.num_children)
 

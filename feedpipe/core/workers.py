@@ -4,11 +4,12 @@ Worker processes (the default) run the source and `transform` in parallel, each 
 interpreter and GIL, and write samples straight into host slots shared with them, so a batch
 never travels through a pipe. They are fresh interpreters (`python -m feedpipe.core._worker`), not
 forks of a process that runs TensorFlow, and they see no GPU. Their source and `transform` are
-sent pickled with cloudpickle, which carries functions and classes defined in `__main__` by
-value; numpy arrays inside them go out of band into one read-only shared buffer that every
-worker maps, so N workers do not hold N copies of an array dataset. Even sample 0, which tells
-the feeder what a sample looks like, is read by a worker: a source that crashes, hangs or
-opens its files on first use does so there, not in the training process.
+sent pickled with cloudpickle (`dumps`, which keeps their file names for tracebacks), which
+carries functions and classes defined in `__main__` by value; numpy arrays inside them go out
+of band into one read-only shared buffer that every worker maps, so N workers do not hold N
+copies of an array dataset. Even sample 0, which tells the feeder what a sample looks like, is
+read by a worker: a source that crashes, hangs or opens its files on first use does so there,
+not in the training process.
 
 Worker threads (`worker_mode="thread"`) share the process and its GIL: they pay off only for
 code that releases the GIL (numpy, Pillow decode) and cost no start-up or pickling.
@@ -21,8 +22,10 @@ closes), and so is a dead thread.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
+import io
 import os
 import pickle
 import queue
@@ -32,19 +35,21 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import warnings
 import weakref
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import send_handle
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import cloudpickle
 import numpy as np
 
 from feedpipe.core._shm import SharedBuffer, remove_orphans
 from feedpipe.core._sync import STOP_GRACE_S, WAIT_SLICE_S, Watchdog, join_within
-from feedpipe.core._worker import TaskRunner
+from feedpipe.core._worker import TaskRunner, code_at
 from feedpipe.core.slots import ALIGN_BYTES, HostSlot
+from feedpipe.core.writer import Skip
 
 SPEC_TASK = -1
 """The id of the one task sent before any other: read sample 0 and return its spec."""
@@ -64,10 +69,35 @@ class Reply(NamedTuple):
     value: Any
 
 
+def _reduce_code(code: types.CodeType) -> tuple:
+    make, args = cloudpickle.Pickler.dispatch_table[types.CodeType](code)
+    return code_at, (code.co_filename, make, args)
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle's pickler, keeping the file of each code object it sends by value.
+
+    cloudpickle sends functions and classes defined in `__main__` (a script, a notebook) by
+    value, and since version 3 writes each code object's `co_filename` as "<dynamic-code>" so
+    that its payload does not depend on where the code was defined; a worker's traceback would
+    then show `File "<dynamic-code>"` where the user's own line is."""
+
+    dispatch_table: ClassVar = collections.ChainMap(
+        {types.CodeType: _reduce_code}, cloudpickle.Pickler.dispatch_table
+    )
+
+
+def dumps(value: Any, protocol: int | None = None, buffer_callback: Any = None) -> bytes:
+    """`value` pickled as `cloudpickle.dumps` pickles it, each code object keeping its file."""
+    with io.BytesIO() as file:
+        _Pickler(file, protocol=protocol, buffer_callback=buffer_callback).dump(value)
+        return file.getvalue()
+
+
 def check_picklable(name: str, value: Any) -> None:
     """Refuses, up front, a `source` or `transform` that cannot be sent to worker processes."""
     try:
-        cloudpickle.dumps(value)
+        dumps(value)
     except Exception as error:
         raise TypeError(
             f"`{name}` cannot be sent to worker processes: pickling it failed with "
@@ -80,7 +110,7 @@ def check_picklable(name: str, value: Any) -> None:
 def _pack(setup: dict) -> tuple[bytes, SharedBuffer | None, list[tuple[int, int]]]:
     """The setup pickled, with its large arrays moved out of band into one shared buffer."""
     buffers: list[pickle.PickleBuffer] = []
-    payload = cloudpickle.dumps(setup, protocol=5, buffer_callback=buffers.append)
+    payload = dumps(setup, protocol=5, buffer_callback=buffers.append)
     raws = [buffer.raw() for buffer in buffers]
     spans, offset = [], 0
     for raw in raws:
@@ -106,6 +136,14 @@ def _rebuild(packed: bytes, text: str, name: str) -> BaseException:
     error = pickle.loads(packed)
     error.add_note(f"feedpipe: the traceback in {name}:\n{text.rstrip()}")
     return error
+
+
+def unpack_skips(packed: list[tuple], name: str) -> list[Skip]:
+    """The skips of a "rows" reply of worker `name`, their errors rebuilt (see `pack_skip`)."""
+    return [
+        Skip(row, index, None if error is None else _rebuild(error, text, name))
+        for row, index, error, text in packed
+    ]
 
 
 class _Pool:
@@ -410,7 +448,9 @@ class ThreadWorkers(_Pool):
             source = setup["source"]
             if setup["num_shards"] > 1:
                 source = source.sharded(worker, setup["num_shards"])
-            runner = TaskRunner(source, setup["transform"], setup["seed"], self.status[worker])
+            runner = TaskRunner(
+                source, setup["transform"], setup["seed"], self.status[worker], setup["skips"]
+            )
             runner.slots = self._slots
             thread = threading.Thread(
                 target=_serve_thread,

@@ -4,7 +4,9 @@
 (seed, epoch, index) where it asks for one), checks it against the spec and writes its fields
 into the rows of a host slot, transposed where asked. `RowStream` does the same for the rows of
 a stream source (a generator or a tf.data.Dataset), in its own order. An error in user code gets
-a note naming the thread and the sample. Nothing here imports TensorFlow: worker processes run it.
+a note naming the thread and the sample; under `errors="skip"` an indexed source's failing sample
+is left out of its row instead (`Skip`), for the producer to book. Nothing here imports
+TensorFlow: worker processes run it.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import hashlib
 import inspect
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NoReturn
+from collections.abc import Callable, Collection, Iterator, Sequence
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 import optree
@@ -24,6 +26,15 @@ from feedpipe.core.slots import HostSlot
 from feedpipe.core.source import ArraySource, SampleSpec, Source, TFDatasetSource
 
 Transform = Callable[..., Any]
+
+
+class Skip(NamedTuple):
+    """A row left unwritten under `errors="skip"`: its global row, its sample, and the error
+    the sample raised (None for a sample already known to fail, which was not read again)."""
+
+    row: int
+    index: int
+    error: BaseException | None
 
 
 RNG = "rng"
@@ -152,8 +163,11 @@ class SampleWriter:
         transform: Transform | None,
         seed: int,
         axes: Sequence[tuple[int, ...] | None] | None = None,
+        skips: bool = False,
     ):
         self.source = source
+        self.skips = skips
+        """`errors="skip"`: a sample that raises is left out of its row (see `fill_rows`)."""
         self.spec = spec
         self.transform = transform
         self.seed = seed
@@ -196,24 +210,60 @@ class SampleWriter:
             raise_noted(error, "producing sample", index, epoch)
         return self.prepare(sample, index, epoch)
 
-    def fill_rows(self, slot: HostSlot, epoch: int, first_row: int, indices: np.ndarray) -> None:
-        """Writes samples `indices` to global rows `first_row`, `first_row + 1`, ... of `slot`."""
+    def fill_rows(
+        self,
+        slot: HostSlot,
+        epoch: int,
+        first_row: int,
+        indices: np.ndarray,
+        known: Collection[int] = (),
+    ) -> list[Skip]:
+        """Writes samples `indices` to global rows `first_row`, `first_row + 1`, ... of `slot`;
+        under `errors="skip"`, returns the rows left unwritten: samples that raised, and those
+        in `known` (already skipped), which are not read."""
+        skipped: list[Skip] = []
         for outs, done, count in slot.runs(first_row, len(indices)):
             rows = indices[done : done + count]
             if self.vectorised:
                 self.mark(int(rows[0]), epoch)
                 self.source.take(rows, outs)
-            else:
-                for row, index in enumerate(rows.tolist()):
-                    for out, leaf in zip(outs, self.read(index, epoch), strict=True):
-                        out[row] = leaf
+                continue
+            for row, index in enumerate(rows.tolist()):
+                if index in known:
+                    skipped.append(Skip(first_row + done + row, index, None))
+                    continue
+                try:
+                    leaves = self.read(index, epoch)
+                except Exception as error:
+                    if not self.skips:
+                        raise
+                    skipped.append(Skip(first_row + done + row, index, error))
+                    continue
+                for out, leaf in zip(outs, leaves, strict=True):
+                    out[row] = leaf
         self.mark(-1, epoch)
+        return skipped
 
-    def fill(self, slot: HostSlot, step: Step) -> None:
-        """Writes the rows of `step` into `slot`, then pads the rest of the batch (a host's share
-        of a batch reads its padding rows: there is no rest)."""
-        self.fill_rows(slot, step.epoch, 0, step.rows)
+    def fill(self, slot: HostSlot, step: Step, known: Collection[int] = ()) -> list[Skip]:
+        """Writes the rows of `step` into `slot`, covers the rows it skipped and pads the rest
+        of the batch (a host's share of a batch reads its padding rows: there is no rest);
+        returns the rows skipped."""
+        skipped = self.fill_rows(slot, step.epoch, 0, step.rows, known)
+        cover(slot, [skip.row for skip in skipped], len(step.rows))
         slot.pad(len(step.rows))
+        return skipped
+
+
+def cover(slot: HostSlot, skipped: Sequence[int], written: int) -> None:
+    """Fills each of the `skipped` rows among the first `written` with a copy of the first real
+    row, so a skipped row holds a real sample's values (masked, weighted zero), never stale
+    bytes that could turn a masked loss into NaN."""
+    if not skipped:
+        return
+    real = sorted(set(range(written)) - set(skipped))
+    if real:
+        for row in skipped:
+            slot.copy_row(row, slot, real[0])
 
 
 class RowStream:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 import optree
 
 from feedpipe.core.weights import added_weights, scaled_weights, weighting
@@ -74,16 +75,19 @@ def keras_batches(feeder: Any, *, real_only: bool = False) -> Iterator[Any]:
     _check_distribution(feeder)
     if real_only:
         _check_real_rows_divide(feeder, None)
-    how = None if real_only else weighting(feeder.spec, feeder.options.remainder)
+    o = feeder.options
+    how = None if real_only else weighting(feeder.spec, o.remainder, o.errors)
     size = feeder.options.global_batch_size
     made: dict[int, tuple[Any, Any]] = {}
     """Per pattern, keyed by its masks (kept, so that the key stays theirs): rows or weights."""
     feeder._consumer.end_open_pass()
     for batch in feeder._consumer.iterate(fit=True, host=False):
         inputs, mask = batch.distributed()
-        if real_only and batch.num_valid < size:  # padding rows come last on JAX
+        if real_only and batch.num_valid < size:
             _check_real_rows_divide(feeder, batch.num_valid)
-            inputs = optree.tree_map(lambda a, n=batch.num_valid: a[:n], inputs)
+            # Padding rows come last, but a row errors="skip" left out can be anywhere.
+            real = np.flatnonzero(np.concatenate([np.asarray(m) for m in batch.masks]))
+            inputs = optree.tree_map(lambda a, rows=real: a[rows], inputs)
         if how is None:
             yield inputs
             continue

@@ -106,7 +106,8 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
                 for leaf in self.spec.leaves
             ]
         )
-        how = None if real_only else weighting(self.spec, self.options.remainder)
+        o = self.options
+        how = None if real_only else weighting(self.spec, o.remainder, o.errors)
         if how == "add":
             signature = (*signature, optree.tree_map(weight_spec, signature[1]))
         steps = None if hosts or whole else self._consumer.steps_left()
@@ -183,7 +184,7 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
             self._assembly.rows_as_given
             and isinstance(self._assembly.source, ArraySource)
             and self.share.num_hosts == 1
-            and weighting(self.spec, self.options.remainder) != "scale"
+            and weighting(self.spec, self.options.remainder, self.options.errors) != "scale"
             and sum(array.nbytes for array in self._assembly.source.arrays) <= GATHER_MAX_BYTES
         )
 
