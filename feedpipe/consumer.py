@@ -68,10 +68,10 @@ class Pass:
 
 
 SUPERSEDED = (
-    "This loop over feeder.as_dataset() was superseded: another loop over the dataset (or the "
-    "feeder) began, or set_state() was called, before it ended. A feeder is one stream with one "
-    "consumer: finish or drop one iterator before starting the next, and build a second "
-    "fp.Feeder to read the same data twice at once."
+    "This pass of a fit over the feeder (model.fit(feeder) or feeder.as_dataset()) was "
+    "superseded: another loop over the feeder or its dataset began, or set_state() was called, "
+    "before it ended. A feeder is one stream with one consumer: finish or drop one iterator "
+    "before starting the next, and build a second fp.Feeder to read the same data twice at once."
 )
 
 
@@ -319,14 +319,14 @@ class Consumer:
         if self.fits.tracker is not None:
             return self.fits.tracked()
         if self.fits.untracked:
+            entry = self.fits.entry
             raise RuntimeError(
-                "get_state() cannot tell which batches of feeder.as_dataset() were trained on: "
-                "TensorFlow and Keras take batches ahead of the step (and Keras reads some to "
-                "build the model), so the batches the dataset handed out are not the ones used. "
-                "Pass the feeder's callback to fit, model.fit(dataset, "
-                "callbacks=[feeder.fit_callback(), ...]), and the state is exactly the batches "
-                "the step consumed; in a loop of your own, iterate the feeder (for batch in "
-                "feeder), whose state is exact."
+                f"get_state() cannot tell which batches model.fit({entry}) trained on: Keras "
+                f"takes batches ahead of the step (and reads some to build the model), so the "
+                f"batches handed out are not the ones used. Pass the feeder's callback to fit, "
+                f"model.fit({entry}, callbacks=[feeder.fit_callback(), ...]), and the state is "
+                "exactly the batches the step consumed; in a loop of your own, iterate the feeder "
+                "(for batch in feeder), whose state is exact."
             )
         return self.position
 

@@ -30,6 +30,9 @@ class FitLedger:
         """Passes of `as_dataset` were read since the position was settled, with no tracker."""
         self.interrupted_at: Position | None = None
         """Where the last tracked `fit` stopped, if it raised (an error, Ctrl-C)."""
+        self.entry = "feeder"
+        """What the latest fit was given, as the user wrote it in `model.fit(...)`: the feeder
+        itself, or on TensorFlow "feeder.as_dataset()"; messages name it."""
 
     def track(self, tracker: Any) -> None:
         """A tracked `fit` begins: passes of `as_dataset` since the position was last settled

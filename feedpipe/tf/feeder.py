@@ -89,6 +89,7 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
         the rest of the feeder's epoch, whatever its position, and states no cardinality."""
         self._consumer.fits.end_interrupted()
         self._consumer.end_open_pass()
+        self._consumer.fits.entry = "feeder" if whole else "feeder.as_dataset()"
         hosts = self.share.num_hosts > 1
         if real_only and hosts:
             raise ValueError(

@@ -205,12 +205,17 @@ def test_the_same_fit_run_again_after_ctrl_c_finishes_the_epoch_then_whole_epoch
     assert_same_weights(fed, whole)
 
 
-def test_without_the_callback_the_state_says_why_it_is_unknown(keras, devices):
+def test_without_the_callback_the_state_says_why_it_is_unknown_naming_the_users_own_call(
+    keras, devices
+):
     x, y = data()
     with fp.Feeder((x, y), BATCH, devices=devices[:1]) as feeder:
         model(keras).fit(feeder, epochs=1, verbose=0)
-        with pytest.raises(RuntimeError, match="fit_callback"):
+        with pytest.raises(RuntimeError) as raised:
             feeder.get_state()
+    message = str(raised.value)
+    assert "model.fit(feeder, callbacks=[feeder.fit_callback(), ...])" in message
+    assert "as_dataset" not in message and "TensorFlow" not in message
 
 
 def test_a_feeder_on_more_devices_than_keras_trains_on_is_refused(keras, devices):
