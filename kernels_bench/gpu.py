@@ -1013,52 +1013,41 @@ def run_fit(report: Report, settings: harness.Settings) -> None:
     platform = jax.devices()[0].platform
     applies = platform == "gpu" and not args.smoke
     why_not = f"platform {platform}{' (--smoke)' if args.smoke else ''}: reported only"
-    case = "keras jax fit"
-    run_fit_comparison(
-        report,
-        settings,
-        case=case,
-        shape=SAMPLE_SHAPE,
-        batch=args.batch,
-        steps=args.steps,
-        epochs=args.epochs,
-        workers=args.workers,
-        sample_s=args.batch_ms / 1e3 / args.batch,
-        peers=fit_peers(args.fit_peers),
-    )
-    report.target(
-        case,
-        "feedpipe_over_bound_steady",
-        ">=",
-        0.9,
-        "fit(feeder) / min(fit(x, y), the feeder alone), steady state",
-        applies=applies,
-        why_not=why_not,
-    )
-    if not args.fast_batch_ms:
-        return
-    case = "keras jax fit, fast source"
-    run_fit_comparison(
-        report,
-        settings,
-        case=case,
-        shape=SAMPLE_SHAPE,
-        batch=args.batch,
-        steps=args.steps,
-        epochs=args.epochs,
-        workers=args.workers,
-        sample_s=args.fast_batch_ms / 1e3 / args.batch,
-        peers=["arrays", "feedpipe"],
-    )
-    report.target(
-        case,
-        "feedpipe_over_arrays_steady",
-        ">=",
-        0.95,
-        "fit(feeder) / fit(x, y), steady state, a source its workers can run ahead of",
-        applies=applies,
-        why_not=why_not,
-    )
+    cases = [
+        # (case, CPU per batch ms, peers, the metric, its threshold, what it says)
+        (
+            "keras jax fit",
+            args.batch_ms,
+            fit_peers(args.fit_peers),
+            "feedpipe_over_bound_steady",
+            0.9,
+            "fit(feeder) / min(fit(x, y), the feeder alone), steady state",
+        ),
+        (
+            "keras jax fit, fast source",
+            args.fast_batch_ms,
+            ["arrays", "feedpipe"],
+            "feedpipe_over_arrays_steady",
+            0.95,
+            "fit(feeder) / fit(x, y), steady state, a source its workers can run ahead of",
+        ),
+    ]
+    for case, batch_ms, peers, metric, threshold, label in cases:
+        if not batch_ms:
+            continue
+        run_fit_comparison(
+            report,
+            settings,
+            case=case,
+            shape=SAMPLE_SHAPE,
+            batch=args.batch,
+            steps=args.steps,
+            epochs=args.epochs,
+            workers=args.workers,
+            sample_s=batch_ms / 1e3 / args.batch,
+            peers=peers,
+        )
+        report.target(case, metric, ">=", threshold, label, applies=applies, why_not=why_not)
 
 
 # ---- the command ------------------------------------------------------------------------------
