@@ -50,7 +50,7 @@ import time
 import numpy as np
 
 from feedpipe._internals import generator_dataset
-from feedpipe.core.slots import _aligned_buffer
+from feedpipe.core.slots import aligned_buffer
 from kernels_bench import harness
 from kernels_bench.copy_cost import memcpy_s, slot_buffers
 
@@ -99,7 +99,7 @@ def repetition(fp, tf, x, y, rows: int, options: dict, passes: int, seed: int) -
     for start in range(0, len(x) - rows + 1, rows):
         fields = []
         for array in (x[start : start + rows], y[start : start + rows]):
-            out = np.frombuffer(_aligned_buffer(array.nbytes), array.dtype).reshape(array.shape)
+            out = np.frombuffer(aligned_buffer(array.nbytes), array.dtype).reshape(array.shape)
             out[...] = array
             fields.append(out)
         aligned.append(tuple(fields))

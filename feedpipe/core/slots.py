@@ -183,11 +183,19 @@ class SlotLayout:
         return [memory[where].view(dtype).reshape(shape) for where, dtype, shape in self._globals]
 
 
-def _aligned_buffer(nbytes: int, align: int = ALIGN_BYTES) -> np.ndarray:
+def aligned_buffer(nbytes: int, align: int = ALIGN_BYTES) -> np.ndarray:
     """`nbytes` starting on an `align` boundary, alone in the `align`-sized blocks they touch."""
     raw = np.empty(_round_up(nbytes, align) + align, dtype=np.uint8)
     start = (-raw.ctypes.data) % align
     return raw[start : start + nbytes]
+
+
+def aligned_copy(array: np.ndarray) -> np.ndarray:
+    """A copy of `array` in fresh memory that starts on an `ALIGN_BYTES` boundary: a framework
+    can take it as it is (JAX's CPU `device_put` wraps aligned memory, and copies the rest)."""
+    out = aligned_buffer(array.nbytes).view(array.dtype).reshape(array.shape)
+    np.copyto(out, array)
+    return out
 
 
 _slot_ids = itertools.count()
@@ -213,7 +221,7 @@ class HostSlot:
         self.ident = next(_slot_ids) if ident is None else ident
         self.shared = SharedBuffer(layout.nbytes, "slot") if shared else None
         if buffer is None:
-            buffer = self.shared.array if shared else _aligned_buffer(layout.nbytes)
+            buffer = self.shared.array if shared else aligned_buffer(layout.nbytes)
         self.buffer = buffer
         self.regions = layout.views(self.buffer)
         """`regions[replica][field]`: where the producer writes the rows of that replica."""
@@ -332,7 +340,7 @@ class SlotPool:
             return HostSlot(self.layout, shared=self.shared)
         # A private slot alone in its pages: the driver locks whole pages, so a neighbour
         # registered on its own would overlap it.
-        buffer = None if self.shared else _aligned_buffer(self.layout.nbytes, mmap.PAGESIZE)
+        buffer = None if self.shared else aligned_buffer(self.layout.nbytes, mmap.PAGESIZE)
         slot = HostSlot(self.layout, shared=self.shared, buffer=buffer)
         started = time.perf_counter()
         locked = self.page_lock.lock(slot.buffer, slot)

@@ -13,8 +13,9 @@ thread waits for that copy before handing the batch over; `copy_path` says which
 On a CPU device JAX would wrap the slot's memory instead, and let it go only at its next call
 after the array dies: a producer waiting for that slot makes no such call, so the slot came back
 only with the consumer's next step (one batch of look-ahead lost, and a one-off slot whenever
-the consumer starved). There the regions are copied out, one memcpy, and the slot returns as
-soon as the batch is staged.
+the consumer starved). There the regions are copied out, one memcpy into fresh aligned memory
+that `device_put` wraps as it is (a copy that is not aligned, it copies again), and the slot
+returns as soon as the batch is staged.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from feedpipe.core.copy_engine import (
 )
 from feedpipe.core.pinned import page_locker
 from feedpipe.core.sampler import Step
-from feedpipe.core.slots import SlotLayout
+from feedpipe.core.slots import SlotLayout, aligned_copy
 from feedpipe.core.source import SampleSpec
 from feedpipe.core.split import HostShare
 from feedpipe.core.stage import Imported, MaskCache, Narrowing, refuse_unstageable
@@ -260,7 +261,7 @@ class Stager:
             jax.block_until_ready(placed)
             self.stats.copied(self.layout.batch_bytes, time.perf_counter() - started)
         else:
-            copies = ([region.copy() for region in regions] for regions in views)
+            copies = ([aligned_copy(region) for region in regions] for regions in views)
             placed = [jax.device_put(c, d) for d, c in zip(devices, copies, strict=True)]
         replicas = tuple(unflatten(arrays) for arrays in placed)
         masks, mask = self.masks(step)
