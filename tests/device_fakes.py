@@ -15,6 +15,7 @@ import ctypes
 import numpy as np
 
 from feedpipe.core import dlpack
+from feedpipe.core.slots import aligned_buffer
 
 POISON = 0xEE
 
@@ -38,9 +39,7 @@ class HostMemory:
     def allocate(self, nbytes: int) -> int:
         if self.fail_allocation is not None:
             raise self.fail_allocation
-        raw = np.empty(nbytes + 256, np.uint8)
-        start = (-raw.ctypes.data) % 256
-        block = raw[start : start + nbytes]
+        block = aligned_buffer(nbytes, 256)
         self.blocks[block.ctypes.data] = block
         return block.ctypes.data
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from feedpipe.core._cuda import OUT_OF_MEMORY, CudaDevice, CudaError, Driver, switched_off
 from feedpipe.core.dlpack import Export, type_code
+from feedpipe.core.slots import round_up
 from feedpipe.core.source import SampleSpec
 
 SWITCH = "FEEDPIPE_COPY_STREAM"
@@ -257,7 +258,7 @@ class CopyEngine:
         offset = 0
         for leaf in spec.leaves:
             self._fields.append((offset, leaf.dtype, (per_replica, *leaf.shape)))
-            offset += -(-per_replica * leaf.row_bytes // BLOCK_ALIGN) * BLOCK_ALIGN
+            offset += round_up(per_replica * leaf.row_bytes, BLOCK_ALIGN)
         self.block_bytes = max(offset, BLOCK_ALIGN)
         self.pools = [
             BlockPool(memory, self.block_bytes, depth + IN_FLIGHT, fence)

@@ -42,7 +42,8 @@ _CGROUP_MEMORY = (
 """A container's memory limit and usage, as the container sees its own cgroup."""
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
+    """`n` rounded up to a multiple of `multiple`."""
     return -(-n // multiple) * multiple
 
 
@@ -138,12 +139,12 @@ class SlotLayout:
         offset = 0
         for leaf in spec.leaves:
             region = split.per_replica * leaf.row_bytes
-            stride = region if contiguous else _round_up(region, ALIGN_BYTES)
-            offset = _round_up(offset, ALIGN_BYTES)
+            stride = region if contiguous else round_up(region, ALIGN_BYTES)
+            offset = round_up(offset, ALIGN_BYTES)
             self.field_offsets.append(offset)
             strides.append(stride)
             offset += stride * split.num_replicas
-        self.nbytes = max(_round_up(offset, ALIGN_BYTES), ALIGN_BYTES)
+        self.nbytes = max(round_up(offset, ALIGN_BYTES), ALIGN_BYTES)
         self.offsets = [
             [start + r * stride for start, stride in zip(self.field_offsets, strides, strict=True)]
             for r in range(split.num_replicas)
@@ -185,7 +186,7 @@ class SlotLayout:
 
 def aligned_buffer(nbytes: int, align: int = ALIGN_BYTES) -> np.ndarray:
     """`nbytes` starting on an `align` boundary, alone in the `align`-sized blocks they touch."""
-    raw = np.empty(_round_up(nbytes, align) + align, dtype=np.uint8)
+    raw = np.empty(round_up(nbytes, align) + align, dtype=np.uint8)
     start = (-raw.ctypes.data) % align
     return raw[start : start + nbytes]
 
