@@ -1,7 +1,7 @@
 """Which framework a feeder stages for, told from what the user passed, without importing one.
 
 As Keras does (`data_adapter_utils.is_tf_dataset`), framework objects are recognised by the
-module their class comes from, so a JAX user never loads TensorFlow, nor the reverse.
+module their class comes from, so a JAX or PyTorch user never loads TensorFlow, nor the reverse.
 """
 
 from __future__ import annotations
@@ -12,7 +12,11 @@ import os
 import sys
 from typing import Any
 
-FRAMEWORKS = {"tensorflow": "feedpipe.tf.feeder", "jax": "feedpipe.jax.feeder"}
+FRAMEWORKS = {
+    "tensorflow": "feedpipe.tf.feeder",
+    "jax": "feedpipe.jax.feeder",
+    "torch": "feedpipe.torch.feeder",
+}
 """Each framework's name, as `framework=` takes it, and the module of its feeder."""
 
 
@@ -34,14 +38,16 @@ def _from_devices(devices: Any) -> str:
     if len(kinds) == 1 and kinds <= set(FRAMEWORKS):
         return kinds.pop()
     raise TypeError(
-        f"`devices`={devices!r} must list TensorFlow device strings (['/gpu:0', '/gpu:1']) or "
-        "JAX devices (jax.devices()), one kind only, or be a jax.sharding.Mesh or Sharding."
+        f"`devices`={devices!r} must list TensorFlow device strings (['/gpu:0', '/gpu:1']), "
+        "JAX devices (jax.devices()) or PyTorch devices ([torch.device('cuda:0')]), one kind "
+        "only, or be a jax.sharding.Mesh or Sharding; PyTorch device strings ('cuda:0') need "
+        "framework='torch'."
     )
 
 
 def _default() -> str:
     """Keras's backend where Keras is loaded; else the one framework loaded; else the one
-    installed (TensorFlow first, the choice before JAX was supported)."""
+    installed (TensorFlow, then JAX, then PyTorch: the order they were supported in)."""
     keras = sys.modules.get("keras")
     if keras is not None:
         backend = keras.backend.backend()
@@ -57,14 +63,14 @@ def _default() -> str:
 
 
 def first_installed(needs: str) -> str:
-    """The first framework installed, TensorFlow before JAX; `needs` begins the error
-    ("<needs> TensorFlow or JAX, and neither is installed")."""
+    """The first framework installed, in `FRAMEWORKS`' order; `needs` begins the error
+    ("<needs> TensorFlow, JAX or PyTorch, and none is installed")."""
     for name in FRAMEWORKS:
         if importlib.util.find_spec(name) is not None:
             return name
     raise ImportError(
-        f"{needs} TensorFlow or JAX, and neither is installed; install one: "
-        'pip install "feedpipe[tensorflow]" or pip install "feedpipe[jax]".'
+        f"{needs} TensorFlow, JAX or PyTorch, and none is installed; install one: "
+        'pip install "feedpipe[tensorflow]", "feedpipe[jax]" or "feedpipe[torch]".'
     )
 
 
@@ -72,21 +78,23 @@ def import_keras(user: str) -> Any:
     """Keras, for `user` (a feedpipe feature that needs it), on a backend that is installed.
 
     Keras's default backend is TensorFlow. Where Keras is not loaded yet, no backend was asked
-    for (`KERAS_BACKEND`), TensorFlow is not installed and JAX is, Keras would fail to import;
-    JAX is then chosen (`KERAS_BACKEND=jax`, which the user's own later `import keras` sees
-    too). Where no backend Keras can run is installed, the error says so in one line.
+    for (`KERAS_BACKEND`), and TensorFlow is not installed but JAX or PyTorch is, Keras would
+    fail to import; the first of those installed is then chosen (`KERAS_BACKEND`, which the
+    user's own later `import keras` sees too). Where no backend Keras can run is installed, the
+    error says so in one line.
     """
     if "keras" not in sys.modules and not os.environ.get("KERAS_BACKEND"):
         installed = [n for n in FRAMEWORKS if importlib.util.find_spec(n) is not None]
-        if installed == ["jax"]:
-            os.environ["KERAS_BACKEND"] = "jax"
+        if installed and "tensorflow" not in installed:
+            os.environ["KERAS_BACKEND"] = installed[0]
     try:
         import keras
     except ModuleNotFoundError as error:
         backend = os.environ.get("KERAS_BACKEND") or "tensorflow, Keras's default"
         raise ImportError(
             f"{user} needs Keras, whose backend ({backend}) is not installed ({error}); set "
-            "KERAS_BACKEND to an installed one (jax or tensorflow) before importing keras."
+            "KERAS_BACKEND to an installed one (tensorflow, jax or torch) before importing "
+            "keras."
         ) from error
     return keras
 
@@ -105,7 +113,8 @@ def framework_of(framework: str | None, devices: Any, strategy: Any) -> str:
         if _library(strategy) != "tensorflow":
             raise TypeError(
                 f"`strategy`={strategy!r} must be a tf.distribute strategy; for JAX pass "
-                "devices=jax.devices() (or a Mesh) and shard with batch.distributed()."
+                "devices=jax.devices() (or a Mesh) and shard with batch.distributed(); for "
+                "PyTorch pass devices (or none) and run one process per device."
             )
         return "tensorflow"
     if devices is not None:

@@ -1,7 +1,8 @@
-"""Every call feedpipe makes into TensorFlow's, Keras's and JAX's private APIs, in one place.
+"""Every call feedpipe makes into TensorFlow's, Keras's, JAX's and PyTorch's private APIs, in one
+place.
 
 Each is here because no public API does the job (the reason is beside it), so a new release of
-TensorFlow, Keras or JAX is checked against this file alone. They are imported inside the
+TensorFlow, Keras, JAX or PyTorch is checked against this file alone. They are imported inside the
 functions: worker processes import modules that use this one and never load them.
 """
 
@@ -194,6 +195,29 @@ def jax_distributed_client() -> Any:
             "initialized in this one; call jax.distributed.initialize() first."
         )
     return client
+
+
+def torch_default_store() -> Any:
+    """The key-value store of `torch.distributed`'s default process group, whose waits take a
+    deadline: no public API hands it out, and the collectives wait for the group's own timeout
+    (30 minutes by default) for a process that never joins."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "The feeder is shared by several processes, but torch.distributed is not "
+            "initialized in this one; call torch.distributed.init_process_group() first."
+        )
+    return dist.distributed_c10d._get_default_store()
+
+
+def keras_torch_device() -> Any:
+    """The device Keras's torch backend trains on (`keras.src.backend.torch.core.get_device`;
+    Keras exports no getter for it)."""
+    import torch
+    from keras.src.backend.torch.core import get_device
+
+    return torch.device(get_device())
 
 
 def keras_dataset(*data: Any, **options: Any) -> Any:

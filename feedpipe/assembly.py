@@ -283,6 +283,7 @@ class Assembly:
         fields = {
             "remainder": self.options.remainder,
             "block_size": self.source.block_size,
+            "devices_per_host": self.share.local_replicas,
             **self.stream().order_fields(),
         }
         check_hosts_agree(self.layer.exchange, self.share, fields)

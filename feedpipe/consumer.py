@@ -145,6 +145,7 @@ class Consumer:
                     return
                 self.position = Position(item.epoch, item.step + 1)
                 this.handed += 1
+                item.handed_over()
                 if plan is not None and item.step + 1 == len(plan):
                     # The epoch's end is taken with its last batch: Keras never asks past it,
                     # nor does a loop that takes len(feeder) batches (islice, zip with range).

@@ -1,11 +1,11 @@
 """Feeder: the object users build, a facade over the pipeline and its consumer.
 
 `fp.Feeder(...)` builds the subclass of the framework that `devices` or `strategy` name
-(`feedpipe.tf.feeder`, `feedpipe.jax.feeder`), which supplies the `Layer` that stages on its
-devices and its own ways in (`as_dataset`, a sharded global batch, a checkpoint adapter).
-Everything else lives in a room of its own: the options (`feedpipe.options`), the pipeline they
-build (`feedpipe.assembly`), the consumer's position and state (`feedpipe.consumer`) and what a
-Keras fit has trained on (`feedpipe.keras.ledger`).
+(`feedpipe.tf.feeder`, `feedpipe.jax.feeder`, `feedpipe.torch.feeder`), which supplies the
+`Layer` that stages on its devices and its own ways in (`as_dataset`, a sharded global batch,
+`state_dict`). Everything else lives in a room of its own: the options (`feedpipe.options`),
+the pipeline they build (`feedpipe.assembly`), the consumer's position and state
+(`feedpipe.consumer`) and what a Keras fit has trained on (`feedpipe.keras.ledger`).
 """
 
 from __future__ import annotations
@@ -39,8 +39,10 @@ class Feeder:
         global_batch_size: Samples per step across every replica of every host; it must
             divide evenly among the replicas.
         devices: The replica devices: TensorFlow device strings (`["/gpu:0", "/gpu:1"]`), JAX
-            devices (`jax.devices()`) or a `jax.sharding.Mesh`. Default: every GPU, else the
-            CPU, of the framework in use.
+            devices (`jax.devices()`), a `jax.sharding.Mesh`, or PyTorch devices
+            (`[torch.device("cuda:0")]`, or `["cuda:0"]` with `framework="torch"`). Default:
+            every GPU, else the CPU, of the framework in use; on PyTorch, this process's GPU
+            (one process per device), else the CPU.
         strategy: A `tf.distribute` strategy, whose replicas' devices are used instead.
         remainder: The epoch's last, partial batch: "pad" (real samples repeated, masked, and
             weighted zero for Keras), "drop" (left out, with a warning) or "error".
@@ -60,7 +62,7 @@ class Feeder:
             to order: `{"image": (2, 0, 1)}` makes HWC images CHW.
         service: A tf.data service dispatcher, "grpc://host:port", to run a TensorFlow-ops
             `transform` on.
-        framework: "tensorflow" or "jax", where `devices` and `strategy` do not say.
+        framework: "tensorflow", "jax" or "torch", where `devices` and `strategy` do not say.
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Feeder:

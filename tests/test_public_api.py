@@ -222,6 +222,7 @@ FLOORS = {
     "demo": 6,
     "tf": 7,
     "jax": 7,
+    "torch": 7,
     "diagnostics": 8,
     "cli": 9,
     "__main__": 10,

@@ -15,6 +15,7 @@ collectives (`feedpipe.tf.agreement`: the strategy's all-gathers; `feedpipe.jax.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 
 from feedpipe.core.split import HostShare
@@ -22,6 +23,28 @@ from feedpipe.core.split import HostShare
 SHOWN_VALUES = 4
 """Values a refusal lists (with the hosts that have each): enough for a few hosts, short
 for 64 hosts that each have their own."""
+
+
+TIMEOUT_ENV = "FEEDPIPE_AGREEMENT_TIMEOUT_S"
+"""The environment variable that sets how long a host waits for the others' feeders."""
+DEFAULT_TIMEOUT_S = 300.0
+"""As long as `jax.distributed.initialize` waits for every process by default: processes that
+start together but load their data at different speeds still meet."""
+
+
+def timeout_s() -> float:
+    """How long a host waits for every other host's feeder: `FEEDPIPE_AGREEMENT_TIMEOUT_S`
+    seconds, else 300."""
+    value = os.environ.get(TIMEOUT_ENV)
+    if value is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{TIMEOUT_ENV}={value!r} must be a number of seconds > 0.")
+    return seconds
 
 
 class NoAnswer(Exception):

@@ -36,6 +36,10 @@ class Batch:
         self.epoch = epoch
         self.step = step
 
+    def handed_over(self) -> None:
+        """Called in the consumer's thread as the batch is handed to it: a framework whose
+        copies run on streams of their own makes the consumer's stream wait for them."""
+
     def __repr__(self) -> str:
         return (
             f"Batch(epoch={self.epoch}, step={self.step}, replicas={len(self.replicas)}, "

@@ -44,6 +44,9 @@ class Staged(Protocol):
     epoch: int
     step: int
 
+    def handed_over(self) -> None:
+        """Called in the consumer's thread as the batch is handed to it."""
+
 
 class Stager(Protocol):
     """Turns a leased host slot (or `Imported` memory) into the batch the consumer takes."""
@@ -238,6 +241,9 @@ class HostBatch:
         self.epoch = epoch
         self.step = step
         self.real = real
+
+    def handed_over(self) -> None:
+        """Host arrays are ready as soon as they are made: nothing to wait for."""
 
 
 class HostStager:

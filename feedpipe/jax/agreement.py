@@ -13,38 +13,16 @@ compiled program.
 from __future__ import annotations
 
 import itertools
-import os
 import time
 
 import jax
 
 from feedpipe._internals import jax_distributed_client
-from feedpipe.core.agreement import NoAnswer
-
-TIMEOUT_ENV = "FEEDPIPE_AGREEMENT_TIMEOUT_S"
-"""The environment variable that sets how long a process waits for the others' feeders."""
-DEFAULT_TIMEOUT_S = 300.0
-"""As long as `jax.distributed.initialize` waits for every process by default: processes that
-start together but load their data at different speeds still meet."""
+from feedpipe.core.agreement import TIMEOUT_ENV, NoAnswer, timeout_s
 
 _rounds = itertools.count()
 """Agreements this process has taken part in: every process builds its multi-process feeders
 in the same order (as for any collective), so the n-th of each meets the others' n-th."""
-
-
-def timeout_s() -> float:
-    """How long a process waits for every other process's feeder: `FEEDPIPE_AGREEMENT_TIMEOUT_S`
-    seconds, else 300."""
-    value = os.environ.get(TIMEOUT_ENV)
-    if value is None:
-        return DEFAULT_TIMEOUT_S
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise ValueError(f"{TIMEOUT_ENV}={value!r} must be a number of seconds > 0.")
-    return seconds
 
 
 def exchange(processes: list[int], payload: bytes) -> list[bytes]:

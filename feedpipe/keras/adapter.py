@@ -4,7 +4,8 @@ Keras 3 takes any `DataAdapter` as it is ("Allow passing a custom data adapter" 
 `get_data_adapter`). A feeder built once Keras is imported is one (`with_keras`), and hands each
 backend what suits it: TensorFlow gets `feeder.as_dataset()`; JAX gets the global batch as
 `jax.Array`s already sharded over the feeder's devices (Keras's `DataParallel` takes them as
-they are), with padding rows weighted zero (to `predict` and `evaluate`, the real rows alone,
+they are); PyTorch gets `torch.Tensor`s on the one device it trains on; on JAX and PyTorch
+padding rows are weighted zero (to `predict` and `evaluate`, the real rows alone,
 so that each real sample is seen once). As with `as_dataset()`, pass
 `callbacks=[feeder.fit_callback()]` so that the feeder's state is what the step trained on.
 
@@ -68,14 +69,20 @@ class KerasInput:
             )
         return self._keras_batches(real_only=_evaluating(self))
 
+    def get_torch_dataloader(self) -> Any:
+        if self.layer.name != "torch":
+            raise TypeError(
+                f"This feeder stages for {self.layer.name}, but Keras's backend is PyTorch; "
+                "build it with torch devices (devices=[torch.device('cuda:0')]), "
+                "framework='torch', or under KERAS_BACKEND=torch with none."
+            )
+        return self._keras_batches(real_only=_evaluating(self))
+
     def get_numpy_iterator(self) -> Any:
         raise TypeError(
-            "fp.Feeder stages batches on TensorFlow or JAX devices; for Keras's "
+            "fp.Feeder stages batches on TensorFlow, JAX or PyTorch devices; for Keras's "
             f"{_backend()} backend pass host arrays or a keras.utils.PyDataset instead."
         )
-
-    def get_torch_dataloader(self) -> Any:
-        return self.get_numpy_iterator()
 
     def on_epoch_begin(self) -> None:
         """Each pass is the feeder's next epoch (or the rest of the current one)."""

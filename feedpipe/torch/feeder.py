@@ -1,0 +1,35 @@
+"""The PyTorch feeder: each replica's rows as a `torch.Tensor` on its own device, `depth` ahead.
+
+`fp.Feeder(...)` is this class where `devices` are `torch.device`s, `framework="torch"`, or
+PyTorch is the framework in use (see `feedpipe._frameworks`). Its state follows PyTorch's
+checkpoint convention as well: `state_dict()` / `load_state_dict()`, a small plain dict that
+`torch.save` keeps beside the model's and optimizer's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from feedpipe import feeder as core
+from feedpipe.torch.keras import keras_batches
+from feedpipe.torch.layer import TorchLayer
+
+
+class Feeder(core.Feeder):
+    """A feeder whose batches are `torch.Tensor`s on PyTorch devices (see `feedpipe.Feeder`)."""
+
+    def _layer(self, devices: Any, strategy: Any, global_batch_size: int) -> TorchLayer:
+        return TorchLayer(devices, strategy, global_batch_size)
+
+    def _keras_batches(self, real_only: bool) -> Iterator[Any]:
+        """What Keras's torch trainer reads from this feeder (`feedpipe.torch.keras`)."""
+        return keras_batches(self, real_only=real_only)
+
+    def state_dict(self) -> dict:
+        """The consumer's position, as PyTorch's checkpoints take it: `get_state()`."""
+        return self.get_state()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Goes on exactly where `state_dict` was taken: `set_state()`."""
+        self.set_state(state_dict)

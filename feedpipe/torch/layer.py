@@ -1,0 +1,210 @@
+"""The PyTorch layer: what the core needs from PyTorch to stage batches.
+
+Devices are `torch.device`s (or strings such as "cuda:0" with `framework="torch"`). PyTorch
+trains one device per process (`DistributedDataParallel`), so the default is this process's
+device: under `torch.distributed` each process is a host of the core's split, and stages its
+rank's rows of every global batch, in the order every layer shares.
+
+On a CUDA device each replica's regions of a page-locked slot are copied by torch's own
+`copy_(non_blocking=True)` on a stream of the feeder's own per device, beside the running step.
+The staging thread waits for an event recorded after its own copies (never for the step), then
+the slot returns; the consumer's stream waits on that event as the batch is handed over
+(`Batch.handed_over`), which also tells torch's caching allocator that the consumer's stream
+reads the memory, so that it is not given to a later copy while a step still reads it.
+
+On the CPU each replica's rows are the slot's memory itself (`torch.from_numpy`, no copy): a
+tensor keeps its lease, and the slot returns when the last tensor made from it is freed, which
+PyTorch does at once (reference counting).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from feedpipe.core.copy_engine import NO_COPY, CopyPath
+from feedpipe.core.pinned import page_locker
+from feedpipe.core.sampler import Step
+from feedpipe.core.slots import SlotLayout
+from feedpipe.core.source import SampleSpec
+from feedpipe.core.split import HostShare
+from feedpipe.core.stage import Imported, MaskCache, refuse_unstageable
+from feedpipe.core.stats import StatsRecorder
+from feedpipe.torch import agreement
+from feedpipe.torch.batch import Batch
+
+OWN_STREAM = "torch stream"
+"""`CopyPath.name` where torch copies on a CUDA stream of the feeder's own."""
+
+
+def _world() -> tuple[int, int]:
+    """This process's rank and the number of processes under `torch.distributed` (0 and 1
+    where it is not initialized)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _default_device() -> torch.device:
+    """This process's device: its GPU (`LOCAL_RANK`, as `torchrun` sets it, else the current
+    CUDA device), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local = os.environ.get("LOCAL_RANK")
+    return torch.device("cuda", int(local) if local else torch.cuda.current_device())
+
+
+def resolve_devices(devices: Any) -> tuple[torch.device, ...]:
+    """The replica devices, as `torch.device`s with their index: `devices` given, else this
+    process's one device. The CPU may be listed more than once (several replicas on the host,
+    as tests and tower-style steps run); an accelerator only once."""
+    if devices is None:
+        return (_default_device(),)
+    if isinstance(devices, (str, torch.device)):
+        raise TypeError(
+            f"`devices`={devices!r} must be a list of devices, e.g. [torch.device('cuda:0')] "
+            "or ['cuda:0', 'cuda:1']."
+        )
+    resolved = []
+    for device in devices:
+        try:
+            one = torch.device(device)
+        except (RuntimeError, TypeError) as error:
+            raise ValueError(
+                f"`devices` holds {device!r}, which is not a PyTorch device ({error}); pass "
+                "torch.device objects or strings such as 'cuda:0' or 'cpu'."
+            ) from error
+        if one.type == "cuda" and one.index is None:
+            one = torch.device("cuda", torch.cuda.current_device())
+        resolved.append(one)
+    if not resolved:
+        raise ValueError("`devices` is empty; pass [torch.device('cuda:0')] or ['cpu'].")
+    accelerators = [d for d in resolved if d.type != "cpu"]
+    if len(set(accelerators)) != len(accelerators):
+        raise ValueError(f"`devices`={resolved} names a device twice; list each GPU once.")
+    if 0 < len(accelerators) < len(resolved):
+        raise ValueError(
+            f"`devices`={resolved} mixes the CPU with accelerators; stage on one kind."
+        )
+    return tuple(resolved)
+
+
+class TorchLayer:
+    """Stages on PyTorch devices: this process's, under `torch.distributed` one share of each
+    global batch per process (rank order)."""
+
+    name = "torch"
+
+    def __init__(self, devices: Any, strategy: Any, global_batch_size: int):
+        if strategy is not None:
+            raise TypeError(
+                f"`strategy`={strategy!r} is TensorFlow's; a PyTorch feeder takes its devices "
+                "(devices=[torch.device('cuda:0')]) and, with several processes, its rank from "
+                "torch.distributed."
+            )
+        self.devices = resolve_devices(devices)
+        self.rank, self.world_size = _world()
+        self.share = HostShare(global_batch_size, self.world_size, self.rank, len(self.devices))
+        self.cuda = all(d.type == "cuda" for d in self.devices)
+        """Whether every device is a CUDA GPU: copies then run on streams of the feeder's own."""
+        self.accelerated = any(d.type != "cpu" for d in self.devices)
+        self.page_lock = page_locker() if self.accelerated else None
+        if self.cuda:
+            self.copy_path = CopyPath(
+                OWN_STREAM,
+                "each replica's rows are copied from a page-locked slot on a CUDA stream of the "
+                "feeder's own; the step's stream waits only for its own batch's copy",
+            )
+        elif self.accelerated:
+            self.copy_path = CopyPath(
+                "tensor.to", f"the devices are {self.devices[0].type}: torch copies in order"
+            )
+        else:
+            self.copy_path = NO_COPY
+
+    def check_stageable(self, spec: SampleSpec, values: Sequence[np.ndarray] | None) -> SampleSpec:
+        """Refuses a field PyTorch cannot hold (bfloat16 from ml_dtypes, strings); PyTorch keeps
+        every dtype it takes, so the fields arrive as they are (`values` is not read)."""
+        device = self.devices[0]
+        refuse_unstageable(spec, "PyTorch", device, lambda a: torch.from_numpy(a).to(device))
+        return spec
+
+    def exchange(self, payload: bytes) -> list[bytes]:
+        """Every rank's `payload`, through the process group's store
+        (`feedpipe.torch.agreement`)."""
+        return agreement.exchange(self.rank, self.world_size, payload)
+
+    def stager(self, layout: SlotLayout, stats: StatsRecorder) -> Stager:
+        stats.copy_path = self.copy_path.name
+        return Stager(self, layout, stats)
+
+    def close(self) -> None:
+        """Torch's allocator owns the device memory: nothing to let go of."""
+
+
+class Stager:
+    """Turns filled host slots into `Batch`es whose tensors sit on each replica's device."""
+
+    def __init__(self, layer: TorchLayer, layout: SlotLayout, stats: StatsRecorder):
+        self.layer = layer
+        self.layout = layout
+        self.stats = stats
+        self.streams = (
+            [torch.cuda.Stream(device) for device in layer.devices] if layer.cuda else None
+        )
+        """Each CUDA device's copy stream, the feeder's own."""
+        self.masks = MaskCache(len(layer.devices), layout.split.per_replica, self._place_masks)
+
+    def _place_masks(self, parts: np.ndarray) -> tuple[torch.Tensor, ...]:
+        # Made once per pattern on the default stream and kept: no stream reuses their memory.
+        return tuple(
+            torch.from_numpy(part.copy()).to(device)
+            for part, device in zip(parts, self.layer.devices, strict=True)
+        )
+
+    def stage(self, step: Step, leased: np.ndarray | Imported) -> Batch:
+        """The batch in the `leased` bytes of a slot, placed on the devices; returns once the
+        copies are done (on CUDA: its own copies, on its own streams)."""
+        if isinstance(leased, Imported):
+            raise TypeError(
+                "A PyTorch feeder stages from host slots; DALI outputs go to TensorFlow."
+            )
+        unflatten = self.layout.spec.unflatten
+        views = self.layout.views(leased)
+        copies = None
+        if self.streams is not None:
+            placed, copies = self._copy_on_own_streams(views)
+        elif self.layer.accelerated:
+            started = time.perf_counter()
+            placed = [
+                [torch.from_numpy(region).to(device) for region in regions]
+                for device, regions in zip(self.layer.devices, views, strict=True)
+            ]
+            self.stats.copied(self.layout.batch_bytes, time.perf_counter() - started)
+        else:
+            placed = [[torch.from_numpy(region) for region in regions] for regions in views]
+        replicas = tuple(unflatten(tensors) for tensors in placed)
+        return Batch(replicas, self.masks(step), step.num_valid, step.epoch, step.index, copies)
+
+    def _copy_on_own_streams(self, views: list) -> tuple[list, list]:
+        """Each replica's regions copied on its device's stream; waits for those copies alone."""
+        started = time.perf_counter()
+        placed, copies = [], []
+        for device, stream, regions in zip(self.layer.devices, self.streams, views, strict=True):
+            with torch.cuda.stream(stream):
+                placed.append(
+                    [torch.from_numpy(region).to(device, non_blocking=True) for region in regions]
+                )
+            event = torch.cuda.Event(blocking=True)  # its wait sleeps, never spins a core
+            event.record(stream)
+            copies.append((device, event))
+        for _, event in copies:
+            event.synchronize()  # the slot's bytes are read: it may return to the pool
+        self.stats.copied(self.layout.batch_bytes, time.perf_counter() - started)
+        return placed, copies
