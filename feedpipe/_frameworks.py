@@ -26,13 +26,19 @@ def _library(value: Any) -> str:
     return "jax" if library == "jaxlib" else library
 
 
+def _string_framework(device: str) -> str:
+    """The framework a device string names: PyTorch's "cuda:N" is no TensorFlow device; every
+    other string ("/gpu:0", "cpu") is read as TensorFlow's."""
+    return "torch" if device.split(":")[0] == "cuda" else "tensorflow"
+
+
 def _from_devices(devices: Any) -> str:
     if _library(devices) == "jax":  # a Mesh or a Sharding
         return "jax"
     if isinstance(devices, str):
         return "tensorflow"  # resolve_devices explains that a list is wanted
     try:
-        kinds = {"tensorflow" if isinstance(d, str) else _library(d) for d in devices}
+        kinds = {_string_framework(d) if isinstance(d, str) else _library(d) for d in devices}
     except TypeError:
         kinds = set()
     if len(kinds) == 1 and kinds <= set(FRAMEWORKS):

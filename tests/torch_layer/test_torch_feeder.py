@@ -1,0 +1,202 @@
+"""The PyTorch feeder: each replica's rows as `torch.Tensor`s on its device, every sample once
+per epoch in the core's order, padding masked, and a state (`state_dict()`) that resumes
+exactly, through `torch.save` too."""
+
+from __future__ import annotations
+
+import gc
+import io
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import feedpipe as fp
+from feedpipe.core.sampler import Sampler
+from tests.processes import REPO_ROOT
+from tests.worker_fakes import index_pairs
+
+CPUS = ["cpu", "cpu"]
+"""Two replicas on the host: PyTorch has one CPU device, listed once per replica."""
+
+
+def _feeder(source, size, **options):
+    return fp.Feeder(source, size, devices=CPUS, framework="torch", **options)
+
+
+def _real_labels(batch) -> list[int]:
+    """The labels of a batch's real rows, replica after replica."""
+    return [
+        int(v)
+        for (_, y), mask in zip(batch.replicas, batch.masks, strict=True)
+        for v in y[mask].tolist()
+    ]
+
+
+def test_torch_devices_make_a_torch_feeder_whose_batches_are_tensors():
+    with fp.Feeder(index_pairs(16), 8, devices=[torch.device("cpu")]) as feeder:
+        assert feeder.layer.name == "torch" and isinstance(feeder, fp.Feeder)
+        batch = next(iter(feeder))
+    assert isinstance(batch, fp.Batch)
+    (x, y), mask = batch.distributed()
+    assert isinstance(x, torch.Tensor) and x.device == torch.device("cpu")
+    assert x.shape == (8, 2) and x.dtype == torch.float32 and mask.dtype == torch.bool
+    assert y.tolist() == list(range(8)) and mask.all()
+
+
+def test_cuda_strings_name_torch_and_cpu_strings_need_the_framework():
+    from feedpipe._frameworks import framework_of
+
+    assert framework_of(None, ["cuda:0", "cuda:1"], None) == "torch"
+    assert framework_of("torch", ["cpu"], None) == "torch"
+    assert framework_of(None, [torch.device("cpu")], None) == "torch"
+
+
+def test_each_replica_gets_its_own_rows():
+    with _feeder(index_pairs(16), 8) as feeder:
+        for batch in feeder:
+            for replica, (_, y) in enumerate(batch.replicas):
+                first = batch.step * 8 + replica * 4
+                assert y.tolist() == list(range(first, first + 4))
+
+
+def test_pad_masks_exactly_the_padding_and_num_valid_counts_real_samples():
+    with _feeder(index_pairs(10), 8) as feeder:
+        batches = list(feeder)
+    assert [b.num_valid for b in batches] == [8, 2]
+    assert [m.tolist() for m in batches[1].masks] == [[True, True, False, False], [False] * 4]
+    assert _real_labels(batches[1]) == [8, 9]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_every_sample_once_per_epoch_in_the_cores_order(workers):
+    length, size = 37, 8
+    with _feeder(index_pairs(length), size, shuffle=True, seed=3, workers=workers) as feeder:
+        plan = Sampler(length, size, shuffle=True, seed=3)
+        for epoch in range(2):
+            got = [label for batch in feeder for label in _real_labels(batch)]
+            assert got == plan.order(epoch).tolist()
+
+
+def test_state_dict_resumes_mid_epoch_exactly_through_torch_save():
+    source = index_pairs(40)
+    with _feeder(source, 8, shuffle=True, seed=1) as whole:
+        expected = [_real_labels(b) for b in whole]
+    with _feeder(source, 8, shuffle=True, seed=1) as first:
+        loop = iter(first)
+        head = [_real_labels(next(loop)), _real_labels(next(loop))]
+        loop.close()
+        saved = io.BytesIO()
+        torch.save({"feeder": first.state_dict()}, saved)
+    saved.seek(0)
+    state = torch.load(saved)["feeder"]
+    assert state["step"] == 2
+    with _feeder(source, 8, shuffle=True, seed=1) as second:
+        second.load_state_dict(state)
+        assert head + [_real_labels(b) for b in second] == expected
+
+
+def test_a_loop_left_early_goes_on_where_it_stopped():
+    with _feeder(index_pairs(32), 8) as feeder:
+        for batch in feeder:
+            if batch.step == 1:
+                break
+        assert [b.step for b in feeder] == [2, 3]
+
+
+def test_on_the_cpu_a_batch_is_the_slots_memory_and_its_slot_returns_when_freed():
+    with _feeder(index_pairs(64), 8, depth=1) as feeder:
+        for _ in range(3):
+            for batch in feeder:
+                del batch
+        stats = feeder.stats()
+    assert stats.overflow_slots == 0 and stats.slots_allocated <= 3
+
+
+def test_kept_batches_keep_their_values_while_slots_are_reused():
+    with _feeder(index_pairs(64), 8, depth=1) as feeder:
+        kept = [(b.step, b) for _ in range(2) for b in feeder]
+        assert len(kept) == 16
+        for step, batch in kept:
+            assert _real_labels(batch) == list(range(step * 8, step * 8 + 8))
+        del kept
+        gc.collect()
+
+
+def test_skipped_samples_are_masked_rows():
+    class OneBad:
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, index):
+            if index == 5:
+                raise ValueError("bad record")
+            return np.full(2, index, np.float32), np.int64(index)
+
+    with _feeder(OneBad(), 8, errors="skip", max_skipped=1) as feeder:
+        got = [label for batch in feeder for label in _real_labels(batch)]
+        assert feeder.stats().skipped
+    assert got == [i for i in range(16) if i != 5]
+
+
+def test_sixty_four_bit_fields_arrive_as_they_are():
+    big = np.array([2**40 + i for i in range(8)], np.int64)
+    with _feeder((big.astype(np.float64), big), 8) as feeder:
+        x, y = next(iter(feeder)).replicas[0]
+    assert y.dtype == torch.int64 and x.dtype == torch.float64
+    assert y.tolist() == big[:4].tolist()
+
+
+def test_a_dtype_torch_cannot_hold_is_refused_at_construction_naming_the_field():
+    with pytest.raises(TypeError, match=r"Field .* has dtype float128, which PyTorch cannot"):
+        _feeder(np.zeros((8, 2), np.longdouble), 4)
+
+
+def test_bad_devices_and_a_strategy_are_refused_naming_the_fix():
+    with pytest.raises(TypeError, match="must be a list of devices"):
+        fp.Feeder(index_pairs(8), 4, devices="cpu", framework="torch")
+    with pytest.raises(ValueError, match="is not a PyTorch device"):
+        fp.Feeder(index_pairs(8), 4, devices=["tpu:7"], framework="torch")
+    with pytest.raises(ValueError, match="`devices` is empty"):
+        fp.Feeder(index_pairs(8), 4, devices=[], framework="torch")
+    with pytest.raises(TypeError, match="is TensorFlow's; a PyTorch feeder"):
+        fp.Feeder(index_pairs(8), 4, framework="torch", strategy=object())
+    with pytest.raises(ValueError, match="one device's tensors, but this feeder stages on 2"):
+        with _feeder(index_pairs(8), 4) as feeder:
+            next(iter(feeder)).distributed()
+
+
+def test_the_default_device_is_this_processs_and_the_copy_path_says_none_on_the_cpu():
+    with fp.Feeder(index_pairs(8), 4, framework="torch") as feeder:
+        expected = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        assert feeder.devices == (expected,)
+        if not torch.cuda.is_available():
+            assert feeder.describe().copy_path == "none"
+            list(feeder)
+            assert feeder.stats().copies == 0
+
+
+def test_the_torch_path_imports_neither_tensorflow_nor_jax():
+    code = (
+        "import sys, numpy as np, torch, feedpipe as fp\n"
+        "x = np.arange(20, dtype=np.float32)\n"
+        "with fp.Feeder(x, 4, devices=[torch.device('cpu')], workers=1) as f:\n"
+        "    total = sum(float(b.distributed()[0].sum()) for b in f)\n"
+        "    f.load_state_dict(f.state_dict())\n"
+        "    str(f.stats()); f.describe().to_dict()\n"
+        "assert total == x.sum(), total\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('tensorflow', 'jax', 'jaxlib', 'keras'))\n"
+        "assert not heavy, heavy[:5]\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
