@@ -164,9 +164,11 @@ def test_bad_devices_and_a_strategy_are_refused_naming_the_fix():
         fp.Feeder(index_pairs(8), 4, devices=[], framework="torch")
     with pytest.raises(TypeError, match="is TensorFlow's; a PyTorch feeder"):
         fp.Feeder(index_pairs(8), 4, framework="torch", strategy=object())
-    with pytest.raises(ValueError, match="one device's tensors, but this feeder stages on 2"):
-        with _feeder(index_pairs(8), 4) as feeder:
-            next(iter(feeder)).distributed()
+    with (
+        _feeder(index_pairs(8), 4) as feeder,
+        pytest.raises(ValueError, match="one device's tensors, but this feeder stages on 2"),
+    ):
+        next(iter(feeder)).distributed()
 
 
 def test_the_default_device_is_this_processs_and_the_copy_path_says_none_on_the_cpu():
