@@ -90,13 +90,15 @@ def time_step_alone(run: Callable[[], Any], calls: int, steps_per_call: int = 1)
 def finish(outputs: Any) -> None:
     """Waits until the device has computed a step's outputs, whichever framework made them.
 
-    A JAX array waits for itself. A TensorFlow tensor is read, which waits for the ops it
-    depends on: only small ones (the loss, the metrics), as a copy of a large output would be
-    timed too.
+    A JAX array waits for itself. A TensorFlow or PyTorch tensor is read, which waits for the
+    ops it depends on: only small ones (the loss, the metrics), as a copy of a large output would
+    be timed too (a PyTorch tensor detached first: a loss requires its gradient).
     """
     for leaf in optree.tree_leaves(outputs):
         if hasattr(leaf, "block_until_ready"):
             leaf.block_until_ready()
+        elif hasattr(leaf, "detach") and math.prod(leaf.shape) <= 1024:
+            leaf.detach().cpu()
         elif hasattr(leaf, "numpy") and math.prod(leaf.shape) <= 1024:
             leaf.numpy()
 

@@ -64,7 +64,7 @@ def measure(source: Any, step: Any, *, steps: int, warmup: int, progress: bool) 
     if is_keras_model(step):
         step_kind = f"Keras model {step.name!r} (its compiled train function)"
     elif callable(step):
-        step_kind = f"step {getattr(step, '__name__', type(step).__name__)}"
+        step_kind = f"{getattr(step, '__name__', type(step).__name__)}()"
     else:
         raise TypeError(
             f"`step` must be a callable taking one batch or a compiled Keras model; got "
