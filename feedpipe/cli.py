@@ -63,14 +63,15 @@ def _add_demo(subcommands: argparse._SubParsersAction) -> None:
             "Trains a small model twice on synthetic data whose reads take storage time: once "
             "fed synchronously step by step (the feed_dict pattern), once through fp.Feeder. "
             "Prints steps/s, input-bound fractions and the speedup. On TensorFlow a Keras MLP "
-            "under MirroredStrategy, on JAX a jitted MLP sharded over the devices. Uses the "
-            "GPUs if there are any, else logical CPU devices."
+            "under MirroredStrategy, on JAX a jitted MLP sharded over the devices, on PyTorch "
+            "an MLP on this process's device. Uses the GPUs if there are any, else logical CPU "
+            "devices."
         ),
     )
     parser.add_argument(
         "--framework",
-        choices=("tensorflow", "jax"),
-        help="the framework to train with (default: tensorflow where installed, else jax)",
+        choices=("tensorflow", "jax", "torch"),
+        help="the framework to train with (default: the first installed of tensorflow, jax, torch)",
     )
     parser.add_argument(
         "--steps",
@@ -82,8 +83,8 @@ def _add_demo(subcommands: argparse._SubParsersAction) -> None:
         "--devices",
         action=_Count,
         fix="pass the replicas to train on, e.g. --devices 4",
-        default=4,
-        help="replicas: the first N GPUs, or N logical CPU devices without GPUs (default 4)",
+        help="replicas: the first N GPUs, or N logical CPU devices without GPUs (default 4; "
+        "PyTorch trains on 1, one device per process)",
     )
     parser.add_argument("--quick", action="store_true", help="a short run of a few seconds")
     parser.set_defaults(run=_run_demo)

@@ -66,8 +66,14 @@ gradient, then weights += velocity."""
 NOISE_BANK = 4096
 """Distinct noise vectors the samples draw from, so building a sample is one cheap add."""
 DEFAULT_STEPS = 150
+DEFAULT_REPLICAS = 4
+"""Replicas where `--devices` is not given, on TensorFlow and JAX (PyTorch trains on one)."""
 QUICK_STEPS = 20
-FRAMEWORKS = {"tensorflow": "feedpipe.tf.demo", "jax": "feedpipe.jax.demo"}
+FRAMEWORKS = {
+    "tensorflow": "feedpipe.tf.demo",
+    "jax": "feedpipe.jax.demo",
+    "torch": "feedpipe.torch.demo",
+}
 """Each framework the demo runs on, in the order the default looks for them, and its module."""
 
 
@@ -133,8 +139,8 @@ class Training(Protocol):
     """What a framework's module supplies: one model, its compiled step, and its replicas.
 
     `Training(devices)` makes `devices` replicas (logical CPU devices where there is no
-    accelerator) and a seeded MLP of `HIDDEN_UNITS` units trained with SGD at
-    `LEARNING_RATE` and `MOMENTUM`.
+    accelerator; None: the framework's default, 4 on TensorFlow and JAX, 1 on PyTorch) and a
+    seeded MLP of `HIDDEN_UNITS` units trained with SGD at `LEARNING_RATE` and `MOMENTUM`.
     """
 
     devices: list[str]
@@ -277,8 +283,8 @@ def measure_step_s(training: Training, inputs: Any, mask: Any, num_valid: int) -
 
 
 def choose_framework(framework: str | None = None) -> str:
-    """`framework` ("tensorflow" or "jax") once checked to be installed; None: TensorFlow where
-    it is installed, else JAX."""
+    """`framework` ("tensorflow", "jax" or "torch") once checked to be installed; None: the
+    first installed of them, in that order."""
     if framework is None:
         return first_installed("The demo trains on")
     if framework not in FRAMEWORKS:
@@ -294,7 +300,10 @@ def choose_framework(framework: str | None = None) -> str:
 
 
 def run(
-    steps: int | None = None, devices: int = 4, quick: bool = False, framework: str | None = None
+    steps: int | None = None,
+    devices: int | None = None,
+    quick: bool = False,
+    framework: str | None = None,
 ) -> list[RunResult]:
     """Runs the demo on `framework` (see `choose_framework`) and prints its report; returns
     both runs' results."""

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from feedpipe.core.checks import check_int
 from feedpipe.demo import (
     CLASSES,
+    DEFAULT_REPLICAS,
     FEATURES,
     HIDDEN_UNITS,
     LEARNING_RATE,
@@ -100,8 +101,8 @@ class Training:
 
     model = f"{HIDDEN_UNITS}-unit MLP in JAX"
 
-    def __init__(self, devices: int):
-        replicas = configure_devices(devices)
+    def __init__(self, devices: int | None):
+        replicas = configure_devices(DEFAULT_REPLICAS if devices is None else devices)
         self.devices = [str(d) for d in replicas]
         platform = replicas[0].platform
         self.on = (

@@ -17,6 +17,7 @@ import tensorflow as tf
 from feedpipe.core.checks import check_int
 from feedpipe.demo import (
     CLASSES,
+    DEFAULT_REPLICAS,
     FEATURES,
     HIDDEN_UNITS,
     LEARNING_RATE,
@@ -97,8 +98,8 @@ class Training:
 
     model = f"{HIDDEN_UNITS}-unit MLP"
 
-    def __init__(self, devices: int):
-        self.devices = configure_devices(devices)
+    def __init__(self, devices: int | None):
+        self.devices = configure_devices(DEFAULT_REPLICAS if devices is None else devices)
         on_gpus = self.devices[0].startswith("/gpu")
         self.on = "GPUs" if on_gpus else "logical CPU devices: no GPU found"
         self.strategy = tf.distribute.MirroredStrategy(self.devices)

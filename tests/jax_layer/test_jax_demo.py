@@ -88,7 +88,7 @@ def test_without_either_framework_the_command_says_what_to_install(monkeypatch, 
     _installed(monkeypatch)
     assert cli.main(["demo", "--quick"]) == 2
     assert re.search(
-        r'pip install "feedpipe\[tensorflow\]" or pip install "feedpipe\[jax\]"',
+        r'pip install "feedpipe\[tensorflow\]", "feedpipe\[jax\]" or "feedpipe\[torch\]"',
         capsys.readouterr().err,
     )
     with pytest.raises(ImportError, match=r'pip install "feedpipe\[tensorflow\]"'):
