@@ -9,10 +9,12 @@ import pytest
 def assert_reads_the_slower_input(epoch, step_s: float, producer_s: float, steps: int, rel: float):
     """`epoch`, a `StarvationMonitor` epoch of `steps` steps of `step_s` fed by an input making
     a batch every `producer_s`, reads highly input-bound, its wait bracketed around the truth
-    and its step alone within `rel` of `step_s`."""
+    and its step alone within `rel` of `step_s`: less the delay other processes caused each of
+    the epoch's steps, which the monitor adds to the step alone (on a machine the rest of the
+    suite loads, a fifth of a step and more), so that the check holds under load too."""
     truth = 1 - step_s / producer_s  # the input overlaps the step: it waits P - S of every P
     assert epoch.verdict == "highly input-bound"
     low, high = epoch.input_wait_range
     assert low - 0.1 <= truth <= high + 0.1
     assert epoch.steps == steps
-    assert epoch.step_alone_s == pytest.approx(step_s, rel=rel)
+    assert epoch.step_alone_s - epoch.other_load_s == pytest.approx(step_s, rel=rel)

@@ -17,7 +17,7 @@ import psutil
 import pytest
 import tensorflow as tf
 
-from tests.service_cluster import REPO_ROOT, service_cluster
+from tests.service_cluster import REPO_ROOT, SERVED_STOP_GRACE_S, service_cluster
 
 pytestmark = pytest.mark.slow  # tf.data service servers and `feedpipe service` processes
 
@@ -65,7 +65,7 @@ class Reader:
 
 
 def test_two_workers_serve_each_element_exactly_once(tmp_path):
-    with service_cluster(2, tmp_path) as cluster:
+    with service_cluster(2, tmp_path, stop_grace_s=SERVED_STOP_GRACE_S) as cluster:
         reader = Reader(served(cluster.address))
         assert reader.ended.wait(READ_DEADLINE_S), f"the job did not end: {reader.elements}"
     assert reader.error is None
