@@ -242,6 +242,20 @@ def test_a_one_process_state_resumes_exactly_in_two_ranks(job):
     assert sorted(delivered + job["taken_by_one"]) == list(range(LENGTH))
 
 
+def test_a_process_torchrun_started_whose_process_group_is_not_initialized_is_refused(
+    monkeypatch,
+):
+    """Built before `init_process_group`, a feeder would be one process's: every rank would
+    feed every sample."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(
+        RuntimeError,
+        match=r"one of WORLD_SIZE=2 .* would feed every sample to every process\. Call "
+        r"torch\.distributed\.init_process_group\(\) before building the feeder\.",
+    ):
+        one_process_feeder(1)
+
+
 AGREEMENT_TIMEOUT_S = 3
 """How long a rank waits for the others' feeders in the test of a rank that builds none."""
 
