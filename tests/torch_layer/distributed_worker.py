@@ -2,14 +2,14 @@
 
 `python tests/torch_layer/distributed_worker.py OUT_DIR ARGS_JSON`, with `MASTER_ADDR`,
 `MASTER_PORT`, `RANK` and `WORLD_SIZE` set as `torchrun` sets them: joins the process group on
-gloo, builds `fp.Feeder(samples, global_batch)` with no devices (this process's: the CPU) and
-trains a `DistributedDataParallel` linear model on the staged tensors for an epoch and
+gloo, builds `fp.Feeder(samples, global_batch, workers=...)` with no devices (this process's:
+the CPU) and trains a `DistributedDataParallel` linear model on the staged tensors for an epoch and
 `stop_after` steps, each step's loss weighted by the mask and normalised by `batch.num_valid`;
-then restores the state saved there into a new feeder that runs to the end of that epoch, and
-the state a one-process feeder saved (`from_one`) into another. It writes what this rank saw
-of every step, and its parameters, to OUT_DIR/rank-<rank>.json for the test to compare with the
-one-process stream. With `"mode": "differ"` it builds instead one feeder per case with this
-rank's own arguments and reports what each raised.
+then restores the state saved there into a new feeder (without workers) that runs to the end of
+that epoch, and the state a one-process feeder saved (`from_one`) into another. It writes what
+this rank saw of every step, and its parameters, to OUT_DIR/rank-<rank>.json for the test to
+compare with the one-process stream. With `"mode": "differ"` it builds instead one feeder per
+case with this rank's own arguments and reports what each raised.
 """
 
 from __future__ import annotations
@@ -51,14 +51,13 @@ def masked_loss(model, x, y, mask, num_valid: int, world_size: int, length: int)
     return torch.where(mask, errors, 0.0).sum() * (world_size / num_valid)
 
 
-def feeder(args: dict, **options) -> fp.Feeder:
+def feeder(args: dict, workers: int) -> fp.Feeder:
     return fp.Feeder(
         index_pairs(args["length"]),
         args["global_batch"],
         shuffle=True,
         seed=args["seed"],
-        workers=args["workers"],
-        **options,
+        workers=workers,
     )
 
 
@@ -78,8 +77,9 @@ def seen(batch) -> dict:
 
 
 def rest_of_epoch(args: dict, state: dict) -> list[dict]:
-    """The steps a new feeder restored from `state` delivers to the end of that epoch."""
-    with feeder(args) as restored:
+    """The steps a new feeder restored from `state` delivers to the end of that epoch (read
+    by the feeder's thread: the order does not depend on the workers)."""
+    with feeder(args, workers=0) as restored:
         restored.load_state_dict(state)
         return [seen(batch) for batch in restored]
 
@@ -91,7 +91,7 @@ def train(args: dict) -> dict:
     model = DistributedDataParallel(make_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     steps, losses = [], []
-    first = feeder(args)
+    first = feeder(args, args["workers"])
     with first:
         for epoch in range(2):
             for batch in first:
