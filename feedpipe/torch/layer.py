@@ -44,10 +44,24 @@ OWN_STREAM = "torch stream"
 
 def _world() -> tuple[int, int]:
     """This process's rank and the number of processes under `torch.distributed` (0 and 1
-    where it is not initialized)."""
+    where it is not initialized).
+
+    A process that `torchrun` started as one of several (`WORLD_SIZE` > 1) but whose process
+    group is not initialized yet is refused: its feeder would be a one-process feeder, so
+    every process would feed every sample, and nothing would fail (as `DistributedSampler`
+    refuses to guess a rank).
+    """
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if launched.isdigit() and int(launched) > 1:
+        raise RuntimeError(
+            f"This process is one of WORLD_SIZE={launched} (as torchrun starts them), but "
+            "torch.distributed is not initialized in it: its feeder would feed every sample "
+            "to every process. Call torch.distributed.init_process_group() before building "
+            "the feeder."
+        )
     return 0, 1
 
 
