@@ -66,12 +66,15 @@ def _world() -> tuple[int, int]:
 
 
 def _default_device() -> torch.device:
-    """This process's device: its GPU (`LOCAL_RANK`, as `torchrun` sets it, else the current
-    CUDA device), else the CPU."""
+    """This process's device: its GPU (`LOCAL_RANK`, as `torchrun` sets it, where the process
+    sees that many GPUs; else the current CUDA device, as where a scheduler shows each process
+    its own GPU alone), else the CPU."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    local = os.environ.get("LOCAL_RANK")
-    return torch.device("cuda", int(local) if local else torch.cuda.current_device())
+    local = os.environ.get("LOCAL_RANK", "")
+    if local.isdigit() and int(local) < torch.cuda.device_count():
+        return torch.device("cuda", int(local))
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def resolve_devices(devices: Any) -> tuple[torch.device, ...]:
