@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -285,6 +285,65 @@ def keras_jax_batches(*data: Any, **options: Any) -> Iterator[Any]:
         if not taken:
             return
         epochs.reset()
+
+
+def keras_torch_batches(*data: Any, **options: Any) -> Iterator[Any]:
+    """The batches Keras's torch `fit` hands its train function for `data`, epoch after epoch
+    until one is empty: its own epoch iterator (`TorchEpochIterator`), which reads each batch
+    from the data adapter's `get_torch_dataloader()` as `fit` does."""
+    from keras.src.backend.torch.trainer import TorchEpochIterator
+
+    epochs = TorchEpochIterator(*data, **options)
+    while True:
+        taken = 0
+        for _, _, batches in epochs:
+            yield from batches
+            taken += 1
+        if not taken:
+            return
+        epochs.reset()
+
+
+def read_keras_fit_input_through(wrap: Callable[[Iterator], Iterator]) -> bool:
+    """Makes the Keras `fit` running on this thread read its input through `wrap(iterator)`
+    from its next epoch on; whether such a fit was found (call it from `on_train_begin`).
+
+    Keras's torch `fit` reads each batch in its epoch iterator, before it calls the train
+    function, so a callback cannot see the read (on TensorFlow and JAX the train function reads
+    it). No public API reaches that iterator: it is `fit`'s local `epoch_iterator`, found on
+    the calling stack as `keras_reading` finds the trainer, which makes each epoch's iterator
+    with its `_get_iterator()`. The epoch iterator ends with the fit, and the wrapping with it.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "fit" and _KERAS_TRAINER.search(code.co_filename):
+            epochs = frame.f_locals.get("epoch_iterator")
+            if epochs is None or not hasattr(epochs, "_get_iterator"):
+                return False
+            epochs._get_iterator = lambda make=epochs._get_iterator: wrap(iter(make()))
+            return True
+        frame = frame.f_back
+    return False
+
+
+def keras_global_seed_generator() -> Any:
+    """The seed generator Keras's random ops draw from when given no seed (`keras.random.normal`
+    in a layer's `call`), or None before one has: `keras.random` makes it in Keras's global
+    state on first use, and no public name gives it."""
+    from keras.src.backend.common import global_state
+    from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
+
+    return global_state.get_global_attribute(GLOBAL_SEED_GENERATOR)
+
+
+def drop_keras_global_seed_generator() -> None:
+    """Forgets Keras's global seed generator (see `keras_global_seed_generator`), as before
+    its first use."""
+    from keras.src.backend.common import global_state
+    from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
+
+    global_state.set_global_attribute(GLOBAL_SEED_GENERATOR, None)
 
 
 def jax_train_state(model: Any) -> tuple:

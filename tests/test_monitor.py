@@ -528,10 +528,10 @@ def test_log_dir_gets_the_figures_as_tensorboard_scalars(tmp_path):
 
 
 def test_other_backends_are_refused_with_the_fix(monkeypatch):
-    monkeypatch.setattr(keras.backend, "backend", lambda: "torch")
+    monkeypatch.setattr(keras.backend, "backend", lambda: "numpy")
     fix = (
-        r"StarvationMonitor needs Keras on TensorFlow or JAX, but Keras runs on 'torch'; set "
-        r"KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax"
+        r"StarvationMonitor needs Keras on TensorFlow, JAX or PyTorch, but Keras runs on "
+        r"'numpy'; set KERAS_BACKEND to tensorflow, jax or torch"
     )
     with pytest.raises(RuntimeError, match=fix):
         fp.StarvationMonitor()

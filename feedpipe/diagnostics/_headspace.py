@@ -2,9 +2,9 @@
 
 `StarvationMonitor` and `diagnose` time a model's own compiled train step on one batch taken
 from the real stream: the headspace measurement. This module times it and bounds what it
-measured; each backend's `KerasSteps` (`feedpipe.tf.keras_step`, `feedpipe.jax.keras_step`)
-serves the batch again and again from memory through the step's own input path and leaves
-training as it was.
+measured; each backend's `KerasSteps` (`feedpipe.tf.keras_step`, `feedpipe.jax.keras_step`,
+`feedpipe.torch.keras_step`) serves the batch again and again from memory through the step's
+own input path and leaves training as it was.
 """
 
 from __future__ import annotations
@@ -126,6 +126,12 @@ class KerasSteps(Protocol):
         """A call of the train function `function` on an input, training left as it was
         when the context ends."""
 
+    def watch_reads(self) -> Callable[[], float] | None:
+        """Called in `on_train_begin` of a running `fit`: None where the train function reads
+        its batches itself (its call's time holds the read); else, where `fit` reads them
+        before the call (PyTorch), the function telling when the read of the call's batches
+        began (`time.perf_counter()`)."""
+
 
 def backend_steps(user: str) -> type[KerasSteps]:
     """`KerasSteps` for the backend Keras runs on; `user` names the caller in the error for
@@ -139,7 +145,11 @@ def backend_steps(user: str) -> type[KerasSteps]:
         from feedpipe.jax.keras_step import JaxSteps
 
         return JaxSteps
+    if backend == "torch":
+        from feedpipe.torch.keras_step import TorchSteps
+
+        return TorchSteps
     raise RuntimeError(
-        f"{user} needs Keras on TensorFlow or JAX, but Keras runs on {backend!r}; set "
-        "KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax before importing keras."
+        f"{user} needs Keras on TensorFlow, JAX or PyTorch, but Keras runs on {backend!r}; set "
+        "KERAS_BACKEND to tensorflow, jax or torch before importing keras."
     )

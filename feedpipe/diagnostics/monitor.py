@@ -1,18 +1,21 @@
 """StarvationMonitor: is `model.fit` input-bound, whatever feeds it?
 
-Keras runs a step by calling `model.train_function`, which takes the batch from its input
-*inside* the call: on TensorFlow a compiled function whose `iterator.get_next()` sits in the
-graph (every input `fit` accepts becomes a `tf.data` iterator); on JAX a function of the
-training state and an iterator, which it reads with `next` before the jitted step. The wait
-for input is hidden inside the step, so no callback can read it directly. It is derived
-instead, by a headspace A/B:
+Keras runs a step by calling `model.train_function`, which on TensorFlow and JAX takes the
+batch from its input *inside* the call: on TensorFlow a compiled function whose
+`iterator.get_next()` sits in the graph (every input `fit` accepts becomes a `tf.data`
+iterator); on JAX a function of the training state and an iterator, which it reads with `next`
+before the jitted step. On PyTorch `fit` reads the batch from its epoch iterator just before
+the call, between the callbacks of two steps. Either way the wait for input is hidden from the
+callbacks, so no callback can read it directly. It is derived instead, by a headspace A/B:
 
-- A, the real step: the time from each call of `train_function` until Keras hands its logs to
+- A, the real step: the time from each call of `train_function` (on PyTorch, from the start of
+  the read of its batch, which the running fit's input notes) until Keras hands its logs to
   the callbacks (they are numbers by then, so the device has finished the step);
 - B, the step alone: the same compiled function on an input that costs nothing, one real batch
   served again and again from memory, timed `headspace_steps` times at the end of every
-  epoch, training left as it was (on TensorFlow every variable it changes is saved before and
-  put back after; on JAX it runs on a copy of the state). (Not in the middle of an epoch: the
+  epoch, training left as it was (on TensorFlow and PyTorch every variable it changes is saved
+  before and put back after; on JAX it runs on a copy of the state). (Not in the middle of an
+  epoch: the
   input would fill its buffers meanwhile, and the steps after would read as fed.)
 
 The input-wait fraction is `1 - B / A`: the share of the real step that was not the step
@@ -30,6 +33,7 @@ import dataclasses
 import importlib.util
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from feedpipe._frameworks import import_keras
@@ -209,8 +213,10 @@ class StarvationMonitor(keras.callbacks.Callback):
     """A Keras callback that tells, per epoch, whether `model.fit` waits for its input.
 
     It works for any input `fit` takes (`tf.data`, `PyDataset`, a generator, a feeder or its
-    `as_dataset()`), on Keras's TensorFlow and JAX backends: it wraps `model.train_function`
-    for the fit (two clock reads per call) and puts Keras's own function back at the end. On
+    `as_dataset()`), on Keras's TensorFlow, JAX and PyTorch backends: it wraps
+    `model.train_function` for the fit (two clock reads per call; on PyTorch, where `fit` reads
+    the batch before the call, the fit's input notes when each read begins) and puts Keras's
+    own function back at the end. On
     the fit's second call it takes one real batch from the stream (the step trains on it
     exactly once, as it would have) and keeps it in memory for the fit; at the end of every
     epoch that has timed steps it runs the same compiled train function `headspace_steps`
@@ -280,6 +286,9 @@ class StarvationMonitor(keras.callbacks.Callback):
         """One entry per measured epoch of the latest fit."""
         self._original: Any = None
         self._steps: KerasSteps | None = None
+        self._read_began: Callable[[], float] | None = None
+        """When the read of the coming call's batches began, where `fit` reads them before
+        the call (PyTorch); None where the call reads them itself."""
         self._writer: Any = None
         self._spe = 1
         self._total_steps: int | None = None
@@ -324,6 +333,7 @@ class StarvationMonitor(keras.callbacks.Callback):
             )
         self._original = function
         self._steps = self._steps_type(model)
+        self._read_began = self._steps.watch_reads()
         self._spe = int(model.steps_per_execution)
         self._total_steps = (self.params or {}).get("steps")
         self._reset_fit()
@@ -331,7 +341,8 @@ class StarvationMonitor(keras.callbacks.Callback):
         model.train_function = self._wrap(function)
 
     def _wrap(self, original):
-        # TensorFlow's train function takes the input; JAX's takes the state, then the input.
+        # TensorFlow's train function takes the input; JAX's takes the state, then the input;
+        # PyTorch's takes the batches `fit` has just read, so its call is timed from that read.
         # Runs every call of every fit: `_started` is already None here (each batch's end and
         # each epoch's begin clear it), so only a timed call sets it.
         def train_function(*args):
@@ -342,7 +353,8 @@ class StarvationMonitor(keras.callbacks.Callback):
             if self._epoch_calls > 1:  # an epoch's first call is not timed
                 if self._epoch_other_load is None:
                     self._epoch_other_load = OtherLoadSpan()
-                self._started = time.perf_counter()
+                began = self._read_began
+                self._started = time.perf_counter() if began is None else began()
             return original(*args)
 
         setattr(train_function, _ORIGINAL, original)
@@ -414,6 +426,7 @@ class StarvationMonitor(keras.callbacks.Callback):
             model.train_function = self._original
         self._original = None
         self._steps = None
+        self._read_began = None
         self._resident = None
         if self._writer is not None:
             self._writer.close()

@@ -166,10 +166,14 @@ def _keras_arrays_remedies(diagnosis: Diagnosis, described: FeederDescription | 
 
 
 def _handoff_bound(diagnosis: Diagnosis, feeder: Feeder | None) -> str | None:
-    """Where a Feeder feeds a Keras model and its own producer is far faster than the batches
-    that reach the step: the measurement that says the hand-off limits the input."""
+    """Where a TensorFlow Feeder feeds a Keras model and its own producer is far faster than
+    the batches that reach the step: the measurement that says the hand-off limits the input
+    (its remedy, `fp.train`, is TensorFlow's; JAX and PyTorch take the staged batches as they
+    are, with no `as_dataset()` between)."""
     producer = diagnosis.producer_steps_per_s
-    if feeder is None or not diagnosis.waits_derived or producer >= diagnosis.consumer_steps_per_s:
+    if feeder is None or feeder.layer.name != "tensorflow" or not diagnosis.waits_derived:
+        return None
+    if producer >= diagnosis.consumer_steps_per_s:
         return None
     own = feeder.stats().producer_samples_per_s / feeder.options.global_batch_size
     if own < HANDOFF_MARGIN * producer:

@@ -49,6 +49,9 @@ class JaxSteps:
         )
         return itertools.repeat(placed)
 
+    def watch_reads(self) -> None:
+        """None: the train function reads its batches itself, inside the call."""
+
     @contextlib.contextmanager
     def detached(self, function: Callable) -> Iterator[Callable[[Any], Any]]:
         """`function` to call on an input, run on a copy of the training state."""

@@ -100,6 +100,9 @@ class TensorFlowSteps:
 
         return iter(strategy.distribute_datasets_from_function(replica_batches))
 
+    def watch_reads(self) -> None:
+        """None: the train function reads its batches itself, inside the call."""
+
     @contextlib.contextmanager
     def detached(self, function: Callable) -> Iterator[Callable[[Any], Any]]:
         """`function` to call on an input, every variable it changes put back afterwards."""

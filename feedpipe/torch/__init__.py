@@ -5,5 +5,5 @@ device under `torch.distributed` (as `DistributedDataParallel` runs), Keras on i
 feeder's own), `batch` (what the step takes), `feeder` (the feeder
 `fp.Feeder(..., devices=[torch.device("cuda:0")])` builds, with `state_dict()`), `agreement`
 (the processes' check through `torch.distributed`'s store), `keras` (what Keras's torch trainer
-reads).
+reads), `keras_step` (Keras's train function as `StarvationMonitor` and `diagnose` run it).
 """
