@@ -14,7 +14,8 @@ import optree
 import torch
 
 from feedpipe._internals import keras_torch_device
-from feedpipe.core.weights import weighting
+from feedpipe.core.weights import broadcastable, weighting
+from feedpipe.torch.layer import resolve_devices
 
 
 def _check_device(feeder: Any) -> None:
@@ -23,15 +24,12 @@ def _check_device(feeder: Any) -> None:
     if keras_device.type == "cuda" and keras_device.index is None:
         keras_device = torch.device("cuda", torch.cuda.current_device())
     if list(feeder.devices) != [keras_device]:
+        default = resolve_devices(None) == (keras_device,)
         raise ValueError(
             f"Keras's torch backend trains on {keras_device}, but the feeder stages on "
-            f"{list(feeder.devices)}; build it with devices=[torch.device('{keras_device}')] "
-            "(or none: this process's device)."
+            f"{list(feeder.devices)}; build it with devices=[torch.device('{keras_device}')]"
+            + (" (or none: this process's device)." if default else ".")
         )
-
-
-def _broadcastable(rows: torch.Tensor, ndim: int) -> torch.Tensor:
-    return rows.reshape(rows.shape + (1,) * (ndim - 1))
 
 
 def keras_batches(feeder: Any, *, real_only: bool = False) -> Iterator[Any]:
@@ -65,10 +63,10 @@ def keras_batches(feeder: Any, *, real_only: bool = False) -> Iterator[Any]:
         rows = made[key][1]
         if how == "add":
             weights = optree.tree_map(
-                lambda y, rows=rows: _broadcastable(rows, y.ndim).clone(), inputs[1]
+                lambda y, rows=rows: broadcastable(rows, y.ndim).clone(), inputs[1]
             )
             yield (*inputs, weights)
         else:
             x, y, given = inputs
-            scaled = given.to(torch.float32) * _broadcastable(rows, given.ndim)
+            scaled = given.to(torch.float32) * broadcastable(rows, given.ndim)
             yield x, y, scaled.to(given.dtype)
