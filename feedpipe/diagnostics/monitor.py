@@ -12,11 +12,10 @@ callbacks, so no callback can read it directly. It is derived instead, by a head
   the read of its batch, which the running fit's input notes) until Keras hands its logs to
   the callbacks (they are numbers by then, so the device has finished the step);
 - B, the step alone: the same compiled function on an input that costs nothing, one real batch
-  served again and again from memory, timed `headspace_steps` times at the end of every
-  epoch, training left as it was (on TensorFlow and PyTorch every variable it changes is saved
-  before and put back after; on JAX it runs on a copy of the state). (Not in the middle of an
-  epoch: the
-  input would fill its buffers meanwhile, and the steps after would read as fed.)
+  served again and again from memory, timed `headspace_steps` times at the end of every epoch,
+  training left as it was (on TensorFlow and PyTorch every variable it changes is saved before
+  and put back after; on JAX it runs on a copy of the state). (Not in the middle of an epoch:
+  the input would fill its buffers meanwhile, and the steps after would read as fed.)
 
 The input-wait fraction is `1 - B / A`: the share of the real step that was not the step
 itself. B is measured after every epoch, because other load on the machine changes the step's
@@ -215,24 +214,25 @@ class StarvationMonitor(keras.callbacks.Callback):
     It works for any input `fit` takes (`tf.data`, `PyDataset`, a generator, a feeder or its
     `as_dataset()`), on Keras's TensorFlow, JAX and PyTorch backends: it wraps
     `model.train_function` for the fit (two clock reads per call; on PyTorch, where `fit` reads
-    the batch before the call, the fit's input notes when each read begins) and puts Keras's
-    own function back at the end. On
-    the fit's second call it takes one real batch from the stream (the step trains on it
-    exactly once, as it would have) and keeps it in memory for the fit; at the end of every
-    epoch that has timed steps it runs the same compiled train function `headspace_steps`
-    times on that batch served from memory (the headspace), saving and restoring every
-    model, optimizer and metric variable around it (on JAX, on a copy of the training state,
-    dropped after). Each measured epoch adds `input_wait_fraction`, its bound
-    `input_wait_fraction_low` / `_high`, `steps_per_s` and `step_alone_steps_per_s` (and,
-    with a `feeder`, `producer_samples_per_s` and `feeder_wait_fraction`) to the epoch logs,
-    appends an `EpochStarvation` to `epochs`, prints the verdict when `verbose`, and writes
-    the figures as TensorBoard scalars under `log_dir`. An epoch with no timed step (fewer
-    than two calls, or three in the first epoch) adds nothing.
+    the batch before the call, the fit's input notes when each read begins) and puts Keras's own
+    function back at the end. On the fit's second call it takes one real batch from the stream
+    (the step trains on it exactly once, as it would have) and keeps it in memory for the fit;
+    at the end of every epoch that has timed steps it runs the same compiled train function
+    `headspace_steps` times on that batch served from memory (the headspace), saving and
+    restoring every model, optimizer and metric variable around it (on PyTorch also the
+    gradients, the modules' training modes and the random generators; on JAX, on a copy of the
+    training state, dropped after). Each measured epoch adds `input_wait_fraction`, its bound
+    `input_wait_fraction_low` / `_high`, `steps_per_s` and `step_alone_steps_per_s` (and, with a
+    `feeder`, `producer_samples_per_s` and `feeder_wait_fraction`) to the epoch logs, appends an
+    `EpochStarvation` to `epochs`, prints the verdict when `verbose`, and writes the figures as
+    TensorBoard scalars under `log_dir`. An epoch with no timed step (fewer than two calls, or
+    three in the first epoch) adds nothing.
 
     Each measured epoch costs `headspace_steps + 1` extra steps (one warms up), or a quarter
     of a second of them if that is more, and a copy of the model's variables to host memory
     and back. Time spent in callbacks listed *before* the monitor counts as step time: list
-    it first.
+    it first (on PyTorch every callback's `on_train_batch_begin` counts too: Keras calls them
+    between the read and the step).
     """
 
     def __init__(
