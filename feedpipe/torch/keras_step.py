@@ -4,9 +4,9 @@ On PyTorch, `fit` reads each batch from its epoch iterator and then calls
 `model.train_function([batch])`, which runs the step eagerly and changes the variables in
 place. The headspace reads its batch the same way, from an iterator, just before each call
 (serving one batch again and again from memory), and puts back everything the steps changed:
-every variable's value, the gradients they left, and each module's training mode. Because the
-read happens before the call, the monitor times it from where the running fit's input begins
-to read (`watch_reads`).
+every variable's value, the gradients they left, each module's training mode and the random
+generators' states. Because the read happens before the call, the monitor times each call from
+where the running fit's input begins to read its batch (`watch_reads`).
 """
 
 from __future__ import annotations
