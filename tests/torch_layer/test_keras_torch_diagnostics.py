@@ -98,25 +98,47 @@ def arrays(length: int = STEPS * BATCH) -> tuple[np.ndarray, np.ndarray]:
     return rng.normal(size=(length, 3)).astype("float32"), rng.normal(size=length).astype("float32")
 
 
+def wall_clock(keras):
+    """Ground truth the monitor does not see: when each call of the step returned."""
+
+    class WallClock(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.ends = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.ends.append(time.perf_counter())
+
+        def step_s(self) -> float:
+            """Mean seconds per step from the end of the third call to the last one."""
+            return (self.ends[-1] - self.ends[2]) / (len(self.ends) - 3)
+
+    return WallClock()
+
+
 def test_a_three_times_slower_source_is_highly_input_bound(keras):
     producer_s = 3 * STEP_S
+    clock = wall_clock(keras)
     with fp.Feeder(SlowBatches(producer_s), BATCH, devices=CPU) as feeder:
         monitor = fp.StarvationMonitor(verbose=0, feeder=feeder)
         sleeping_model(keras).fit(
-            feeder, epochs=1, verbose=0, callbacks=[monitor, feeder.fit_callback()]
+            feeder, epochs=1, verbose=0, callbacks=[monitor, feeder.fit_callback(), clock]
         )
     (epoch,) = monitor.epochs
     assert_reads_the_slower_input(epoch, STEP_S, producer_s, STEPS - 2, rel=0.5)
+    # Timed from the read of each batch, which Keras makes before it calls the step.
+    assert epoch.real_step_s == pytest.approx(clock.step_s(), rel=0.15)
     assert epoch.backend == "torch"
     assert 0.5 * BATCH / producer_s < epoch.producer_samples_per_s < 1.05 * BATCH / producer_s
 
 
 def test_a_three_times_faster_source_is_not_read_as_highly_input_bound(keras):
+    clock = wall_clock(keras)
     with fp.Feeder(SlowBatches(STEP_S / 3), BATCH, devices=CPU) as feeder:
         monitor = fp.StarvationMonitor(verbose=0)
-        sleeping_model(keras).fit(feeder, epochs=1, verbose=0, callbacks=[monitor])
+        sleeping_model(keras).fit(feeder, epochs=1, verbose=0, callbacks=[monitor, clock])
     (epoch,) = monitor.epochs
     assert epoch.verdict != "highly input-bound"
+    assert epoch.real_step_s == pytest.approx(clock.step_s(), rel=0.15)
 
 
 def test_a_slow_input_keras_reads_itself_is_highly_input_bound(keras):
@@ -130,11 +152,12 @@ def test_a_slow_input_keras_reads_itself_is_highly_input_bound(keras):
             time.sleep(3 * STEP_S)
             return np.ones((BATCH, 3), np.float32), np.ones(BATCH, np.float32)
 
-    monitor = fp.StarvationMonitor(verbose=0)
-    sleeping_model(keras).fit(SlowDataset(), epochs=1, verbose=0, callbacks=[monitor])
+    monitor, clock = fp.StarvationMonitor(verbose=0), wall_clock(keras)
+    sleeping_model(keras).fit(SlowDataset(), epochs=1, verbose=0, callbacks=[monitor, clock])
     (epoch,) = monitor.epochs
     assert epoch.verdict == "highly input-bound"
     assert epoch.input_wait_range[0] > 0.5  # read then step, in turn: 3/4 of each is the read
+    assert epoch.real_step_s == pytest.approx(clock.step_s(), rel=0.15)
 
 
 def test_history_carries_each_epochs_figures(keras, capsys):
