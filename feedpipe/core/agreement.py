@@ -14,9 +14,12 @@ collectives (`feedpipe.tf.agreement`: the strategy's all-gathers; `feedpipe.jax.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import time
 from collections.abc import Callable
+from typing import Protocol
 
 from feedpipe.core.split import HostShare
 
@@ -50,6 +53,46 @@ def timeout_s() -> float:
 class NoAnswer(Exception):
     """A host did not take part in the exchange within the layer's wait; the message says
     what the layer's collective reported."""
+
+
+class KeyValueStore(Protocol):
+    """The key-value store a framework's distributed runtime connects every process to, whose
+    reads take a deadline (JAX's coordination service, `torch.distributed`'s store)."""
+
+    def set(self, key: str, value: bytes) -> None:
+        """Sets `key` for every process to read."""
+
+    def get(self, key: str, timeout_s: float) -> bytes:
+        """The value of `key` once some process has set it; `TimeoutError` past `timeout_s`."""
+
+
+_rounds = itertools.count()
+"""Agreements this process has taken part in: every process builds its multi-process feeders
+in the same order (as for any collective), so the n-th of each meets the others' n-th."""
+
+
+def exchange_through(
+    store: KeyValueStore, host: int, hosts: list[int], payload: bytes, name: str
+) -> list[bytes]:
+    """Every host's `payload`, in the order of `hosts` (`host` among them), through `store`:
+    this host sets its own under this agreement's key, then reads every other's, all the reads
+    bounded by one deadline (`timeout_s()`), so that a host whose peer never builds its feeder
+    is told so instead of waiting forever; `NoAnswer` names the first `name` ("rank",
+    "process") that did not answer in time."""
+    key = f"feedpipe/agreement/{next(_rounds)}"
+    store.set(f"{key}/{host}", payload)
+    wait_s = timeout_s()
+    deadline = time.monotonic() + wait_s
+    payloads = []
+    for other in hosts:
+        try:
+            payloads.append(store.get(f"{key}/{other}", max(0.001, deadline - time.monotonic())))
+        except TimeoutError as error:
+            raise NoAnswer(
+                f"{name} {other} built no feeder within {wait_s:g} s ({TIMEOUT_ENV}); "
+                f"{str(error).splitlines()[0][:160]}"
+            ) from error
+    return payloads
 
 
 def check_hosts_agree(
