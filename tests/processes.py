@@ -76,3 +76,17 @@ def assert_demo_trained_alike(stdout: str) -> None:
     }
     assert set(rows) == {"synchronous feeding", "fp.Feeder"}, stdout
     assert rows["synchronous feeding"] == rows["fp.Feeder"], stdout
+
+
+def run_as_a_user(code: list[str] | str, *args: str) -> subprocess.CompletedProcess:
+    """Runs `python -c code` (or `python *code`) in a fresh interpreter without
+    `KERAS_BACKEND`, as a user who installed one framework's extra and set nothing runs it;
+    asserts it succeeds, and returns it (stdout and stderr as text)."""
+    env = {key: value for key, value in os.environ.items() if key != "KERAS_BACKEND"}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    command = [sys.executable, *(["-c", code] if isinstance(code, str) else code), *args]
+    done = subprocess.run(
+        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done

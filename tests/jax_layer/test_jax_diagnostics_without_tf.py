@@ -7,26 +7,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.processes import REPO_ROOT
+from tests.processes import run_as_a_user as run
 
 HAS_TENSORFLOW = importlib.util.find_spec("tensorflow") is not None
-
-
-def run(code: list[str] | str, *args: str) -> subprocess.CompletedProcess:
-    env = {key: value for key, value in os.environ.items() if key != "KERAS_BACKEND"}
-    env["PYTHONPATH"] = str(REPO_ROOT)
-    command = [sys.executable, *(["-c", code] if isinstance(code, str) else code), *args]
-    done = subprocess.run(
-        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
 
 
 def test_diagnosing_a_jax_feeder_with_a_plain_jax_step_loads_neither_tensorflow_nor_keras():

@@ -6,22 +6,8 @@ installed `feedpipe[torch]` and set nothing runs it."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
-from tests.processes import REPO_ROOT
-
-
-def run(code: list[str] | str, *args: str) -> subprocess.CompletedProcess:
-    env = {key: value for key, value in os.environ.items() if key != "KERAS_BACKEND"}
-    env["PYTHONPATH"] = str(REPO_ROOT)
-    command = [sys.executable, *(["-c", code] if isinstance(code, str) else code), *args]
-    done = subprocess.run(
-        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
+from tests.processes import run_as_a_user as run
 
 
 def test_a_plain_torch_step_is_diagnosed_and_nothing_else_is_loaded():

@@ -1,0 +1,28 @@
+"""What the Keras tests of every backend train: the same small data, model and weight check
+(Keras is passed in, so that this module imports no framework)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+LENGTH, BATCH = 100, 32  # the last batch holds 4 real rows and 28 padded ones
+
+
+def data(length: int = LENGTH) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(length, 8)).astype("float32")
+    return x, rng.integers(0, 3, length).astype("int32")
+
+
+def model(keras):
+    keras.utils.set_random_seed(1)
+    net = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(3)])
+    net.compile(
+        keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    return net
+
+
+def assert_same_weights(a, b) -> None:
+    for mine, theirs in zip(a.get_weights(), b.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
