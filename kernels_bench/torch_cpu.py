@@ -40,8 +40,9 @@ round (above ~0.1 core the round did not measure the peers alone). Where other w
 the cores, the CPU per batch stays within a few percent from round to round while the rates
 do not; on a quiet machine whose cores the workers and the step fill, the rates follow it.
 
-Run: `python -m kernels_bench.torch_cpu [--quick]` (PyTorch and torchdata installed, no
-TensorFlow or JAX needed); writes `kernels_bench/results/torch_cpu.json`.
+Run: `python -m kernels_bench.torch_cpu [--quick]` (PyTorch installed, and torchdata for the
+`stateful` peer, which is left out without it; no TensorFlow or JAX needed); writes
+`kernels_bench/results/torch_cpu.json`.
 """
 
 from __future__ import annotations
@@ -250,6 +251,14 @@ def peer_calls(args) -> dict:
 # ---- the command -------------------------------------------------------------------------------
 
 
+def have_torchdata() -> bool:
+    try:
+        import torchdata.stateful_dataloader  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def names(text: str, known, option: str) -> list[str]:
     named = [n.strip() for n in text.split(",") if n.strip()]
     unknown = sorted(set(named) - set(known))
@@ -264,6 +273,9 @@ def main(argv=None) -> None:
     if args.epochs < 2:
         raise SystemExit(f"--epochs={args.epochs}: the steady state is the epochs after the first.")
     peers = names(args.peers, PEERS, "--peers")
+    if "stateful" in peers and not have_torchdata():
+        peers.remove("stateful")
+        print("torchdata is not installed: the StatefulDataLoader peer is left out", flush=True)
     cases = names(args.cases, CASES, "--cases")
     batches = settings.pick(max(8, args.batches // 2), args.batches)
     epochs = settings.pick(max(2, args.epochs - 1), args.epochs)

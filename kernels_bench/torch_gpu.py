@@ -440,14 +440,6 @@ class ConvStep:
         self.optimizer.step()
 
 
-def have_torchdata() -> bool:
-    try:
-        import torchdata.stateful_dataloader  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 class TrainPeers:
     """Builds each peer's input inside the timed window, runs its epochs, tears it down."""
 
@@ -546,7 +538,7 @@ def run_train(report: Report, settings: harness.Settings, dev: Device) -> None:
     if unknown:
         raise SystemExit(f"--train-peers={args.train_peers}: unknown {unknown}; use {TRAIN_PEERS}.")
     peers = [p for p in TRAIN_PEERS if p in peers]
-    if "stateful" in peers and not have_torchdata():
+    if "stateful" in peers and not torch_cpu.have_torchdata():
         peers.remove("stateful")
         report.note(
             "train: torchdata is not installed here; the StatefulDataLoader peer was left out."
