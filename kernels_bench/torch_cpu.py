@@ -21,24 +21,33 @@ epoch, shuffled, `--workers` (2) worker processes for every peer:
   same. `--peers` adds it as `dataloader_fresh`.
 * stateful: torchdata's `StatefulDataLoader` with the same arguments (`persistent_workers=True`).
 
-Two cases, each peer one session of `--epochs` (4) epochs on a fresh loader, peers in rotating
-order in each of `--reps` rounds: `train step`, where each batch goes through a small fixed
-torch step (an MLP 3072-256-10, cross-entropy, SGD, forward and backward, `torch` on
-`--torch-threads` (1) intra-op threads so that the step does not spread over the cores the
-workers use), and `source only`, where each batch is dropped as it arrives (the loaders' own
-rate and cost). Reported per peer: `<peer>_epoch1_s` (from building the loader to the end of
-its first epoch: start-up included), `<peer>_steady_samples_s` (the epochs after the first),
-`<peer>_main_cpu_ms` and `<peer>_tree_cpu_ms` (CPU per batch over the steady epochs: this
-process, every thread; and with the loader's worker processes). Ratios within a round, then
-medians: `feedpipe_over_<peer>_steady` (samples/s) and `feedpipe_over_<peer>_epoch1` (the
-peer's first-epoch time over feedpipe's), above 1 where feedpipe is faster;
-`feedpipe_main_cpu_over_<peer>` and `feedpipe_tree_cpu_over_<peer>` (CPU per batch, feedpipe's
-over the peer's), below 1 where feedpipe spends less. Targets: feedpipe / dataloader and
-feedpipe / stateful >= 1.0 in the steady state of `train step`; the first epoch and `source
-only` are reported. `other_cores` is the CPU other processes on the machine used during the
-round (above ~0.1 core the round did not measure the peers alone). Where other work shares
-the cores, the CPU per batch stays within a few percent from round to round while the rates
-do not; on a quiet machine whose cores the workers and the step fill, the rates follow it.
+Two cases: `train step`, where each batch goes through a small fixed torch step (an MLP
+3072-256-10, cross-entropy, SGD, forward and backward, `torch` on `--torch-threads` (1) intra-op
+threads so that the step does not spread over the cores the workers use), and `source only`,
+where each batch is dropped as it arrives (the loaders' own rate and cost). Each of `--reps`
+rounds builds a fresh loader of every peer and runs `--epochs` (4) epochs of each: first each
+peer's loader is built and its first epoch run, one peer after another (timed together: the
+first epoch, start-up included); then the later epochs are interleaved, one epoch of each peer
+in turn, the order rotated every pass and every round, so that other work on the machine (on a
+shared 2-core machine, an epoch of a second or so sees far less change in it than a whole
+session does) weighs on every peer alike. Each epoch ends by asking for the next one's iterator,
+as back-to-back epochs do, so each peer makes about 4 batches of its next epoch ahead (see
+`PeerRun`).
+
+Reported per peer: `<peer>_epoch1_s` (from building the loader to the end of its first epoch),
+`<peer>_steady_samples_s` (the later epochs), and CPU per batch over the later epochs:
+`<peer>_main_cpu_ms` (in this process: the loop's thread during the peer's epochs, steps
+included, and feedpipe's own threads), `<peer>_workers_cpu_ms` (its worker processes) and
+`<peer>_tree_cpu_ms` (both). Ratios within a round, then medians: `feedpipe_over_<peer>_steady`
+(samples/s) and `feedpipe_over_<peer>_epoch1` (the peer's first-epoch time over feedpipe's),
+above 1 where feedpipe is faster; `feedpipe_<where>_cpu_over_<peer>` (CPU per batch, feedpipe's
+over the peer's, `<where>` main, workers or tree), below 1 where feedpipe spends less. Targets:
+feedpipe / dataloader and feedpipe / stateful >= 1.0 in the steady state of `train step`; the
+first epoch and `source only` are reported. `other_cores` is the CPU other processes on the
+machine used during the round (above ~0.1 core the round did not measure the peers alone).
+Where other work shares the cores, the CPU per batch changes little from round to round while
+the rates do not; on a quiet machine whose cores the workers and the step fill, the rates
+follow it.
 
 Run: `python -m kernels_bench.torch_cpu [--quick]` (PyTorch installed, and torchdata for the
 `stateful` peer, which is left out without it; no TensorFlow or JAX needed); writes
@@ -48,10 +57,12 @@ Run: `python -m kernels_bench.torch_cpu [--quick]` (PyTorch installed, and torch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import os
 import sys
+import threading
 import time
 import warnings
 
@@ -69,7 +80,9 @@ CASES = {"train step": True, "source only": False}
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=64, help="global batch")
     parser.add_argument("--batches", type=int, default=64, help="batches per epoch")
-    parser.add_argument("--epochs", type=int, default=4, help="epochs per session (>= 2)")
+    parser.add_argument(
+        "--epochs", type=int, default=4, help="epochs of each loader per round (>= 2)"
+    )
     parser.add_argument("--workers", type=int, default=2, help="worker processes of each peer")
     parser.add_argument("--sample-ms", type=float, default=0.25, help="CPU per sample, ms")
     parser.add_argument("--hidden", type=int, default=256, help="the step's hidden units")
@@ -159,7 +172,7 @@ def inputs(peer: str, item):
 
 
 def close(peer: str, loader) -> None:
-    """Stops `loader`'s workers now, so that none runs into the next peer's session."""
+    """Stops `loader`'s workers now, so that none runs on into the next round."""
     if peer == "feedpipe":
         loader.close()
         return
@@ -170,42 +183,162 @@ def close(peer: str, loader) -> None:
         iterator._shutdown_workers()
 
 
-def session(peer: str, source, args, step: TrainStep | None, epochs: int, batches: int) -> dict:
-    """One fresh loader of `peer`, `epochs` epochs of `batches`; its figures."""
-    started = time.perf_counter()
-    loader = build(peer, source, args.batch, args.workers, args.seed)
-    ends, cpu, seen = [], [], []
-    try:
-        for _ in range(epochs):
-            count = 0
-            for item in loader:
-                if step is not None:
-                    step(*inputs(peer, item))
-                del item
-                count += 1
-            ends.append(time.perf_counter())
-            cpu.append((time.process_time(), tree_cpu_s()))
-            seen.append(count)
-    finally:
-        close(peer, loader)
-        del loader
+def child_pids() -> set[int]:
+    import psutil
+
+    return {child.pid for child in psutil.Process().children(recursive=True)}
+
+
+class WorkerClock:
+    """CPU-seconds a loader's worker processes have used since it began (a worker that has
+    ended counts what it had used when last read)."""
+
+    def __init__(self, pids: set[int]):
+        import psutil
+
+        self.processes = []
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                self.processes.append(psutil.Process(pid))
+        self.last = dict.fromkeys(pids, 0.0)
+        self.start = self()
+
+    def __call__(self) -> float:
+        import psutil
+
+        for process in self.processes:
+            with contextlib.suppress(psutil.Error):
+                times = process.cpu_times()
+                self.last[process.pid] = times.user + times.system
+        return sum(self.last.values())
+
+    def used_s(self) -> float:
+        return self() - self.start
+
+
+class ThreadClock:
+    """CPU-seconds this process's threads named `prefix*` (feedpipe's) have used since it
+    began (a thread that has ended counts what it had used when last read)."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self.last: dict[int, float] = {}
+        self.start = self()
+
+    def __call__(self) -> float:
+        for thread in threading.enumerate():
+            if thread.name.startswith(self.prefix) and thread.ident is not None:
+                with contextlib.suppress(OSError):  # ended meanwhile
+                    self.last[thread.ident] = harness.cpu_clock(thread.ident)()
+        return sum(self.last.values())
+
+    def used_s(self) -> float:
+        return self() - self.start
+
+
+class PeerRun:
+    """One peer's loader through a round: its first epoch, then its later epochs one at a time,
+    interleaved with the other peers' (see `run_round`).
+
+    Each epoch ends by asking for the next epoch's iterator, as a loop running epochs back to
+    back does: a DataLoader with persistent workers then hands its workers the next epoch's
+    first `prefetch_factor` batches each, while feedpipe's pipeline, which runs on across an
+    epoch's end, fills its `depth` and its slots in flight. Either makes about 4 batches of its
+    next epoch while the other peers' epochs are timed, and starts its own with them.
+    """
+
+    def __init__(self, peer: str, source, args, step: TrainStep | None, batches: int):
+        self.peer = peer
+        self.source = source
+        self.args = args
+        self.step = step
+        self.batches = batches
+        self.seen: list[int] = []
+        self.epoch1_s = 0.0
+        self.steady_s = 0.0
+        self.main_cpu_s = 0.0
+        self.workers: WorkerClock | None = None
+        self.threads: ThreadClock | None = None
+        self.loader = self.iterator = None
+
+    def first_epoch(self) -> None:
+        """Builds the loader and runs its first epoch, both timed; finds its worker processes
+        (a DataLoader without persistent workers has new ones every epoch: not followed)."""
+        before = child_pids()
+        started = time.perf_counter()
+        self.loader = build(
+            self.peer, self.source, self.args.batch, self.args.workers, self.args.seed
+        )
+        self.iterator = iter(self.loader)
+        self._epoch()
+        self.epoch1_s = time.perf_counter() - started
+        if self.peer != "dataloader_fresh":
+            self.workers = WorkerClock(child_pids() - before)
+        if self.peer == "feedpipe":  # its producer thread works beside the loop
+            self.threads = ThreadClock("feedpipe")
+
+    def epoch(self) -> None:
+        """One later epoch, timed, and the CPU of the loop's thread during it."""
+        cpu, started = time.thread_time(), time.perf_counter()
+        self._epoch()
+        self.steady_s += time.perf_counter() - started
+        self.main_cpu_s += time.thread_time() - cpu
+
+    def _epoch(self) -> None:
+        count = 0
+        for item in self.iterator:
+            if self.step is not None:
+                self.step(*inputs(self.peer, item))
+            del item
+            count += 1
+        self.seen.append(count)
+        self.iterator = iter(self.loader)
+
+    def figures(self) -> dict:
+        epochs = len(self.seen)
+        if self.seen != [self.batches] * epochs:
+            raise RuntimeError(
+                f"{self.peer}: expected {epochs} epochs of {self.batches} batches, saw {self.seen}"
+            )
+        steady = self.batches * (epochs - 1)
+        workers_ms = None if self.workers is None else self.workers.used_s() / steady * 1e3
+        threads_s = 0.0 if self.threads is None else self.threads.used_s()
+        main_ms = (self.main_cpu_s + threads_s) / steady * 1e3
+        return {
+            f"{self.peer}_epoch1_s": self.epoch1_s,
+            f"{self.peer}_steady_samples_s": steady * self.args.batch / self.steady_s,
+            f"{self.peer}_main_cpu_ms": main_ms,
+            f"{self.peer}_workers_cpu_ms": workers_ms,
+            f"{self.peer}_tree_cpu_ms": None if workers_ms is None else main_ms + workers_ms,
+        }
+
+    def stop(self) -> None:
+        """Stops the loader's workers now."""
+        self.iterator = None
+        if self.loader is not None:
+            close(self.peer, self.loader)
+            self.loader = None
         gc.collect()
-    if seen != [batches] * epochs:
-        raise RuntimeError(f"{peer}: expected {epochs} epochs of {batches} batches, saw {seen}")
-    steady_batches = batches * (epochs - 1)
-    return {
-        f"{peer}_epoch1_s": ends[0] - started,
-        f"{peer}_steady_samples_s": steady_batches * args.batch / (ends[-1] - ends[0]),
-        f"{peer}_main_cpu_ms": (cpu[-1][0] - cpu[0][0]) / steady_batches * 1e3,
-        f"{peer}_tree_cpu_ms": (cpu[-1][1] - cpu[0][1]) / steady_batches * 1e3,
-    }
 
 
-def tree_cpu_s() -> float:
-    """CPU-seconds of this process, its live child processes and those it has waited for (a
-    DataLoader without persistent workers ends its pool every epoch)."""
-    ended = os.times()
-    return harness.tree_cpu_s() + ended.children_user + ended.children_system
+def run_round(peers: list[str], rep: int, source, args, step, epochs: int, batches: int) -> dict:
+    """One round: each peer's loader built and its first epoch run, one peer after another; then
+    the later epochs interleaved, one epoch of each peer in turn, the order rotated every pass
+    and every round, so that other work on the machine weighs on every peer alike."""
+    runs = {peer: PeerRun(peer, source, args, step, batches) for peer in peers}
+    values: dict = {}
+    try:
+        for peer in harness.rotate(peers, rep):
+            runs[peer].first_epoch()
+        for n in range(epochs - 1):
+            for peer in harness.rotate(peers, rep + n + 1):
+                runs[peer].epoch()
+        for run in runs.values():
+            values.update(run.figures())
+    finally:
+        for run in runs.values():
+            run.stop()
+    return values
 
 
 def ratios(values: dict, peers: list[str]) -> None:
@@ -220,10 +353,10 @@ def ratios(values: dict, peers: list[str]) -> None:
         values[f"feedpipe_over_{peer}_epoch1"] = (
             values[f"{peer}_epoch1_s"] / values["feedpipe_epoch1_s"]
         )
-        for where in ("main", "tree"):
-            values[f"feedpipe_{where}_cpu_over_{peer}"] = (
-                values[f"feedpipe_{where}_cpu_ms"] / values[f"{peer}_{where}_cpu_ms"]
-            )
+        for where in ("main", "workers", "tree"):
+            ours, theirs = values[f"feedpipe_{where}_cpu_ms"], values[f"{peer}_{where}_cpu_ms"]
+            if ours is not None and theirs is not None:
+                values[f"feedpipe_{where}_cpu_over_{peer}"] = ours / theirs
 
 
 def peer_calls(args) -> dict:
@@ -306,17 +439,14 @@ def main(argv=None) -> None:
     small = max(1, batches // 4)
     warm_source = copy.copy(source)
     warm_source.length = small * args.batch
-    for peer in peers:  # imports, the operating system's caches; never timed
-        session(peer, warm_source, args, step, 2, small)
+    run_round(peers, 0, warm_source, args, step, 2, small)  # imports, caches; never timed
 
     for case in cases:
         case_step = step if CASES[case] else None
         reps = []
         for rep in range(settings.reps):
-            values: dict = {}
             with harness.OtherLoad() as other:
-                for peer in harness.rotate(peers, rep):
-                    values.update(session(peer, source, args, case_step, epochs, batches))
+                values = run_round(peers, rep, source, args, case_step, epochs, batches)
             ratios(values, peers)
             values["other_cores"] = other.cores
             reps.append(values)
@@ -334,7 +464,7 @@ def main(argv=None) -> None:
             {
                 "global_batch": args.batch,
                 "batches_per_epoch": batches,
-                "epochs_per_session": epochs,
+                "epochs_per_round": epochs,
                 "workers": args.workers,
                 "source": source.as_dict(),
                 "source_batch_ms": source_batch_s * 1e3,
@@ -371,12 +501,13 @@ def main(argv=None) -> None:
                     f"fp.Feeder / {label} (persistent workers), steady samples/s",
                 )
     report.note(
-        "Each session builds its loader inside the timed window: epoch1 = from building the "
-        "loader to the end of its first epoch (worker start-up included), steady = the epochs "
-        "after the first. Ratios within a round (peers in rotating order), medians over rounds. "
-        "main/tree CPU: CPU-ms per batch over the steady epochs, this process (every thread) "
-        "and with its live child processes (the loader's workers). other_cores: CPU (in "
-        "cores) used by other processes on the machine during the round."
+        "Per round, every peer's loader is built fresh: epoch1 = from building it to the end of "
+        "its first epoch (worker start-up included), the peers one after another; steady = the "
+        "later epochs, one epoch of each peer in turn, the order rotated every pass and round. "
+        "Ratios within a round, medians over rounds. CPU-ms per batch over the later epochs: "
+        "main = the loop's thread during the peer's epochs (the step included) and feedpipe's "
+        "own threads; workers = the loader's worker processes; tree = both. other_cores: CPU "
+        "(in cores) used by other processes on the machine during the round."
     )
     report.note(
         "Frameworks imported: "
