@@ -452,16 +452,23 @@ class TrainPeers:
         self.feeder_stats = None
 
     def batches(self, peer: str, loader) -> Iterator[tuple]:
-        """One epoch of `(x, y)` on the device, as `peer`'s users write the loop."""
+        """One epoch of `(x, y)` on the device, as `peer`'s users write the loop; nothing of a
+        batch is held here while the next one is asked for."""
         device = self.dev.device
         if peer == "resident":
             yield from itertools.islice(itertools.cycle(self.resident), self.args.steps)
         elif peer in ("feedpipe", "feeder_alone"):
             for batch in loader:
-                yield batch.distributed()[0]
+                inputs = batch.distributed()[0]
+                del batch
+                yield inputs
+                del inputs
         else:
             for x, y in loader:
-                yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                inputs = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                del x, y
+                yield inputs
+                del inputs
 
     def session(self, peer: str, epochs: int, source=None, workers: int | None = None) -> dict:
         """A fresh `peer` over `epochs` epochs; its figures."""
