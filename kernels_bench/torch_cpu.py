@@ -387,7 +387,7 @@ def peer_calls(args) -> dict:
 def have_torchdata() -> bool:
     try:
         import torchdata.stateful_dataloader  # noqa: F401
-    except ImportError:
+    except (ImportError, AttributeError):  # absent, or built against another torch
         return False
     return True
 

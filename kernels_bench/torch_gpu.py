@@ -43,7 +43,9 @@ first epoch is DataLoader's default's. feedpipe's workers are spawned interprete
 numpy and `kernels_bench.gpu` (numpy and the standard library at the top), never torch.
 
 Run on the GPU machine (PyTorch with CUDA; no JAX, TensorFlow or Keras needed; torchdata only
-for the `stateful` peer), from the repository root:
+for the `stateful` peer: where it is not installed, carry its wheel, pure Python, in `.whl`
+with `python3 -m pip download --no-deps -d .whl torchdata==0.11.0`, which `gpu_run.sh`
+installs), from the repository root:
 
     PYTHONPATH=$PWD python3 -m kernels_bench.torch_gpu
 
