@@ -64,10 +64,11 @@ pip, for the GPU machine's Python (3.12 here; ~7 MB):
 Then, on the GPU machine, in the repository root with `.whl` carried beside the checkout, the
 one command, which also runs the JAX GPU tests first (`tests/gpu/test_gpu_jax.py`):
 
-    bash kernels_bench/gpu_run.sh
+    GPU_RUN=jax bash kernels_bench/gpu_run.sh
 
 which takes about 7 minutes, writes `kernels_bench/results/gpu.json` and copies it with both
-logs to `$OUT`. `--smoke` shrinks every
+logs to `$OUT` (without `GPU_RUN=jax` it goes on with PyTorch's half, `kernels_bench.torch_gpu`
+and its tests). `--smoke` shrinks every
 part (a few small batches, 2 workers, 3 repetitions, under 2 minutes) so that it runs on CPU JAX
 as a check that the script works, and writes `gpu_smoke.json` instead: its figures are labelled
 with the platform they came from, and on a CPU device `jax.device_put` may wrap host memory
