@@ -39,10 +39,12 @@ class Batch(core.Batch):
         """The consumer's stream on each device waits for this batch's copies (see the class)."""
         if not self._copies:
             return
-        for (device, event), replica in zip(self._copies, self.replicas, strict=True):
+        for (device, event), replica, mask in zip(
+            self._copies, self.replicas, self.masks, strict=True
+        ):
             stream = torch.cuda.current_stream(device)
             stream.wait_event(event)
-            for tensor in optree.tree_leaves(replica):
+            for tensor in (*optree.tree_leaves(replica), mask):
                 tensor.record_stream(stream)
 
     def distributed(self) -> tuple[Any, Any]:

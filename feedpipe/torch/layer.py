@@ -179,11 +179,20 @@ class Stager:
         self.masks = MaskCache(len(layer.devices), layout.split.per_replica, self._place_masks)
 
     def _place_masks(self, parts: np.ndarray) -> tuple[torch.Tensor, ...]:
-        # Made once per pattern on the default stream and kept: no stream reuses their memory.
-        return tuple(
-            torch.from_numpy(part.copy()).to(device)
-            for part, device in zip(parts, self.layer.devices, strict=True)
-        )
+        """A pattern's masks, made once and kept; on CUDA copied on the feeder's own streams
+        (a copy on the default stream would wait for every step queued there)."""
+        devices = self.layer.devices
+        if self.streams is None:
+            return tuple(
+                torch.from_numpy(p.copy()).to(d) for p, d in zip(parts, devices, strict=True)
+            )
+        masks = []
+        for part, device, stream in zip(parts, devices, self.streams, strict=True):
+            with torch.cuda.stream(stream):
+                masks.append(torch.from_numpy(part.copy()).to(device, non_blocking=True))
+        for stream in self.streams:
+            stream.synchronize()  # its own copies alone: the part's host memory is then free
+        return tuple(masks)
 
     def stage(self, step: Step, leased: np.ndarray | Imported) -> Batch:
         """The batch in the `leased` bytes of a slot, placed on the devices; returns once the

@@ -37,6 +37,9 @@ class FakeStream:
     def wait_event(self, event) -> None:
         self.log.calls.append(("wait_event", self.name, event.number))
 
+    def synchronize(self) -> None:
+        self.log.calls.append(("stream_synchronize", self.name))
+
 
 class FakeEvent:
     made = 0
@@ -105,7 +108,10 @@ def test_copies_run_on_each_devices_own_stream_and_the_consumer_waits_for_them(f
     assert [c[1] for c in first[6:]] == events  # the slot returns after its own copies
     waits = [c for c in calls if c[0] == "wait_event"]
     assert waits[:2] == [("wait_event", "consumer", e) for e in events]
-    leaves = [t for replica in batch.replicas for t in replica]
+    # The masks, made once per pattern, are copied on the same own streams, waited for there.
+    copy_streams = {first[0][1], first[3][1]}
+    assert {c[1] for c in calls if c[0] == "stream_synchronize"} == copy_streams
+    leaves = [t for replica in batch.replicas for t in replica] + list(batch.masks)
     assert len(marked) >= len(leaves)
     assert all(name == "consumer" for _, name in marked)
     assert {id(t) for t in leaves} <= {id(t) for t, _ in marked}
