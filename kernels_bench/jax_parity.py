@@ -36,7 +36,8 @@ every thread, per step over the same epochs). Ratios are times, feeder over its 
 the feeder is slower), taken within each round, then the median over rounds:
 `feeder_time_over_<peer>_steady` and `_epoch1`, and `feeder_cpu_over_<peer>_steady`. Targets:
 `feeder_time_over_<peer>_steady` <= 1.05, in both cases. `other_cores` is the CPU other
-processes used during the round.
+processes used during the round; each case's `by_load` gives the ratios' medians over the
+rounds with other processes under 0.1 core (`quiet`) and over the rest (`loaded`).
 
 A third case, `phases`, times what each input path costs per batch with no step running, in
 the same rounds: the step alone on a batch already on the devices (`step_plain_ms`,
@@ -59,6 +60,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -69,6 +71,9 @@ from kernels_bench import harness
 
 DEVICES = 4
 TARGET = 1.05
+QUIET_CORES = 0.1
+"""A round during which other processes used more CPU than this did not measure the peers
+alone (as in `workers.py`): the case's `by_load` gives the ratios' medians both ways."""
 CASES = ("optax loop", "keras fit")
 
 
@@ -395,6 +400,7 @@ def paired_rounds(
             **{f"{p}_steady_ms": "ms/step" for p in peers},
             **{f"{p}_steady_cpu_ms": "ms/step" for p in peers},
         },
+        extra={"by_load": by_load(reps)},
     )
     report.target(
         case,
@@ -403,6 +409,20 @@ def paired_rounds(
         TARGET,
         f"feeder / {other}, steady-state time per step",
     )
+
+
+def by_load(reps: list[dict]) -> dict:
+    """Each ratio's median over the quiet rounds (other processes under `QUIET_CORES`) and
+    over the rest, with how many rounds each holds."""
+    out = {}
+    for name, quiet in (("quiet", True), ("loaded", False)):
+        rows = [row for row in reps if (row["other_cores"] < QUIET_CORES) == quiet]
+        out[name] = {"rounds": len(rows)} | {
+            key: statistics.median(row[key] for row in rows) if rows else None
+            for key in reps[0]
+            if key.startswith(("feeder_time_over_", "feeder_cpu_over_"))
+        }
+    return out
 
 
 # ---- phases ----------------------------------------------------------------------------------
@@ -617,8 +637,9 @@ def main(argv=None) -> None:
         "(the two peers' order alternating), medians over rounds. steady = per step over the "
         "epochs after the first; epoch1 = from building the input to the end of the first "
         "epoch (steps compiled before the rounds; first calls in each case's params as "
-        "<peer>_compile_s). other_cores: CPU (in cores) used by other processes on the "
-        "machine during the round."
+        "<peer>_compile_s). by_load: the same medians over the rounds during which other "
+        f"processes used under {QUIET_CORES} core (quiet) and the rest. other_cores: CPU (in "
+        "cores) used by other processes on the machine during the round."
     )
     report.note(f"TensorFlow imported during the run: {'tensorflow' in sys.modules}.")
     report.finish(
