@@ -32,6 +32,7 @@ SCRIPTS = (
     "images",
     "multi_worker",
     "data_service",
+    "jax_parity",
 )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import optree
 from jax.sharding import Sharding
 
 from feedpipe.core import batch as core
@@ -13,24 +14,47 @@ from feedpipe.core import batch as core
 class Batch(core.Batch):
     """One global batch, already on the devices: what the training step takes (the fields are
     `fp.Batch`'s, every array a `jax.Array`; under `jax.distributed`, this process's
-    devices only)."""
+    devices only).
+
+    A batch staged on CPU devices is made as global arrays (`inputs`); its `replicas` are
+    their shards, taken out the first time they are asked for.
+    """
 
     __slots__ = ("_inputs", "_layer", "_mask")
 
     def __init__(
         self,
-        replicas: tuple,
+        replicas: tuple | None,
         masks: tuple,
         num_valid: int,
         epoch: int,
         step: int,
         mask: jax.Array,
         layer: Any,
+        inputs: Any = None,
     ):
         super().__init__(replicas, masks, num_valid, epoch, step)
         self._mask = mask
         self._layer = layer
-        self._inputs: Any = None
+        self._inputs: Any = inputs
+
+    @property
+    def replicas(self) -> tuple:
+        """One entry per device of this process, in mesh order: the sample's structure, each
+        field that device's rows (see `fp.Batch`)."""
+        replicas = core.Batch.replicas.__get__(self)
+        if replicas is None:
+            leaves, treespec = optree.tree_flatten(self._inputs)
+            replicas = tuple(
+                optree.tree_unflatten(treespec, [leaf.addressable_data(i) for leaf in leaves])
+                for i in range(len(self._layer.devices))
+            )
+            core.Batch.replicas.__set__(self, replicas)
+        return replicas
+
+    @replicas.setter
+    def replicas(self, replicas: tuple | None) -> None:
+        core.Batch.replicas.__set__(self, replicas)
 
     def distributed(self, sharding: Sharding | None = None) -> tuple[Any, Any]:
         """`(inputs, mask)` as global `jax.Array`s, axis 0 sharded over the feeder's devices.

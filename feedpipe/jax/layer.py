@@ -13,9 +13,13 @@ thread waits for that copy before handing the batch over; `copy_path` says which
 On a CPU device JAX would wrap the slot's memory instead, and let it go only at its next call
 after the array dies: a producer waiting for that slot makes no such call, so the slot came back
 only with the consumer's next step (one batch of look-ahead lost, and a one-off slot whenever
-the consumer starved). There the regions are copied out, one memcpy into fresh aligned memory
-that `device_put` wraps as it is (a copy that is not aligned, it copies again), and the slot
-returns as soon as the batch is staged.
+the consumer starved). There the slot is copied out whole, one memcpy into fresh aligned memory
+whose regions JAX wraps as they are (a region that is not aligned, it copies again), and the
+slot returns as soon as the batch is staged. Each field becomes one global array in one call
+(`jax.make_array_from_callback`), as a plain loop's `jax.device_put(rows, sharding)` makes it.
+A `device_put` per device and `jax.make_array_from_single_device_arrays` per field took ~0.35
+ms a batch (256 rows of 784 float32 and a label, 4 host devices), this ~0.09 ms: on CPU
+devices that time is taken from the step's own cores.
 """
 
 from __future__ import annotations
@@ -207,6 +211,19 @@ class JaxLayer:
         elif self._memories is not None:
             self._close_memories()
 
+    def global_array(self, regions: Sequence[np.ndarray]) -> jax.Array:
+        """One field's global array, axis 0 sharded over the mesh, whose shard on each device of
+        this process is that replica's region of host memory (`regions`, in device order): JAX
+        wraps a region aligned to 64 bytes as it is, on a CPU device."""
+        first_row = self.share.rows.start
+        per_replica = len(regions[0])
+        shape = (self.share.global_batch_size, *regions[0].shape[1:])
+        return jax.make_array_from_callback(
+            shape,
+            self.sharding,
+            lambda index: regions[((index[0].start or 0) - first_row) // per_replica],
+        )
+
     def global_arrays(self, per_device: Sequence[Any]) -> Any:
         """The global arrays, axis 0 sharded over the mesh, whose shards are `per_device`'s
         leaves (one structure per device of this process): no copy is made."""
@@ -250,22 +267,31 @@ class Stager:
         copies are done."""
         if isinstance(leased, Imported):
             raise TypeError("A JAX feeder stages from host slots; DALI outputs go to TensorFlow.")
+        if self.engine is None and not self.layer.accelerated:
+            return self._stage_on_cpu(step, leased)
         unflatten = self.layout.spec.unflatten
         devices = self.layer.devices
         views = self._narrowed(step, self.layout.views(leased))
         if self.engine is not None:
             placed = self._copy_on_own_streams(devices, views)
-        elif self.layer.accelerated:
+        else:
             started = time.perf_counter()
             placed = [jax.device_put(v, d) for d, v in zip(devices, views, strict=True)]
             jax.block_until_ready(placed)
             self.stats.copied(self.layout.batch_bytes, time.perf_counter() - started)
-        else:
-            copies = ([aligned_copy(region) for region in regions] for regions in views)
-            placed = [jax.device_put(c, d) for d, c in zip(devices, copies, strict=True)]
         replicas = tuple(unflatten(arrays) for arrays in placed)
         masks, mask = self.masks(step)
         return Batch(replicas, masks, step.num_valid, step.epoch, step.index, mask, self.layer)
+
+    def _stage_on_cpu(self, step: Step, leased: np.ndarray) -> Batch:
+        """The batch as global arrays over fresh host memory: one copy of the slot, whose
+        aligned regions become the shards as they are. The replicas' arrays are those shards,
+        taken out when first asked for (`Batch.replicas`)."""
+        views = self._narrowed(step, self.layout.views(aligned_copy(leased)))
+        fields = [self.layer.global_array(regions) for regions in zip(*views, strict=True)]
+        masks, mask = self.masks(step)
+        inputs = self.layout.spec.unflatten(fields)
+        return Batch(None, masks, step.num_valid, step.epoch, step.index, mask, self.layer, inputs)
 
     def _narrowed(self, step: Step, views: list[list[np.ndarray]]) -> list[list[np.ndarray]]:
         """Each replica's regions, the fields JAX narrows cast on the host, each value checked

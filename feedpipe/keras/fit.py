@@ -48,9 +48,15 @@ class FitTracker(keras.callbacks.Callback):
         self.epoch_steps: int | None = None
         """Steps Keras runs per epoch (None: the length is unknown); an epoch's last call may
         run fewer than `steps_per_execution`."""
+        self.per_call = 1
+        """The model's `steps_per_execution`, read once a fit: on JAX, `self.model` attaches
+        the training state to the model's variables (Keras's `Callback.model` does, so that a
+        callback may read them), and Keras then takes it apart again before the next step;
+        read every step, that cost ~0.7 ms a step of a 3-layer MLP on 4 host devices."""
 
     def on_train_begin(self, logs=None):
         self.earlier, self.steps, self.finished = 0, 0, 0
+        self.per_call = int(self.model.steps_per_execution)
         self.feeder._consumer.fits.track(self)
         self._wrap_train_function()
         _warn_unweighted_metrics(self.model, self.feeder)
@@ -69,7 +75,7 @@ class FitTracker(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         self.feeder._consumer.raise_failure()
-        self.steps = batch + self.model.steps_per_execution
+        self.steps = batch + self.per_call
         if self.epoch_steps:
             self.steps = min(self.steps, self.epoch_steps)
 

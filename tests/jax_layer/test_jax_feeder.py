@@ -52,6 +52,54 @@ def test_the_global_batch_is_sharded_along_axis_0_over_the_devices(devices):
             assert shard.data.unsafe_buffer_pointer() == replica_y.unsafe_buffer_pointer()
 
 
+def test_on_cpu_devices_a_batch_is_one_copy_of_its_slot_that_jax_wraps_as_it_is(devices):
+    # One memcpy a batch: every shard of every field is a region of one aligned copy of the
+    # slot, at the region's own offset; a shard JAX had copied again would lie elsewhere.
+    with fp.Feeder(index_pairs(16), 8, devices=devices) as feeder:
+        layout = feeder._assembly.pool(host=False).layout
+        for batch in feeder:
+            (x, y), _ = batch.distributed()
+            base = x.addressable_data(0).unsafe_buffer_pointer() - layout.offsets[0][0]
+            assert base % 64 == 0
+            for replica in range(len(devices)):
+                for field, array in enumerate((x, y)):
+                    shard = array.addressable_data(replica)
+                    assert shard.unsafe_buffer_pointer() == base + layout.offsets[replica][field]
+
+
+def test_a_batch_staged_on_cpu_devices_is_ready_and_its_replicas_are_its_shards(devices):
+    with fp.Feeder(index_pairs(16), 8, devices=devices) as feeder:
+        for batch in feeder:
+            (x, y), _ = batch.distributed()
+            assert x.is_fully_replicated is False and x.is_ready() and y.is_ready()
+            assert len(batch.replicas) == 4
+            for replica, (rx, ry) in enumerate(batch.replicas):
+                assert rx.devices() == {devices[replica]}
+                assert (
+                    np.asarray(ry).tolist() == np.asarray(y)[2 * replica : 2 * replica + 2].tolist()
+                )
+                assert (
+                    rx.unsafe_buffer_pointer()
+                    == x.addressable_data(replica).unsafe_buffer_pointer()
+                )
+
+
+def test_a_two_dimensional_mesh_takes_the_rows_in_its_device_order(devices):
+    mesh = jax.sharding.Mesh(np.array(devices[::-1]).reshape(2, 2), ("data", "model"))
+    with fp.Feeder(index_pairs(16), 8, devices=mesh) as feeder:
+        for batch in feeder:
+            (_x, y), mask = batch.distributed()
+            first = batch.step * 8
+            assert np.asarray(y).tolist() == list(range(first, first + 8))
+            assert [s.device for s in y.addressable_shards] == list(devices[::-1])
+            for shard in y.addressable_shards:
+                rows = shard.index[0]
+                assert np.asarray(shard.data).tolist() == list(
+                    range(first + rows.start, first + rows.stop)
+                )
+            assert np.asarray(mask).all()
+
+
 def test_a_mesh_given_is_the_sharding(devices):
     mesh = jax.sharding.Mesh(np.array(devices[::-1]), ("data",))
     with fp.Feeder(index_pairs(8), 8, devices=mesh) as feeder:

@@ -43,6 +43,30 @@ def test_data_parallel_fit_takes_the_sharded_batches_and_equals_one_device(keras
     assert_same_weights(fed, plain)
 
 
+def test_the_fit_callback_attaches_the_training_state_once_a_fit_not_once_a_step(keras, devices):
+    # Keras on JAX keeps the state apart from the model during an epoch; every read of a
+    # callback's `self.model` puts it back (a copy of every variable), so a callback that read
+    # it each step would slow every step.
+    x, y = data()
+
+    def syncs(steps: int) -> int:
+        net, count = model(keras), []
+        sync = net.jax_state_sync
+
+        def counting():
+            count.append(1)
+            return sync()
+
+        net.jax_state_sync = counting
+        rows = steps * BATCH
+        with fp.Feeder((x[:rows], y[:rows]), BATCH, devices=devices[:1]) as feeder:
+            net.fit(feeder, epochs=2, callbacks=[feeder.fit_callback()], verbose=0)
+            assert feeder.get_state()["epoch"] == 2
+        return len(count)
+
+    assert syncs(3) == syncs(1)
+
+
 def test_padding_rows_weigh_nothing(keras, devices):
     x, y = data()
     with fp.Feeder((x, y), BATCH, devices=devices[:1]) as feeder:
