@@ -9,6 +9,7 @@ import io
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -202,3 +203,27 @@ def test_the_torch_path_imports_neither_tensorflow_nor_jax():
         timeout=120,
     )
     assert done.returncode == 0, done.stderr.decode()[-2000:]
+
+
+def test_ctrl_c_in_a_loop_with_workers_leaves_a_state_and_a_feeder_that_go_on():
+    # As in a notebook: Ctrl-C (a real SIGINT) in the loop's body, a checkpoint in the
+    # handler, then the cell run again: the feeder goes on from the batch after the one
+    # interrupted, its workers still serving, and the checkpoint resumes there too.
+    import signal
+
+    with _feeder(index_pairs(48), 8, workers=2, shuffle=True, seed=4) as feeder:
+        seen = []
+        try:
+            for batch in feeder:
+                seen += _real_labels(batch)
+                if batch.step == 2:
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(1.0)  # Python raises KeyboardInterrupt here, at the latest
+        except KeyboardInterrupt:
+            saved = feeder.state_dict()
+        assert saved["step"] == 3 and len(seen) == 24
+        rest = [label for batch in feeder for label in _real_labels(batch)]
+    assert sorted(seen + rest) == list(range(48))
+    with _feeder(index_pairs(48), 8, shuffle=True, seed=4) as again:
+        again.load_state_dict(saved)
+        assert [label for batch in again for label in _real_labels(batch)] == rest
