@@ -213,7 +213,7 @@ def _torch():
     return torch if torch.cuda.is_available() else None
 
 
-def _nvidia_smi() -> list[dict] | None:
+def nvidia_smi() -> list[dict] | None:
     """What `nvidia-smi` says of each GPU: name, driver, memory and the PCIe link in use."""
     if shutil.which("nvidia-smi") is None:
         return None
@@ -235,14 +235,19 @@ def _nvidia_smi() -> list[dict] | None:
     ]
 
 
+def page_locker_info() -> dict:
+    """The page locker feedpipe found, for the JSON."""
+    from feedpipe.core.pinned import page_locker
+
+    locker = page_locker()
+    return {"available": locker.available, "library": locker.library, "reason": locker.reason}
+
+
 def accelerator() -> dict:
     """The device, the versions around it and the page locker feedpipe found."""
     import jax
 
-    from feedpipe.core.pinned import page_locker
-
     device = jax.devices()[0]
-    locker = page_locker()
     info = {
         "platform": device.platform,
         "device_kind": device.device_kind,
@@ -261,12 +266,8 @@ def accelerator() -> dict:
                 "numpy",
             )
         },
-        "page_locker": {
-            "available": locker.available,
-            "library": locker.library,
-            "reason": locker.reason,
-        },
-        "nvidia_smi": _nvidia_smi(),
+        "page_locker": page_locker_info(),
+        "nvidia_smi": nvidia_smi(),
         "tensorflow_loaded": "tensorflow" in sys.modules,
     }
     torch = _torch()
@@ -286,6 +287,279 @@ class Report(harness.Report):
 
     def as_dict(self) -> dict:
         return {**super().as_dict(), "accelerator": self.accelerator}
+
+
+# ---- shared with torch_gpu.py: the bookkeeping of each part, whatever the framework ----------
+
+
+def median_time_s(transfer: Callable[[], None], count: int) -> float:
+    """The median time of one `transfer()` over `count`, each timed alone."""
+    times = []
+    for _ in range(count):
+        started = time.perf_counter()
+        transfer()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def copies_per_rep(settings: harness.Settings, nbytes: int) -> int:
+    """How many copies of `nbytes` each peer makes per repetition: about 1 GiB, 10 to 60."""
+    return settings.pick(8, max(10, min(60, (1024 * 2**20) // nbytes)))
+
+
+def copy_reps(
+    settings: harness.Settings, peers: dict[str, Callable[[], None]], nbytes: int, copies: int
+) -> list[dict]:
+    """Each peer's copy of `nbytes` warmed up (3 copies: the first allocations, the driver's
+    first use), then per repetition, peers in rotating order, its GB/s from the median of
+    `copies` copies, and each peer's rate over `torch_pinned` where that peer ran."""
+    for transfer in peers.values():
+        for _ in range(3):
+            transfer()
+    reps = []
+    for rep in range(settings.reps):
+        values = {}
+        for peer in harness.rotate(list(peers), rep):
+            values[f"{peer}_gb_s"] = nbytes / median_time_s(peers[peer], copies) / 1e9
+        for peer in peers:
+            if peer != "torch_pinned" and "torch_pinned_gb_s" in values:
+                values[f"{peer}_over_torch_pinned"] = (
+                    values[f"{peer}_gb_s"] / values["torch_pinned_gb_s"]
+                )
+        reps.append(values)
+    return reps
+
+
+def calibrate_repeat(
+    build: Callable[[int], object],
+    run: Callable[[object, int], float],
+    target_s: float,
+    tries: int,
+) -> tuple[object, int, float]:
+    """The step `build(repeat)` whose `repeat` makes it take about `target_s` alone, where
+    `run(step, count)` warms the step up and returns the seconds `count` more steps took: a
+    probe at 4, then up to `tries - 1` refinements at about the target. Returns the step, its
+    `repeat` and its time per step."""
+    repeat = 4
+    for _ in range(tries):
+        step = build(repeat)
+        count = max(3, min(20, round(0.5 / max(target_s, 1e-3))))
+        step_s = run(step, count) / count
+        wanted = max(1, round(repeat * target_s / step_s))
+        if abs(wanted - repeat) <= max(1, 0.1 * repeat):
+            return step, repeat, step_s
+        repeat = wanted
+    return build(repeat), repeat, step_s
+
+
+def rs_reps(
+    settings: harness.Settings,
+    peers: dict[str, Iterator],
+    run: Callable[[Iterator, int], float],
+    steps: int,
+) -> list[dict]:
+    """Per repetition, peers in rotating order, `steps` steps on each peer's batches (`run`
+    returns the seconds they took): steps/s, real / synthetic and the synthetic step's ms."""
+    reps = []
+    for rep in range(settings.reps):
+        values = {}
+        for peer in harness.rotate(list(peers), rep):
+            values[f"{peer}_steps_s"] = steps / run(peers[peer], steps)
+        values["real_over_synthetic"] = values["real_steps_s"] / values["synthetic_steps_s"]
+        values["synthetic_step_ms"] = 1e3 / values["synthetic_steps_s"]
+        reps.append(values)
+    return reps
+
+
+RS_TARGETS = {30.0: 0.98, 5.0: 0.95}
+"""R/S target by the step's own time, ms: a 5 ms step leaves the copy a fifth of it."""
+
+
+def add_rs_case(
+    report: harness.Report,
+    step_ms: float,
+    where: dict,
+    *,
+    batch: int,
+    batch_bytes: int,
+    hidden: int,
+    repeat: int,
+    step_s: float,
+    steps: int,
+    reps: list[dict],
+    feeder,
+    before,
+    applies: bool,
+    why_not: str,
+    more_stats: Callable[[object, object], dict] | None = None,
+) -> None:
+    """Adds the R/S case of a `step_ms` step and its target to `report`, before `feeder`
+    closes: `where` names the device, `before` is the feeder's stats before the timed steps,
+    and `more_stats(stats, before)` adds what this framework's feeder reports beyond that."""
+    stats = feeder.stats()
+    copies = stats.copies - before.copies
+    copy_s = stats.copy_s - before.copy_s
+    description = feeder.describe()
+    case = f"real over synthetic, {step_ms:g} ms step"
+    report.add_case(
+        case,
+        {
+            **where,
+            "global_batch": batch,
+            "batch_bytes": batch_bytes,
+            "depth": 2,
+            "hidden": hidden,
+            "repeat": repeat,
+            "calibrated_step_ms": step_s * 1e3,
+            "steps_per_peer": steps,
+            "page_locked": stats.page_locked,
+            "page_lock_reason": stats.page_lock_reason,
+            "copy_path": description.copy_path,
+            "copy_path_reason": description.copy_path_reason,
+        },
+        reps,
+        units={"real_steps_s": "steps/s", "synthetic_steps_s": "steps/s"},
+        extra={
+            "feeder_stats": {
+                "copy_gb_per_s": (
+                    (stats.copied_bytes - before.copied_bytes) / copy_s / 1e9 if copy_s else None
+                ),
+                "copy_ms_per_step": copy_s / copies * 1e3 if copies else None,
+                "copies": copies,
+                "input_bound_fraction": stats.input_bound_fraction,
+                "mean_occupancy": stats.mean_occupancy,
+                **(more_stats(stats, before) if more_stats else {}),
+                "summary": str(stats),
+            }
+        },
+    )
+    report.target(
+        case,
+        "real_over_synthetic",
+        ">=",
+        RS_TARGETS.get(step_ms, 0.95),
+        f"R/S at depth 2, {step_ms:g} ms step",
+        applies=applies,
+        why_not=why_not,
+    )
+
+
+def epoch_metrics(
+    peer: str, started: float, ends: list[float], seen: list[int], steps: int, epochs: int
+) -> dict:
+    """A session's first epoch (from `started`, its input's start-up included) and its steady
+    state (the epochs after the first), checked to have run `epochs` epochs of `steps` steps:
+    `ends` are the epochs' end times, `seen` their step counts."""
+    if len(ends) != epochs or seen != [steps] * epochs:
+        raise RuntimeError(f"{peer}: expected {epochs} epochs of {steps} steps, saw steps {seen}")
+    return {
+        f"{peer}_epoch1_s": ends[0] - started,
+        f"{peer}_epoch1_steps_s": steps / (ends[0] - started),
+        f"{peer}_steady_steps_s": steps * (epochs - 1) / (ends[-1] - ends[0]),
+    }
+
+
+def session_reps(
+    settings: harness.Settings,
+    peers: list[str],
+    session: Callable[[str], dict],
+    ratios: Callable[[dict, list[str]], None],
+) -> list[dict]:
+    """Per repetition, peers in rotating order, one `session(peer)` each (its `epoch_metrics`),
+    then `ratios`, and the cores other processes used meanwhile."""
+    reps = []
+    for rep in range(settings.reps):
+        values: dict = {}
+        with harness.OtherLoad() as other:
+            for peer in harness.rotate(peers, rep):
+                values.update(session(peer))
+                print(
+                    f"  rep {rep} {peer}: epoch 1 {values[f'{peer}_epoch1_s']:.2f} s, steady "
+                    f"{values[f'{peer}_steady_steps_s']:.1f} steps/s",
+                    flush=True,
+                )
+        ratios(values, peers)
+        values["other_cores"] = other.cores
+        reps.append(values)
+    return reps
+
+
+def session_units(peers: list[str]) -> dict:
+    """The units of each peer's `epoch_metrics`."""
+    return {
+        **{f"{p}_epoch1_s": "s" for p in peers},
+        **{f"{p}_{m}_steps_s": "steps/s" for p in peers for m in ("epoch1", "steady")},
+    }
+
+
+def session_params(
+    source: ImageSource, batch: int, shape: tuple[int, ...], steps: int, epochs: int, workers: int
+) -> dict:
+    """What every session of the fit (or train) part ran on."""
+    return {
+        "global_batch": batch,
+        "sample_shape": list(shape),
+        "batch_bytes": batch * math.prod(shape) * 4,
+        "steps_per_epoch": steps,
+        "epochs_per_session": epochs,
+        "workers": workers,
+        "source": source.as_dict(),
+        "source_batch_ms": source.calibrated_s * batch * 1e3,
+    }
+
+
+def feeder_params(stats) -> dict:
+    """What the feeder's last session said of its copies and of waiting for input."""
+    return {
+        "feeder_copy_path": None if stats is None else stats.copy_path,
+        "feeder_page_locked": None if stats is None else stats.page_locked,
+        "feeder_page_lock_reason": None if stats is None else stats.page_lock_reason,
+        "feeder_input_bound_fraction": None if stats is None else stats.input_bound_fraction,
+    }
+
+
+def add_copy_rs_args(parser: argparse.ArgumentParser) -> None:
+    """The copy and R/S parts' options."""
+    parser.add_argument("--copy-mb", default="2,16,64", help="copy sizes, MiB")
+    parser.add_argument(
+        "--step-ms", default="30,5", help="R/S: the step's own time, ms (one case each)"
+    )
+    parser.add_argument("--hidden", type=int, default=4096, help="R/S: hidden units")
+    parser.add_argument("--rs-batch", type=int, default=256, help="R/S: global batch")
+    parser.add_argument("--rs-batches", type=int, default=8, help="R/S: batches in memory")
+    parser.add_argument("--rs-steps", type=int, default=100, help="R/S: timed steps per peer")
+
+
+def parse_run(
+    doc: str,
+    add_args: Callable[[argparse.ArgumentParser], None],
+    smoke: Callable[[argparse.Namespace], None],
+    parts: tuple[str, ...],
+    argv,
+) -> tuple[harness.Settings, list[str]]:
+    """The settings (shrunk by `smoke` under --smoke, --copy-mb and --step-ms as lists) and
+    the parts asked for, checked against `parts`."""
+    settings = harness.parse_settings(doc, add_args, argv)
+    args = settings.args
+    if args.smoke:
+        smoke(args)
+        settings = harness.Settings(args)
+    args.copy_mb = [float(v) for v in str(args.copy_mb).split(",")]
+    args.step_ms = [float(v) for v in str(args.step_ms).split(",")]
+    asked = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = set(asked) - set(parts)
+    if unknown:
+        raise SystemExit(f"--parts={args.parts}: unknown {sorted(unknown)}; use {parts}.")
+    return settings, asked
+
+
+def command_line(base: str, args: argparse.Namespace, parts: tuple[str, ...]) -> str:
+    """`base` with the options that say which run this was."""
+    return (
+        base
+        + (" --smoke" if args.smoke else "")
+        + (f" --parts {args.parts}" if args.parts != ",".join(parts) else "")
+    )
 
 
 # ---- copy: feedpipe's slots against PyTorch's pinned memory ----------------------------------
@@ -348,16 +622,6 @@ def _torch_transfer(torch, tensor) -> Callable[[], None]:
     return transfer
 
 
-def _time_copies(transfer: Callable[[], None], count: int) -> float:
-    """The median time of one copy over `count` copies, each timed alone."""
-    times = []
-    for _ in range(count):
-        started = time.perf_counter()
-        transfer()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
 def run_copy(report: Report, settings: harness.Settings, device, torch) -> None:
     import jax
 
@@ -369,7 +633,7 @@ def run_copy(report: Report, settings: harness.Settings, device, torch) -> None:
         locked_owner, locked = _slot_region(nbytes, locker)
         pageable_owner, pageable = _slot_region(nbytes, None)
         pool = locked_owner[0]
-        copies = settings.pick(8, max(10, min(60, (1024 * 2**20) // nbytes)))
+        copies = copies_per_rep(settings, nbytes)
 
         engine, engine_reason = copy_engine(locked, device)
         peers: dict[str, Callable[[], None]] = {
@@ -382,19 +646,8 @@ def run_copy(report: Report, settings: harness.Settings, device, torch) -> None:
             pinned = torch.ones(nbytes // 4, dtype=torch.float32, pin_memory=True)
             peers["torch_pinned"] = _torch_transfer(torch, pinned)
             peers["torch_slot_locked"] = _torch_transfer(torch, torch.from_numpy(locked))
-        for transfer in peers.values():  # warm-up: first allocations, the driver's first use
-            for _ in range(3):
-                transfer()
-        reps = []
-        for rep in range(settings.reps):
-            values = {}
-            for peer in harness.rotate(list(peers), rep):
-                values[f"{peer}_gb_s"] = nbytes / _time_copies(peers[peer], copies) / 1e9
-            for peer in peers:
-                if peer != "torch_pinned" and "torch_pinned_gb_s" in values:
-                    values[f"{peer}_over_torch_pinned"] = (
-                        values[f"{peer}_gb_s"] / values["torch_pinned_gb_s"]
-                    )
+        reps = copy_reps(settings, peers, nbytes, copies)
+        for values in reps:
             values["slot_locked_over_pageable"] = (
                 values["slot_locked_gb_s"] / values["slot_pageable_gb_s"]
             )
@@ -402,7 +655,6 @@ def run_copy(report: Report, settings: harness.Settings, device, torch) -> None:
                 values["engine_over_slot_locked"] = (
                     values["engine_gb_s"] / values["slot_locked_gb_s"]
                 )
-            reps.append(values)
         case = f"copy {mb:g} MiB"
         report.add_case(
             case,
@@ -588,23 +840,13 @@ def calibrate_step(features, hidden, batch, device, seed, target_s) -> tuple[Cal
     import jax
 
     x, y = jax.device_put(batch, device)
-    repeat = 4
-    for _ in range(3):
-        step = make_train_step(repeat)
+
+    def run(step, count: int) -> float:
         params = init_params(features, hidden, device, seed)
         params, _ = _run_steps(step, params, itertools.repeat((x, y)), 3)  # compile, warm
-        count = max(3, min(20, round(0.5 / max(target_s, 1e-3))))
-        params, elapsed = _run_steps(step, params, itertools.repeat((x, y)), count)
-        step_s = elapsed / count
-        wanted = max(1, round(repeat * target_s / step_s))
-        if abs(wanted - repeat) <= max(1, 0.1 * repeat):
-            return step, repeat, step_s
-        repeat = wanted
-    return make_train_step(repeat), repeat, step_s
+        return _run_steps(step, params, itertools.repeat((x, y)), count)[1]
 
-
-RS_TARGETS = {30.0: 0.98, 5.0: 0.95}
-"""R/S target by the step's own time, ms: a 5 ms step leaves the copy a fifth of it."""
+    return calibrate_repeat(make_train_step, run, target_s, tries=3)
 
 
 def run_rs(report: Report, settings: harness.Settings, device, step_ms: float) -> None:
@@ -631,68 +873,38 @@ def run_rs(report: Report, settings: harness.Settings, device, step_ms: float) -
     feeder = fp.Feeder((x, y), batch, devices=[device], depth=2, shuffle=True, seed=settings.seed)
     fed = (b.replicas[0] for b in harness.endless(feeder))
     peers = {"real": fed, "synthetic": itertools.cycle(staged)}
-    params = init_params(features, args.hidden, device, settings.seed)
+    params = [init_params(features, args.hidden, device, settings.seed)]
+
+    def run(batches: Iterator, count: int) -> float:
+        params[0], elapsed = _run_steps(step, params[0], batches, count)
+        return elapsed
+
     for batches in peers.values():
-        params, _ = _run_steps(step, params, batches, 3)
+        run(batches, 3)
     steps = settings.pick(args.rs_steps // 4, args.rs_steps)
-    reps = []
     before = feeder.stats()
-    for rep in range(settings.reps):
-        values = {}
-        for peer in harness.rotate(list(peers), rep):
-            params, elapsed = _run_steps(step, params, peers[peer], steps)
-            values[f"{peer}_steps_s"] = steps / elapsed
-        values["real_over_synthetic"] = values["real_steps_s"] / values["synthetic_steps_s"]
-        values["synthetic_step_ms"] = 1e3 / values["synthetic_steps_s"]
-        reps.append(values)
-    stats = feeder.stats()
-    copies = stats.copies - before.copies
-    copy_s = stats.copy_s - before.copy_s
-    description = feeder.describe()
-    feeder.close()
-    case = f"real over synthetic, {step_ms:g} ms step"
-    report.add_case(
-        case,
-        {
-            "platform": device.platform,
-            "global_batch": batch,
-            "batch_bytes": x[:batch].nbytes + y[:batch].nbytes,
-            "depth": 2,
-            "hidden": args.hidden,
-            "repeat": repeat,
-            "calibrated_step_ms": step_s * 1e3,
-            "steps_per_peer": steps,
-            "page_locked": stats.page_locked,
-            "page_lock_reason": stats.page_lock_reason,
-            "copy_path": description.copy_path,
-            "copy_path_reason": description.copy_path_reason,
-        },
-        reps,
-        units={"real_steps_s": "steps/s", "synthetic_steps_s": "steps/s"},
-        extra={
-            "feeder_stats": {
-                "copy_gb_per_s": (
-                    (stats.copied_bytes - before.copied_bytes) / copy_s / 1e9 if copy_s else None
-                ),
-                "copy_ms_per_step": copy_s / copies * 1e3 if copies else None,
-                "copies": copies,
-                "input_bound_fraction": stats.input_bound_fraction,
-                "mean_occupancy": stats.mean_occupancy,
-                "device_blocks": stats.device_blocks,
-                "fence_wait_s": stats.fence_wait_s - before.fence_wait_s,
-                "summary": str(stats),
-            }
-        },
-    )
-    report.target(
-        case,
-        "real_over_synthetic",
-        ">=",
-        RS_TARGETS.get(step_ms, 0.95),
-        f"R/S at depth 2, {step_ms:g} ms step",
+    reps = rs_reps(settings, peers, run, steps)
+    add_rs_case(
+        report,
+        step_ms,
+        {"platform": device.platform},
+        batch=batch,
+        batch_bytes=x[:batch].nbytes + y[:batch].nbytes,
+        hidden=args.hidden,
+        repeat=repeat,
+        step_s=step_s,
+        steps=steps,
+        reps=reps,
+        feeder=feeder,
+        before=before,
         applies=device.platform == "gpu",
         why_not=f"platform {device.platform}: the step and the feeder share the CPU",
+        more_stats=lambda stats, before: {
+            "device_blocks": stats.device_blocks,
+            "fence_wait_s": stats.fence_wait_s - before.fence_wait_s,
+        },
     )
+    feeder.close()
 
 
 # ---- fit: Keras 3 on JAX from a Python source --------------------------------------------------
@@ -854,25 +1066,18 @@ class FitPeers:
                 gc.collect()
         return started, clock
 
+    def session(self, peer: str, epochs: int) -> dict:
+        """One timed `fit` of `epochs` on `peer`'s input: its `epoch_metrics`."""
+        started, clock = self.fit(peer, epochs)
+        steps = len(self.source) // self.batch
+        return epoch_metrics(peer, started, clock.epoch_ends, clock.steps, steps, epochs)
+
     def warm_up(self, peers) -> None:
         """One untimed fit per peer over 2 batches: compiles the step for each input structure
         and pays each kind of input's one-off imports."""
         small = self.source.prefix(2 * self.batch)
         for peer in peers:
             self.fit(peer, 1, source=small, workers=min(self.workers, 1))
-
-
-def session_metrics(peer: str, started: float, clock, steps: int, epochs: int) -> dict:
-    ends = clock.epoch_ends
-    if len(ends) != epochs or any(s != steps for s in clock.steps):
-        raise RuntimeError(
-            f"{peer}: expected {epochs} epochs of {steps} steps, saw steps {clock.steps}"
-        )
-    return {
-        f"{peer}_epoch1_s": ends[0] - started,
-        f"{peer}_epoch1_steps_s": steps / (ends[0] - started),
-        f"{peer}_steady_steps_s": steps * (epochs - 1) / (ends[-1] - ends[0]),
-    }
 
 
 def fit_ratios(values: dict, peers: list[str]) -> None:
@@ -886,6 +1091,9 @@ def fit_ratios(values: dict, peers: list[str]) -> None:
                 values[f"feedpipe_over_{peer}_{phase}"] = (
                     values[f"feedpipe_{phase}_steps_s"] / values[f"{peer}_{phase}_steps_s"]
                 )
+    if "ceiling" in peers:
+        bound = min(values["arrays_steady_steps_s"], values["ceiling_steady_steps_s"])
+        values["feedpipe_over_bound_steady"] = values["feedpipe_steady_steps_s"] / bound
 
 
 def run_fit_comparison(
@@ -921,7 +1129,7 @@ def run_fit_comparison(
     arrays = images.arrays()
     fitting = FitPeers(model, images, arrays, batch, workers, settings.seed)
     fitting.warm_up(["arrays"])
-    started, clock = fitting.fit("arrays", 2)
+    _, clock = fitting.fit("arrays", 2)
     step_s = (clock.epoch_ends[1] - clock.epoch_ends[0]) / steps
     per_sample = sample_s(step_s) if callable(sample_s) else sample_s
     source = ImageSource(length, per_sample, shape)
@@ -933,38 +1141,14 @@ def run_fit_comparison(
         flush=True,
     )
     fitting.warm_up(peers)
-    reps = []
-    for rep in range(settings.reps):
-        values = {}
-        with harness.OtherLoad() as other:
-            for peer in harness.rotate(peers, rep):
-                started, clock = fitting.fit(peer, epochs)
-                values.update(session_metrics(peer, started, clock, steps, epochs))
-                print(
-                    f"  rep {rep} {peer}: epoch 1 {values[f'{peer}_epoch1_s']:.2f} s, steady "
-                    f"{values[f'{peer}_steady_steps_s']:.1f} steps/s",
-                    flush=True,
-                )
-        fit_ratios(values, peers)
-        if "ceiling" in peers:
-            bound = min(values["arrays_steady_steps_s"], values["ceiling_steady_steps_s"])
-            values["feedpipe_over_bound_steady"] = values["feedpipe_steady_steps_s"] / bound
-        values["other_cores"] = other.cores
-        reps.append(values)
+    reps = session_reps(settings, peers, lambda peer: fitting.session(peer, epochs), fit_ratios)
     stats = fitting.feeder_stats[-1] if fitting.feeder_stats else None
     params = {
         "keras": keras.__version__,
         "backend": keras.backend.backend(),
         "model": f"convnet {list(CONV_WIDTHS)} stride 2, global pool, dense {NUM_CLASSES}",
-        "global_batch": batch,
-        "sample_shape": list(shape),
-        "batch_bytes": batch * math.prod(shape) * 4,
-        "steps_per_epoch": steps,
-        "epochs_per_session": epochs,
-        "workers": workers,
+        **session_params(source, batch, shape, steps, epochs, workers),
         "arrays_step_ms": step_s * 1e3,
-        "source": source.as_dict(),
-        "source_batch_ms": source.calibrated_s * batch * 1e3,
         "source_serial_over_step": source.calibrated_s * batch / step_s,
         "peers": {
             "arrays": "model.fit(x, y, batch_size=B, shuffle=False)",
@@ -981,20 +1165,9 @@ def run_fit_comparison(
             ),
             "ceiling": "the same feeder iterated with no model: the producers' own rate",
         },
-        "feeder_copy_path": None if stats is None else stats.copy_path,
-        "feeder_page_locked": None if stats is None else stats.page_locked,
-        "feeder_page_lock_reason": None if stats is None else stats.page_lock_reason,
-        "feeder_input_bound_fraction": None if stats is None else stats.input_bound_fraction,
+        **feeder_params(stats),
     }
-    report.add_case(
-        case,
-        params,
-        reps,
-        units={
-            **{f"{p}_epoch1_s": "s" for p in peers},
-            **{f"{p}_{m}_steps_s": "steps/s" for p in peers for m in ("epoch1", "steady")},
-        },
-    )
+    report.add_case(case, params, reps, units=session_units(peers))
     return params
 
 
@@ -1059,14 +1232,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--smoke", action="store_true", help="tiny everything, CPU JAX, < 2 minutes (a check)"
     )
     parser.add_argument("--parts", default=",".join(PARTS), help="any of copy,rs,fit")
-    parser.add_argument("--copy-mb", default="2,16,64", help="copy sizes, MiB")
-    parser.add_argument(
-        "--step-ms", default="30,5", help="R/S: the step's own time, ms (one case each)"
-    )
-    parser.add_argument("--hidden", type=int, default=4096, help="R/S: hidden units")
-    parser.add_argument("--rs-batch", type=int, default=256, help="R/S: global batch")
-    parser.add_argument("--rs-batches", type=int, default=8, help="R/S: batches in memory")
-    parser.add_argument("--rs-steps", type=int, default=100, help="R/S: timed steps per peer")
+    add_copy_rs_args(parser)
     parser.add_argument("--batch", type=int, default=256, help="fit: global batch")
     parser.add_argument("--steps", type=int, default=48, help="fit: steps per epoch")
     parser.add_argument("--epochs", type=int, default=3, help="fit: epochs per session")
@@ -1103,17 +1269,8 @@ def smoke(args: argparse.Namespace) -> None:
 
 def main(argv=None) -> None:
     configure_environment()
-    settings = harness.parse_settings(__doc__, add_args, argv)
+    settings, parts = parse_run(__doc__, add_args, smoke, PARTS, argv)
     args = settings.args
-    if args.smoke:
-        smoke(args)
-        settings = harness.Settings(args)
-    args.copy_mb = [float(v) for v in str(args.copy_mb).split(",")]
-    args.step_ms = [float(v) for v in str(args.step_ms).split(",")]
-    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    unknown = set(parts) - set(PARTS)
-    if unknown:
-        raise SystemExit(f"--parts={args.parts}: unknown {sorted(unknown)}; use {PARTS}.")
 
     import jax
 
@@ -1126,9 +1283,7 @@ def main(argv=None) -> None:
         "Grain, on one accelerator",
         settings,
         "kernels_bench.gpu",
-        command="KERAS_BACKEND=jax python -m kernels_bench.gpu"
-        + (" --smoke" if args.smoke else "")
-        + (f" --parts {args.parts}" if args.parts != ",".join(PARTS) else ""),
+        command=command_line("KERAS_BACKEND=jax python -m kernels_bench.gpu", args, PARTS),
     )
     print(f"device: {device.device_kind} ({device.platform}); parts: {', '.join(parts)}")
     if device.platform != "gpu":

@@ -64,7 +64,6 @@ import argparse
 import gc
 import itertools
 import math
-import statistics
 import sys
 import threading
 import time
@@ -74,16 +73,34 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from kernels_bench import harness, torch_cpu
-from kernels_bench.gpu import NUM_CLASSES, SAMPLE_SHAPE, ImageSource, _nvidia_smi
+from kernels_bench.gpu import (
+    CONV_WIDTHS,
+    NUM_CLASSES,
+    SAMPLE_SHAPE,
+    ImageSource,
+    Report,
+    add_copy_rs_args,
+    add_rs_case,
+    calibrate_repeat,
+    command_line,
+    copies_per_rep,
+    copy_reps,
+    epoch_metrics,
+    feeder_params,
+    nvidia_smi,
+    page_locker_info,
+    parse_run,
+    rs_reps,
+    session_params,
+    session_reps,
+    session_units,
+)
 
 PARTS = ("copy", "rs", "train")
 COPY_PEERS = ("slot", "slot_pageable", "torch_pinned")
 COPY_TARGETS = {16: 0.9, 64: 0.9}
 """slot / torch pinned, by copy size in MiB; other sizes are reported only."""
-RS_TARGETS = {30.0: 0.98, 5.0: 0.95}
-"""R/S target by the step's own time, ms: a 5 ms step leaves the copy a fifth of it."""
 TRAIN_PEERS = ("resident", "feedpipe", "dataloader", "stateful", "feeder_alone")
-CONV_WIDTHS = (32, 64, 128, 256)
 
 
 # ---- device, environment -------------------------------------------------------------------
@@ -107,50 +124,21 @@ class Device:
 
 def accelerator(dev: Device) -> dict:
     """The device, the versions around it and the page locker feedpipe found."""
-    from feedpipe.core.pinned import page_locker
-
     torch = dev.torch
-    locker = page_locker()
     info = {
         "device": str(dev.device),
         "versions": {
             p: harness.version(p) for p in ("torch", "torchdata", "numpy", "optree", "psutil")
         },
         "torch_cuda": torch.version.cuda,
-        "page_locker": {
-            "available": locker.available,
-            "library": locker.library,
-            "reason": locker.reason,
-        },
-        "nvidia_smi": _nvidia_smi(),
+        "page_locker": page_locker_info(),
+        "nvidia_smi": nvidia_smi(),
         "frameworks_loaded": {m: m in sys.modules for m in ("tensorflow", "jax", "keras")},
     }
     if dev.cuda:
         info["device_name"] = torch.cuda.get_device_name(dev.device)
         info["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
     return info
-
-
-class Report(harness.Report):
-    """The harness's report with the accelerator's description beside the environment."""
-
-    def __init__(self, *args, command: str, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.command = command
-        self.accelerator: dict = {}
-
-    def as_dict(self) -> dict:
-        return {**super().as_dict(), "accelerator": self.accelerator}
-
-
-def median_time_s(transfer: Callable[[], None], count: int) -> float:
-    """The median time of one `transfer()` over `count`, each timed alone."""
-    times = []
-    for _ in range(count):
-        started = time.perf_counter()
-        transfer()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 # ---- copy: the feeder's staging from a slot against torch's pinned copy --------------------
@@ -209,20 +197,8 @@ def run_copy(report: Report, settings: harness.Settings, dev: Device) -> None:
             owners.append(owner)
             peers[peer] = transfer
         pool = owners[0][1]
-        copies = settings.pick(8, max(10, min(60, (1024 * 2**20) // nbytes)))
-        for transfer in peers.values():  # the allocator's first blocks, the driver's first use
-            for _ in range(3):
-                transfer()
-        reps = []
-        for rep in range(settings.reps):
-            values = {}
-            for peer in harness.rotate(list(peers), rep):
-                values[f"{peer}_gb_s"] = nbytes / median_time_s(peers[peer], copies) / 1e9
-            for peer in ("slot", "slot_pageable"):
-                values[f"{peer}_over_torch_pinned"] = (
-                    values[f"{peer}_gb_s"] / values["torch_pinned_gb_s"]
-                )
-            reps.append(values)
+        copies = copies_per_rep(settings, nbytes)
+        reps = copy_reps(settings, peers, nbytes, copies)
         case = f"copy {mb:g} MiB"
         report.add_case(
             case,
@@ -309,17 +285,16 @@ def run_steps(step, dev: Device, batches: Iterator, count: int) -> float:
 def calibrate_step(features, hidden, batch, dev: Device, seed, target_s) -> tuple[MLPStep, float]:
     """A step whose `repeat` makes it take about `target_s` alone on `batch`: a probe, then
     refinements at about the target."""
-    repeat = 4
-    for _ in range(4):
-        step = MLPStep(features, hidden, repeat, dev, seed)
+
+    def run(step: MLPStep, count: int) -> float:
         run_steps(step, dev, itertools.repeat(batch), 3)  # the allocator, cuBLAS's handles
-        count = max(3, min(20, round(0.5 / max(target_s, 1e-3))))
-        step_s = run_steps(step, dev, itertools.repeat(batch), count) / count
-        wanted = max(1, round(repeat * target_s / step_s))
-        if abs(wanted - repeat) <= max(1, 0.1 * repeat):
-            return step, step_s
-        repeat = wanted
-    return MLPStep(features, hidden, repeat, dev, seed), step_s
+        return run_steps(step, dev, itertools.repeat(batch), count)
+
+    def build(repeat: int) -> MLPStep:
+        return MLPStep(features, hidden, repeat, dev, seed)
+
+    step, _, step_s = calibrate_repeat(build, run, target_s, tries=4)
+    return step, step_s
 
 
 def run_rs(report: Report, settings: harness.Settings, dev: Device, step_ms: float) -> None:
@@ -351,65 +326,33 @@ def run_rs(report: Report, settings: harness.Settings, dev: Device, step_ms: flo
     )
     fed = (b.distributed()[0] for b in harness.endless(feeder))
     peers = {"real": fed, "synthetic": itertools.cycle(staged)}
+
+    def run(batches: Iterator, count: int) -> float:
+        return run_steps(step, dev, batches, count)
+
     for batches in peers.values():
-        run_steps(step, dev, batches, 3)
+        run(batches, 3)
     steps = settings.pick(max(10, args.rs_steps // 4), args.rs_steps)
-    reps = []
     before = feeder.stats()
-    for rep in range(settings.reps):
-        values = {}
-        for peer in harness.rotate(list(peers), rep):
-            values[f"{peer}_steps_s"] = steps / run_steps(step, dev, peers[peer], steps)
-        values["real_over_synthetic"] = values["real_steps_s"] / values["synthetic_steps_s"]
-        values["synthetic_step_ms"] = 1e3 / values["synthetic_steps_s"]
-        reps.append(values)
-    stats = feeder.stats()
-    copies = stats.copies - before.copies
-    copy_s = stats.copy_s - before.copy_s
-    description = feeder.describe()
-    fed.close()
-    feeder.close()
-    case = f"real over synthetic, {step_ms:g} ms step"
-    report.add_case(
-        case,
-        {
-            "device": str(dev.device),
-            "global_batch": batch,
-            "batch_bytes": x[:batch].nbytes + y[:batch].nbytes,
-            "depth": 2,
-            "hidden": args.hidden,
-            "repeat": step.repeat,
-            "calibrated_step_ms": step_s * 1e3,
-            "steps_per_peer": steps,
-            "page_locked": stats.page_locked,
-            "page_lock_reason": stats.page_lock_reason,
-            "copy_path": description.copy_path,
-            "copy_path_reason": description.copy_path_reason,
-        },
-        reps,
-        units={"real_steps_s": "steps/s", "synthetic_steps_s": "steps/s"},
-        extra={
-            "feeder_stats": {
-                "copy_gb_per_s": (
-                    (stats.copied_bytes - before.copied_bytes) / copy_s / 1e9 if copy_s else None
-                ),
-                "copy_ms_per_step": copy_s / copies * 1e3 if copies else None,
-                "copies": copies,
-                "input_bound_fraction": stats.input_bound_fraction,
-                "mean_occupancy": stats.mean_occupancy,
-                "summary": str(stats),
-            }
-        },
-    )
-    report.target(
-        case,
-        "real_over_synthetic",
-        ">=",
-        RS_TARGETS.get(step_ms, 0.95),
-        f"R/S at depth 2, {step_ms:g} ms step",
+    reps = rs_reps(settings, peers, run, steps)
+    add_rs_case(
+        report,
+        step_ms,
+        {"device": str(dev.device)},
+        batch=batch,
+        batch_bytes=x[:batch].nbytes + y[:batch].nbytes,
+        hidden=args.hidden,
+        repeat=step.repeat,
+        step_s=step_s,
+        steps=steps,
+        reps=reps,
+        feeder=feeder,
+        before=before,
         applies=dev.cuda and not args.smoke,
         why_not=f"device {dev.device}: the step and the feeder share the CPU; reported only",
     )
+    fed.close()
+    feeder.close()
 
 
 # ---- train: a convnet from a Python source, feedpipe against DataLoader ---------------------
@@ -512,13 +455,7 @@ class TrainPeers:
             del loader
             gc.collect()
         expected = self.args.steps if peer == "resident" else steps
-        if seen != [expected] * epochs:
-            raise RuntimeError(f"{peer}: expected {epochs} epochs of {expected}, saw {seen}")
-        return {
-            f"{peer}_epoch1_s": ends[0] - started,
-            f"{peer}_epoch1_steps_s": expected / (ends[0] - started),
-            f"{peer}_steady_steps_s": expected * (epochs - 1) / (ends[-1] - ends[0]),
-        }
+        return epoch_metrics(peer, started, ends, seen, expected, epochs)
 
 
 def train_ratios(values: dict, peers: list[str]) -> None:
@@ -574,20 +511,9 @@ def run_train(report: Report, settings: harness.Settings, dev: Device) -> None:
         f"epochs; peers {', '.join(peers)}",
         flush=True,
     )
-    reps = []
-    for rep in range(settings.reps):
-        values: dict = {}
-        with harness.OtherLoad() as other:
-            for peer in harness.rotate(peers, rep):
-                values.update(training.session(peer, args.epochs))
-                print(
-                    f"  rep {rep} {peer}: epoch 1 {values[f'{peer}_epoch1_s']:.2f} s, steady "
-                    f"{values[f'{peer}_steady_steps_s']:.1f} steps/s",
-                    flush=True,
-                )
-        train_ratios(values, peers)
-        values["other_cores"] = other.cores
-        reps.append(values)
+    reps = session_reps(
+        settings, peers, lambda peer: training.session(peer, args.epochs), train_ratios
+    )
     stats = training.feeder_stats
     case = "train from a Python source"
     loader_args = f"batch_size={args.batch}, shuffle=True, num_workers={args.workers}"
@@ -597,14 +523,7 @@ def run_train(report: Report, settings: harness.Settings, dev: Device) -> None:
         {
             "device": str(dev.device),
             "model": f"convnet {list(CONV_WIDTHS)} stride 2, global pool, linear {NUM_CLASSES}",
-            "global_batch": args.batch,
-            "sample_shape": list(shape),
-            "batch_bytes": args.batch * math.prod(shape) * 4,
-            "steps_per_epoch": args.steps,
-            "epochs_per_session": args.epochs,
-            "workers": args.workers,
-            "source": source.as_dict(),
-            "source_batch_ms": source.calibrated_s * args.batch * 1e3,
+            **session_params(source, args.batch, shape, args.steps, args.epochs, args.workers),
             "peers": {
                 "resident": "the step on 4 batches already on the device, cycled",
                 "feedpipe": (
@@ -622,17 +541,10 @@ def run_train(report: Report, settings: harness.Settings, dev: Device) -> None:
                 ),
                 "feeder_alone": "the same feeder iterated with no step: its producers' rate",
             },
-            "feeder_copy_path": None if stats is None else stats.copy_path,
-            "feeder_page_locked": None if stats is None else stats.page_locked,
-            "feeder_page_lock_reason": None if stats is None else stats.page_lock_reason,
-            "feeder_input_bound_fraction": None if stats is None else stats.input_bound_fraction,
+            **feeder_params(stats),
         },
         reps,
-        units={
-            **{f"{p}_epoch1_s": "s" for p in peers},
-            **{f"{p}_{m}_steps_s": "steps/s" for p in peers for m in ("epoch1", "steady")},
-            "other_cores": "cores",
-        },
+        units={**session_units(peers), "other_cores": "cores"},
     )
     if {"feedpipe", "dataloader"} <= set(peers):
         report.target(
@@ -656,12 +568,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default=None, help="torch device (default cuda; cpu: smoke)")
     parser.add_argument("--parts", default=",".join(PARTS), help="any of copy,rs,train")
-    parser.add_argument("--copy-mb", default="2,16,64", help="copy sizes, MiB")
-    parser.add_argument("--step-ms", default="30,5", help="R/S: the step's own time, ms")
-    parser.add_argument("--hidden", type=int, default=4096, help="R/S: hidden units")
-    parser.add_argument("--rs-batch", type=int, default=256, help="R/S: global batch")
-    parser.add_argument("--rs-batches", type=int, default=8, help="R/S: batches in memory")
-    parser.add_argument("--rs-steps", type=int, default=100, help="R/S: timed steps per peer")
+    add_copy_rs_args(parser)
     parser.add_argument("--batch", type=int, default=256, help="train: global batch")
     parser.add_argument("--shape", default="96,96,3", help="train: image shape")
     parser.add_argument("--steps", type=int, default=48, help="train: steps per epoch")
@@ -696,17 +603,8 @@ def smoke(args: argparse.Namespace) -> None:
 
 
 def main(argv=None) -> None:
-    settings = harness.parse_settings(__doc__, add_args, argv)
+    settings, parts = parse_run(__doc__, add_args, smoke, PARTS, argv)
     args = settings.args
-    if args.smoke:
-        smoke(args)
-        settings = harness.Settings(args)
-    args.copy_mb = [float(v) for v in str(args.copy_mb).split(",")]
-    args.step_ms = [float(v) for v in str(args.step_ms).split(",")]
-    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    unknown = set(parts) - set(PARTS)
-    if unknown:
-        raise SystemExit(f"--parts={args.parts}: unknown {sorted(unknown)}; use {PARTS}.")
 
     # The slots are page-locked by the locker feedpipe finds before torch loads CUDA.
     from feedpipe.core.pinned import page_locker
@@ -728,9 +626,7 @@ def main(argv=None) -> None:
         "and first epoch",
         settings,
         "kernels_bench.torch_gpu",
-        command="python -m kernels_bench.torch_gpu"
-        + (" --smoke" if args.smoke else "")
-        + (f" --parts {args.parts}" if args.parts != ",".join(PARTS) else ""),
+        command=command_line("python -m kernels_bench.torch_gpu", args, PARTS),
     )
     report.accelerator = accelerator(dev)
     print(f"device: {report.accelerator.get('device_name', dev.device)}; parts: {', '.join(parts)}")

@@ -26,25 +26,11 @@ import jax.numpy as jnp  # noqa: E402
 import feedpipe as fp  # noqa: E402
 from feedpipe.core import dlpack  # noqa: E402
 from feedpipe.core.copy_engine import IN_FLIGHT, OWN_STREAMS  # noqa: E402
+from tests.gpu.gpu_fakes import Images  # noqa: E402
 from tests.processes import REPO_ROOT  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 GPUS = jax.devices("gpu")
-
-
-class Images:
-    """`length` samples whose bytes are a function of their index: `(x, y)` with `y = index`."""
-
-    def __init__(self, length: int, shape: tuple[int, ...]):
-        self.length = length
-        self.shape = shape
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> tuple[np.ndarray, np.int32]:
-        rng = np.random.default_rng(index)
-        return rng.standard_normal(self.shape, np.float32), np.int32(index)
 
 
 def checksum_on_device(x, y):
