@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import feedpipe as fp
-from tests.fakes import load_example
+
+tf = pytest.importorskip("tensorflow", reason="the TensorFlow GPU tests need TensorFlow")
+
+from tests.fakes import load_example  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 dali = pytest.importorskip("nvidia.dali", reason="DALI is not installed (feedpipe[dali])")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import feedpipe as fp
+
+tf = pytest.importorskip("tensorflow", reason="the TensorFlow GPU tests need TensorFlow")
 
 pytestmark = pytest.mark.gpu
 
