@@ -3,7 +3,26 @@ imported here: the JAX tests run without TensorFlow)."""
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
 import pytest
+
+
+class SlowBatches:
+    """A map-style source of `length` `(x, y)` rows that sleeps `batch_s` on the first sample
+    of each batch of `batch`: one GIL-free wait per batch, as storage or a network read makes."""
+
+    def __init__(self, batch_s: float, length: int, batch: int):
+        self.batch_s, self.length, self.batch = batch_s, length, batch
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int):
+        if index % self.batch == 0:
+            time.sleep(self.batch_s)
+        return np.full(3, index % 5, np.float32), np.float32(index % 2)
 
 
 def assert_reads_the_slower_input(epoch, step_s: float, producer_s: float, steps: int, rel: float):

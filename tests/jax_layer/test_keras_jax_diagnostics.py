@@ -13,27 +13,11 @@ import numpy as np
 import pytest
 
 import feedpipe as fp
-from tests.starvation import assert_reads_the_slower_input
+from tests.starvation import SlowBatches, assert_reads_the_slower_input
 
 STEP_S = 0.02
 """What the emulated accelerator's step sleeps."""
 BATCH, STEPS = 16, 24
-
-
-class SlowBatches:
-    """A map-style source of `(x, y)` rows that sleeps `batch_s` on the first sample of each
-    batch: one GIL-free wait per batch, as storage or a network read makes."""
-
-    def __init__(self, batch_s: float, length: int = STEPS * BATCH):
-        self.batch_s, self.length = batch_s, length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int):
-        if index % BATCH == 0:
-            time.sleep(self.batch_s)
-        return np.full(3, index % 5, np.float32), np.float32(index % 2)
 
 
 def sleeping_model(keras, step_s: float = STEP_S):
@@ -74,7 +58,9 @@ def arrays(length: int = STEPS * BATCH) -> tuple[np.ndarray, np.ndarray]:
 
 def test_a_three_times_slower_source_is_highly_input_bound(keras, devices):
     producer_s = 3 * STEP_S
-    with fp.Feeder(SlowBatches(producer_s), BATCH, devices=devices[:1]) as feeder:
+    with fp.Feeder(
+        SlowBatches(producer_s, STEPS * BATCH, BATCH), BATCH, devices=devices[:1]
+    ) as feeder:
         monitor = fp.StarvationMonitor(verbose=0, feeder=feeder)
         sleeping_model(keras).fit(
             feeder, epochs=1, verbose=0, callbacks=[monitor, feeder.fit_callback()]
@@ -86,7 +72,9 @@ def test_a_three_times_slower_source_is_highly_input_bound(keras, devices):
 
 
 def test_a_three_times_faster_source_is_not_read_as_highly_input_bound(keras, devices):
-    with fp.Feeder(SlowBatches(STEP_S / 3), BATCH, devices=devices[:1]) as feeder:
+    with fp.Feeder(
+        SlowBatches(STEP_S / 3, STEPS * BATCH, BATCH), BATCH, devices=devices[:1]
+    ) as feeder:
         monitor = fp.StarvationMonitor(verbose=0)
         sleeping_model(keras).fit(feeder, epochs=1, verbose=0, callbacks=[monitor])
     (epoch,) = monitor.epochs
@@ -141,7 +129,9 @@ def test_tensorboard_scalars_without_tensorflow_are_refused_with_the_fix(keras, 
 
 
 def test_diagnose_reads_a_slow_feeder_as_input_bound(keras, devices):
-    with fp.Feeder(SlowBatches(3 * STEP_S, 10 * STEPS * BATCH), BATCH, devices=devices[:1]) as f:
+    with fp.Feeder(
+        SlowBatches(3 * STEP_S, 10 * STEPS * BATCH, BATCH), BATCH, devices=devices[:1]
+    ) as f:
         diagnosis = fp.diagnose(f, sleeping_model(keras), steps=8, warmup=2, progress=False)
     assert diagnosis.verdict == "highly input-bound"
     assert diagnosis.consumer_steps_per_s == pytest.approx(1 / STEP_S, rel=0.5)

@@ -15,29 +15,13 @@ import torch
 import feedpipe as fp
 from feedpipe.diagnostics.remedies import rank_remedies
 from feedpipe.diagnostics.verdict import Diagnosis, StepTiming
-from tests.starvation import assert_reads_the_slower_input
+from tests.starvation import SlowBatches, assert_reads_the_slower_input
 
 STEP_S = 0.04
 """What the emulated accelerator's step sleeps: long beside the few milliseconds Keras's eager
 torch step adds on a CPU, so that the step alone is the sleep within the tests' bounds."""
 BATCH, STEPS = 16, 16
 CPU = [torch.device("cpu")]
-
-
-class SlowBatches:
-    """A map-style source of `(x, y)` rows that sleeps `batch_s` on the first sample of each
-    batch: one GIL-free wait per batch, as storage or a network read makes."""
-
-    def __init__(self, batch_s: float, length: int = STEPS * BATCH):
-        self.batch_s, self.length = batch_s, length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int):
-        if index % BATCH == 0:
-            time.sleep(self.batch_s)
-        return np.full(3, index % 5, np.float32), np.float32(index % 2)
 
 
 def sleeping_model(keras, step_s: float = STEP_S):
@@ -118,7 +102,7 @@ def wall_clock(keras):
 def test_a_three_times_slower_source_is_highly_input_bound(keras):
     producer_s = 3 * STEP_S
     clock = wall_clock(keras)
-    with fp.Feeder(SlowBatches(producer_s), BATCH, devices=CPU) as feeder:
+    with fp.Feeder(SlowBatches(producer_s, STEPS * BATCH, BATCH), BATCH, devices=CPU) as feeder:
         monitor = fp.StarvationMonitor(verbose=0, feeder=feeder)
         sleeping_model(keras).fit(
             feeder, epochs=1, verbose=0, callbacks=[monitor, feeder.fit_callback(), clock]
@@ -133,7 +117,7 @@ def test_a_three_times_slower_source_is_highly_input_bound(keras):
 
 def test_a_three_times_faster_source_is_not_read_as_highly_input_bound(keras):
     clock = wall_clock(keras)
-    with fp.Feeder(SlowBatches(STEP_S / 3), BATCH, devices=CPU) as feeder:
+    with fp.Feeder(SlowBatches(STEP_S / 3, STEPS * BATCH, BATCH), BATCH, devices=CPU) as feeder:
         monitor = fp.StarvationMonitor(verbose=0)
         sleeping_model(keras).fit(feeder, epochs=1, verbose=0, callbacks=[monitor, clock])
     (epoch,) = monitor.epochs
@@ -224,7 +208,7 @@ def test_the_monitor_outside_a_fit_says_how_to_use_it(keras):
 
 
 def test_diagnose_reads_a_slow_feeder_as_input_bound(keras):
-    with fp.Feeder(SlowBatches(3 * STEP_S, 10 * STEPS * BATCH), BATCH, devices=CPU) as f:
+    with fp.Feeder(SlowBatches(3 * STEP_S, 10 * STEPS * BATCH, BATCH), BATCH, devices=CPU) as f:
         diagnosis = fp.diagnose(f, sleeping_model(keras), steps=8, warmup=2, progress=False)
     assert diagnosis.verdict == "highly input-bound"
     assert diagnosis.consumer_steps_per_s == pytest.approx(1 / STEP_S, rel=0.5)
