@@ -140,9 +140,22 @@ def shuffled_ids(strategy, args: dict, **options) -> fp.Feeder:
     )
 
 
+def die_once_every_host_wrote(out: str, name: str, deadline_s: float = 120.0) -> None:
+    """Dies without a word (SIGKILL) once every host has written `out/name.format(host)`: a
+    host writes it after its last step, so none dies while another still receives that step's
+    collective from it (which would fail the other with "Socket closed" instead)."""
+    import signal
+
+    hosts = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
+    paths = [os.path.join(out, name.format(host)) for host in range(hosts)]
+    give_up = time.monotonic() + deadline_s
+    while not all(os.path.exists(p) for p in paths) and time.monotonic() < give_up:
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def save(strategy, args: dict) -> dict:
     """Takes `args["steps"]` steps, writes the state, and dies without a word (SIGKILL)."""
-    import signal
 
     feeder = shuffled_ids(strategy, args, workers=args.get("workers", 0))
     batches = iter(feeder)
@@ -154,7 +167,7 @@ def save(strategy, args: dict) -> dict:
     with open(path + ".tmp", "w") as file:
         json.dump(state, file)
     os.replace(path + ".tmp", path)
-    os.kill(os.getpid(), signal.SIGKILL)
+    die_once_every_host_wrote(args["out"], "state-{}.json")
     return {}
 
 
@@ -498,7 +511,6 @@ def checkpoint_then_die(strategy, args: dict) -> dict:
     """`fp.train` with a checkpoint (model and feeder) taken at a step mid-epoch by every host,
     the chief's in the real place, as MultiWorkerMirroredStrategy wants; then every host is
     killed."""
-    import signal
 
     import keras
 
@@ -512,7 +524,7 @@ def checkpoint_then_die(strategy, args: dict) -> dict:
                 checkpoint.write(os.path.join(where, "ckpt"))
                 with open(os.path.join(args["out"], f"saved-{host}"), "w") as file:
                     json.dump(feeder.get_state(), file)
-                os.kill(os.getpid(), signal.SIGKILL)
+                die_once_every_host_wrote(args["out"], "saved-{}")
 
     fp.train(
         model,
