@@ -45,7 +45,8 @@ def keras_batches(feeder: Any, *, real_only: bool = False) -> Iterator[Any]:
     how = None if real_only else weighting(feeder.spec, o.remainder, o.errors)
     size = o.global_batch_size
     made: dict[int, tuple[Any, Any]] = {}
-    """Per pattern, keyed by its mask (kept, so that the key stays its own): the row weights."""
+    """Per pattern, keyed by its mask (kept, so that the key stays its own): the sample weights
+    added to `(x, y)`, or the row weights that scale an `(x, y, w)` source's own."""
     feeder._consumer.end_open_pass()
     for batch in feeder._consumer.iterate(fit=True, host=False):
         inputs, mask = batch.distributed()
@@ -59,14 +60,15 @@ def keras_batches(feeder: Any, *, real_only: bool = False) -> Iterator[Any]:
         key = id(mask)
         if key not in made:
             rows = torch.where(mask, size / batch.num_valid, 0.0).to(torch.float32)
+            if how == "add":  # each label field its own copy, of its rank, made once
+                rows = optree.tree_map(
+                    lambda y, rows=rows: broadcastable(rows, y.ndim).clone(), inputs[1]
+                )
             made[key] = (mask, rows)
-        rows = made[key][1]
+        weights = made[key][1]
         if how == "add":
-            weights = optree.tree_map(
-                lambda y, rows=rows: broadcastable(rows, y.ndim).clone(), inputs[1]
-            )
             yield (*inputs, weights)
         else:
             x, y, given = inputs
-            scaled = given.to(torch.float32) * broadcastable(rows, given.ndim)
+            scaled = given.to(torch.float32) * broadcastable(weights, given.ndim)
             yield x, y, scaled.to(given.dtype)
