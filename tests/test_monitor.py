@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 import keras
 import numpy as np
@@ -24,6 +25,7 @@ from feedpipe.diagnostics import monitor as monitor_module
 from feedpipe.diagnostics._headspace import CANNOT_TELL, StepAlone, bracket
 from feedpipe.diagnostics.monitor import EpochStarvation
 from tests.fakes import CountingSource, index_arrays, sleeping_model
+from tests.keras_cases import wall_clock
 from tests.starvation import assert_reads_the_slower_input
 
 STEP_S = 0.04
@@ -94,24 +96,10 @@ class SlowBatchSource(CountingSource):
         return super().__getitem__(index)
 
 
-class WallClock(keras.callbacks.Callback):
-    """Ground truth the monitor does not see: when each call of the step returned."""
-
-    def on_train_begin(self, logs=None):
-        self.ends = []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.ends.append(time.perf_counter())
-
-    def step_s(self) -> float:
-        """Mean seconds per step from the end of the third call to the last one."""
-        return (self.ends[-1] - self.ends[2]) / (len(self.ends) - 3)
-
-
-def fit_monitored(kind: str, batch_s: float) -> tuple[fp.StarvationMonitor, WallClock]:
+def fit_monitored(kind: str, batch_s: float) -> tuple[fp.StarvationMonitor, Any]:
     """One epoch of `STEPS` steps fed by `kind`, each batch taking `batch_s` to make."""
     model = sleeping_model(STEP_S)
-    clock = WallClock()
+    clock = wall_clock(keras)
     if kind == "Feeder":
         source = SlowBatchSource(STEPS * BATCH, batch_s)
         with fp.Feeder(source, BATCH, devices=["/cpu:0"]) as feeder:

@@ -10,7 +10,7 @@ import pytest
 
 import feedpipe as fp
 from feedpipe.core.sampler import Sampler
-from tests.keras_cases import BATCH, LENGTH, assert_same_weights, data, model
+from tests.keras_cases import BATCH, LENGTH, assert_same_weights, classifier, data, model
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
@@ -255,17 +255,6 @@ def test_a_sources_error_leaves_fit_as_itself(keras, devices):
     with feeder, pytest.raises(Broke, match=r"^sample 40 is broken\n") as info:
         model(keras).fit(feeder, epochs=1, verbose=0, callbacks=[feeder.fit_callback()])
     assert any("sample index 40 of epoch 0" in note for note in info.value.__notes__)
-
-
-def classifier(keras):
-    """A model whose unweighted `accuracy` would count padding rows if it were given them."""
-    net = model(keras)
-    net.compile(
-        keras.optimizers.SGD(0.1),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return net
 
 
 @pytest.mark.parametrize("on", ["one device", "data parallel"])

@@ -16,7 +16,7 @@ import torch
 
 import feedpipe as fp
 from feedpipe.core.sampler import Sampler
-from tests.keras_cases import BATCH, LENGTH, assert_same_weights, data, model
+from tests.keras_cases import BATCH, LENGTH, assert_same_weights, classifier, data, model
 from tests.processes import REPO_ROOT
 
 CPU = [torch.device("cpu")]
@@ -297,17 +297,6 @@ def test_a_sources_error_leaves_fit_as_itself(keras):
     with feeder, pytest.raises(Broke, match=r"^sample 40 is broken\n") as info:
         model(keras).fit(feeder, epochs=1, verbose=0, callbacks=[feeder.fit_callback()])
     assert any("sample index 40 of epoch 0" in note for note in info.value.__notes__)
-
-
-def classifier(keras):
-    """A model whose unweighted `accuracy` would count padding rows if it were given them."""
-    net = model(keras)
-    net.compile(
-        keras.optimizers.SGD(0.1),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return net
 
 
 def test_predict_on_the_feeder_returns_one_prediction_per_real_sample(keras):

@@ -15,6 +15,7 @@ import torch
 import feedpipe as fp
 from feedpipe.diagnostics.remedies import rank_remedies
 from feedpipe.diagnostics.verdict import Diagnosis, StepTiming
+from tests.keras_cases import wall_clock
 from tests.starvation import SlowBatches, assert_reads_the_slower_input
 
 STEP_S = 0.04
@@ -80,23 +81,6 @@ def state_of(model) -> list[np.ndarray]:
 def arrays(length: int = STEPS * BATCH) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)
     return rng.normal(size=(length, 3)).astype("float32"), rng.normal(size=length).astype("float32")
-
-
-def wall_clock(keras):
-    """Ground truth the monitor does not see: when each call of the step returned."""
-
-    class WallClock(keras.callbacks.Callback):
-        def on_train_begin(self, logs=None):
-            self.ends = []
-
-        def on_train_batch_end(self, batch, logs=None):
-            self.ends.append(time.perf_counter())
-
-        def step_s(self) -> float:
-            """Mean seconds per step from the end of the third call to the last one."""
-            return (self.ends[-1] - self.ends[2]) / (len(self.ends) - 3)
-
-    return WallClock()
 
 
 def test_a_three_times_slower_source_is_highly_input_bound(keras):
