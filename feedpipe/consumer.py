@@ -49,6 +49,9 @@ class Pass:
     """For a gathered pass: what `taken` had timed when it began (see `Consumer.gathered`)."""
     counted: bool = False
     """For a gathered pass: its batches are in the feeder's stats."""
+    reader: Any = None
+    """For a pass of `as_dataset`: that dataset's own record, which tells its passes from
+    another dataset's (see `FitLedger.reads_ahead`)."""
 
     def catch_up(self, steps_per_epoch: int) -> None:
         """Reads how far the consumer of a gathered pass has got: `handed`, and `end` once it
@@ -117,7 +120,9 @@ class Consumer:
 
     # ---- passes ---------------------------------------------------------------------------
 
-    def iterate(self, *, fit: bool, host: bool, steps: int | None = None) -> Iterator[Any]:
+    def iterate(
+        self, *, fit: bool, host: bool, steps: int | None = None, reader: Any = None
+    ) -> Iterator[Any]:
         """One pass over the rest of the current epoch (`steps` batches, where given), staged
         on the devices or, with `host`, kept on the host.
 
@@ -126,9 +131,9 @@ class Consumer:
         which of its batches the step used, because TensorFlow prefetches batches the step never
         takes and Keras peeks at a batch to build the model: the next pass starts again where
         it began. Such a pass, if TensorFlow finalises it late, is superseded, and raises if
-        read again.
+        read again. `reader` is the record of the dataset read (see `Pass.reader`).
         """
-        this = self.begin_pass(fit=fit, steps=steps)
+        this = self.begin_pass(fit=fit, steps=steps, reader=reader)
         plan = self.assembly.plan
         pipeline = self.assembly.start(host, self.position, self.stats)
         try:
@@ -167,12 +172,17 @@ class Consumer:
                     self.assembly.stop()  # staged batches are made again by the next loop
                     self.settle()
 
-    def begin_pass(self, *, fit: bool, steps: int | None, taken: Any = None) -> Pass:
+    def begin_pass(
+        self, *, fit: bool, steps: int | None, taken: Any = None, reader: Any = None
+    ) -> Pass:
         """Begins a pass from the consumer's position, superseding a `fit` pass still open."""
         if self.closed:
             if self.failure is not None:
                 raise self.failure
             raise RuntimeError("The feeder is closed; build a new fp.Feeder to read again.")
+        ahead = fit and self.fits.reads_ahead(reader)
+        if self.fits.read_ahead and not ahead:
+            self.forget_unsettled()  # back to where the tracked fit ended
         if self.active is not None:
             if not self.active.fit:
                 raise RuntimeError(
@@ -185,11 +195,12 @@ class Consumer:
         if steps is not None:
             self.fits.check_passes_from(self.position, steps, None)
         self.passes += 1
-        this = Pass(fit, self.position, self.stats.consumer_counters(), self.passes, taken=taken)
+        counters = self.stats.consumer_counters()
+        this = Pass(fit, self.position, counters, self.passes, taken=taken, reader=reader)
         self.active = this
         if fit:
             self.last_fit = this
-            self.fits.untracked = self.fits.untracked or self.fits.tracker is None
+            self.fits.begun(ahead)
         return this
 
     def gathered_pass(self, steps: int | None, taken: Any) -> tuple[Pass, Any, Any]:
@@ -202,7 +213,7 @@ class Consumer:
         The consumer's position follows from what `taken` records of the pass (see
         `Pass.catch_up`), read when the pass ends; until then `position` is where it began.
         """
-        this = self.begin_pass(fit=True, steps=steps, taken=taken)
+        this = self.begin_pass(fit=True, steps=steps, taken=taken, reader=taken)
         self.assembly.stop()  # nothing the feeder's thread stages is read in such a pass
         rows, valid = self.assembly.plan.padded_rows(this.start.epoch, this.start.step)
         this.valid, this.measured = valid, taken.measured()
@@ -267,7 +278,9 @@ class Consumer:
     def end_open_pass(self) -> None:
         """Ends a fit pass left open (Keras's look at a batch, a pass read in part), so that
         the rest of the epoch is counted from what the step trained on."""
-        if self.active is not None and self.active.fit:
+        if self.fits.read_ahead:
+            self.forget_unsettled()
+        elif self.active is not None and self.active.fit:
             self.supersede()
 
     # ---- where the consumer is ------------------------------------------------------------
@@ -277,7 +290,7 @@ class Consumer:
         tracked `fit`): later passes of `as_dataset` may be Keras's look at a batch."""
         self._settled = (self.position, self.passes)
         self._settled_counters = self.stats.consumer_counters()
-        self.fits.untracked = False
+        self.fits.settled()
 
     def forget_unsettled(self) -> None:
         """Passes of `as_dataset` since the position was last settled trained nothing (Keras's
@@ -319,6 +332,8 @@ class Consumer:
         """The batches the consumer has used, as a position."""
         if self.fits.tracker is not None:
             return self.fits.tracked()
+        if self.fits.read_ahead:
+            return self._settled[0]
         if self.fits.untracked:
             entry = self.fits.entry
             raise RuntimeError(

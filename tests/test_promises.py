@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import signal
+import threading
 import time
 import warnings
 
@@ -144,6 +145,66 @@ def test_a_repeated_prefetched_dataset_keeps_the_state_exact():
         assert recorder.states == trained
         assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (3, 0)
         assert rest_of_epoch(feeder) == list(range(LENGTH))
+
+
+class LetsTheNextPassBegin(keras.callbacks.Callback):
+    """At the fit's end, after the callbacks before it in the list ran theirs, lets the gated
+    pass begin, and waits for it while Keras still holds the fit's iterator."""
+
+    def __init__(self, feeder):
+        super().__init__()
+        self.feeder, self.ended, self.began = feeder, threading.Event(), False
+
+    def on_train_end(self, logs=None):
+        passes = self.feeder._consumer.passes
+        self.ended.set()
+        deadline = time.monotonic() + 60
+        while self.feeder._consumer.passes == passes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.began = self.feeder._consumer.passes > passes
+
+
+def test_a_pass_tensorflow_reads_ahead_after_the_fit_ended_trains_nothing():
+    # A repeated, prefetched dataset is read on by TensorFlow's threads until Keras drops the
+    # fit's iterator: under load its next pass can begin after the fit's end was told to the
+    # feeder. The gate holds the fourth pass back until then, every run.
+    with fp.Feeder(ids_data(), BATCH) as feeder:
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+        dataset, told = feeder.as_dataset(), LetsTheNextPassBegin(feeder)
+
+        def gate(index):
+            if index == 3:
+                told.ended.wait(60)
+            return index
+
+        passes = (
+            tf.data.Dataset.range(4)
+            .map(lambda i: tf.numpy_function(gate, [i], tf.int64))
+            .flat_map(lambda _: dataset)
+            .prefetch(3)
+        )
+        model.fit(
+            passes,
+            steps_per_epoch=STEPS,
+            epochs=3,
+            verbose=0,
+            callbacks=[feeder.fit_callback(), told],
+        )
+        assert told.began, "the fourth pass never began"
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (3, 0)
+        assert rest_of_epoch(feeder) == list(range(LENGTH))
+
+
+def test_a_new_dataset_read_without_the_callback_after_a_tracked_fit_has_no_state():
+    with fp.Feeder(ids_data(), BATCH) as feeder:
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+        model.fit(feeder.as_dataset(), verbose=0, callbacks=[feeder.fit_callback()])
+        assert feeder.get_state()["epoch"] == 1
+        model.fit(feeder.as_dataset(), verbose=0)
+        with pytest.raises(RuntimeError, match="cannot tell which batches"):
+            feeder.get_state()
 
 
 def dense_model() -> keras.Model:

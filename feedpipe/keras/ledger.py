@@ -28,6 +28,13 @@ class FitLedger:
         """Where the tracked `fit` began."""
         self.untracked = False
         """Passes of `as_dataset` were read since the position was settled, with no tracker."""
+        self.ended_reader: Any = None
+        """The dataset the last tracked `fit` read (its record, `Pass.reader`), until the
+        position is next settled: TensorFlow's threads may begin passes of it after the fit
+        ended (a `repeat().prefetch()` reads on until Keras drops its iterator)."""
+        self.read_ahead = False
+        """The passes begun since the tracked `fit` ended were all such passes: they trained
+        nothing, and the position is still where the fit ended."""
         self.interrupted_at: Position | None = None
         """Where the last tracked `fit` stopped, if it raised (an error, Ctrl-C)."""
         self.entry = "feeder"
@@ -50,6 +57,28 @@ class FitLedger:
         self.consumer.move_to(self.tracked())  # while the tracker still says what it trained
         self.tracker = None
         self.consumer.settle()
+        last = self.consumer.last_fit
+        self.ended_reader = None if last is None else last.reader
+
+    def reads_ahead(self, reader: Any) -> bool:
+        """Whether a pass of `as_dataset` read from `reader` is read ahead of the tracked `fit`
+        that ended last: the dataset that fit read, with nothing else read or restored since.
+        A second iterator of that same dataset, made by the user after the fit, cannot be told
+        from TensorFlow's; give each fit the feeder's callback (or a dataset of its own)."""
+        return self.tracker is None and reader is not None and reader is self.ended_reader
+
+    def begun(self, ahead: bool) -> None:
+        """A pass of `as_dataset` begins (`ahead`: read ahead of the ended fit, see
+        `reads_ahead`): with no tracker, what it trains is unknown."""
+        if ahead:
+            self.read_ahead = True
+        elif self.tracker is None:
+            self.untracked = True
+
+    def settled(self) -> None:
+        """The position is the consumer's now (see `Consumer.settle`)."""
+        self.untracked = self.read_ahead = False
+        self.ended_reader = None
 
     def end_interrupted(self) -> None:
         """A `fit` that raised (an error, Ctrl-C) never tells its tracker it ended: what it

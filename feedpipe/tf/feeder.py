@@ -116,6 +116,7 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
             dataset = gathered_dataset(self, signature, how, steps, SUPERSEDED, real_only=real_only)
             return self._as_dataset(dataset, steps)
         feeder = weakref.ref(self)  # TensorFlow keeps `generate` for the life of the process
+        reader = object()  # this dataset's record: its passes are told from another's by it
 
         def generate():
             this = feeder()
@@ -125,12 +126,13 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
                     "while its dataset is read."
                 )
             if not hosts:
-                for batch in this._consumer.iterate(fit=True, host=True, steps=steps):
+                batches = this._consumer.iterate(fit=True, host=True, steps=steps, reader=reader)
+                for batch in batches:
                     yield _real(this, batch) if real_only else _weighted(this, batch, how)
                 return
             per_replica = this.split.per_replica
             while True:  # every epoch, one replica's rows at a time, as the strategy takes them
-                for batch in this._consumer.iterate(fit=True, host=True):
+                for batch in this._consumer.iterate(fit=True, host=True, reader=reader):
                     sample = _weighted(this, batch, how)
                     for lo in range(0, len(batch.arrays[0]), per_replica):
                         yield optree.tree_map(lambda a, lo=lo: a[lo : lo + per_replica], sample)
