@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -78,6 +80,17 @@ SUPERSEDED = (
 )
 
 
+def _locked(method):
+    """`method` under its consumer's `lock`."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 class Consumer:
     """The position of one feeder's consumer, and the passes that move it.
 
@@ -98,6 +111,9 @@ class Consumer:
         self.failure: BaseException | None = None
         """The error that closed the feeder: every later read raises it again."""
         self.closed = False
+        self.lock = threading.RLock()
+        """Held while the position or the passes change: a framework's threads begin and read
+        the passes of `as_dataset` while the user's thread ends a fit or reads the state."""
         self.fits = FitLedger(self)
         """What the fits reading this feeder trained on."""
         self.settle()
@@ -133,45 +149,52 @@ class Consumer:
         it began. Such a pass, if TensorFlow finalises it late, is superseded, and raises if
         read again. `reader` is the record of the dataset read (see `Pass.reader`).
         """
-        this = self.begin_pass(fit=fit, steps=steps, reader=reader)
+        with self.lock:
+            this = self.begin_pass(fit=fit, steps=steps, reader=reader)
+            pipeline = self.assembly.start(host, self.position, self.stats)
         plan = self.assembly.plan
-        pipeline = self.assembly.start(host, self.position, self.stats)
         try:
             while True:
                 item = self._next(pipeline)
-                if isinstance(item, EpochEnd):
-                    if this.handed == 0 and this.start.step > 0:
-                        # A source of unknown length learns its epoch's end by reading on, so
-                        # a state taken after the last batch can say (e, steps): that epoch is
-                        # over, and this pass is the next one, never an empty one.
-                        self.position = this.start = Position(item.epoch + 1, 0)
-                        continue
-                    self._end_epoch(this, item)
-                    return
-                self.position = Position(item.epoch, item.step + 1)
-                this.handed += 1
-                item.handed_over()
+                with self.lock:
+                    if self.active is not this:
+                        raise RuntimeError(SUPERSEDED)
+                    if isinstance(item, EpochEnd):
+                        if this.handed == 0 and this.start.step > 0:
+                            # A source of unknown length learns its epoch's end by reading on,
+                            # so a state taken after the last batch can say (e, steps): that
+                            # epoch is over, and this pass is the next one, never an empty one.
+                            self.position = this.start = Position(item.epoch + 1, 0)
+                            continue
+                        self._end_epoch(this, item)
+                        return
+                    self.position = Position(item.epoch, item.step + 1)
+                    this.handed += 1
+                    item.handed_over()
                 if plan is not None and item.step + 1 == len(plan):
                     # The epoch's end is taken with its last batch: Keras never asks past it,
                     # nor does a loop that takes len(feeder) batches (islice, zip with range).
-                    self._end_epoch(this, self._next(pipeline))
+                    end = self._next(pipeline)
+                    with self.lock:
+                        if self.active is this:
+                            self._end_epoch(this, end)
                     yield item
                     return
                 yield item
                 del item  # the slot returns when the consumer drops the batch, not this frame
-                if self.active is not this:
-                    raise RuntimeError(SUPERSEDED)
         finally:
             # At interpreter exit a suspended loop is finalised after modules are torn down.
-            if self.active is this and not sys.is_finalizing():
-                self.stats.loop_ended()
-                if fit:
-                    self.supersede()
-                else:
-                    self.active = None
-                    self.assembly.stop()  # staged batches are made again by the next loop
-                    self.settle()
+            with self.lock:
+                if self.active is this and not sys.is_finalizing():
+                    self.stats.loop_ended()
+                    if fit:
+                        self.supersede()
+                    else:
+                        self.active = None
+                        self.assembly.stop()  # staged batches are made again by the next loop
+                        self.settle()
 
+    @_locked
     def begin_pass(
         self, *, fit: bool, steps: int | None, taken: Any = None, reader: Any = None
     ) -> Pass:
@@ -203,6 +226,7 @@ class Consumer:
             self.fits.begun(ahead)
         return this
 
+    @_locked
     def gathered_pass(self, steps: int | None, taken: Any) -> tuple[Pass, Any, Any]:
         """Begins a pass of `as_dataset()` whose batches the framework gathers itself from the
         source's arrays, in its own threads, with no Python per batch: the pass, the rows of
@@ -259,6 +283,7 @@ class Consumer:
         if not this.fit:
             self.settle()
 
+    @_locked
     def supersede(self) -> None:
         """Ends the pass of `as_dataset` being read: the consumer's position is the end of its
         epoch where a gathered pass's last batch was taken, else what a tracker says it used,
@@ -275,6 +300,7 @@ class Consumer:
             self.position = left.start
             self.stats.restore_consumer(left.counters)
 
+    @_locked
     def end_open_pass(self) -> None:
         """Ends a fit pass left open (Keras's look at a batch, a pass read in part), so that
         the rest of the epoch is counted from what the step trained on."""
@@ -285,6 +311,7 @@ class Consumer:
 
     # ---- where the consumer is ------------------------------------------------------------
 
+    @_locked
     def settle(self) -> None:
         """The position is the consumer's now (set_state, the end of a `for` loop or of a
         tracked `fit`): later passes of `as_dataset` may be Keras's look at a batch."""
@@ -292,6 +319,7 @@ class Consumer:
         self._settled_counters = self.stats.consumer_counters()
         self.fits.settled()
 
+    @_locked
     def forget_unsettled(self) -> None:
         """Passes of `as_dataset` since the position was last settled trained nothing (Keras's
         look at a batch to build the model): the position and the stats go back to then."""
@@ -306,6 +334,7 @@ class Consumer:
         self.stats.restore_consumer(self._settled_counters)
         self.settle()
 
+    @_locked
     def move_to(self, position: Position) -> None:
         """Ends any pass and goes on from `position` (a tracked fit's end)."""
         if position != self.position or self.active is not None:
@@ -313,6 +342,7 @@ class Consumer:
             self.assembly.stop()
             self.position = position
 
+    @_locked
     def untake(self, batch: Any) -> None:
         """`batch` and the batches taken after it trained nothing (the step raised): the next
         loop begins at it. Call once the loop that took them is closed."""
@@ -346,6 +376,7 @@ class Consumer:
             )
         return self.position
 
+    @_locked
     def get_state(self) -> dict:
         """The consumer's position as a state, with the source's own where it keeps one."""
         state = self.assembly.stream().state(self.consumed())
@@ -357,6 +388,7 @@ class Consumer:
             state["skipped"] = self.assembly.skips.state(position)
         return state
 
+    @_locked
     def set_state(self, state: dict) -> None:
         """Goes on from where `state` was taken; staged batches are remade."""
         if self.active is not None and not self.active.fit:

@@ -148,30 +148,48 @@ def test_a_repeated_prefetched_dataset_keeps_the_state_exact():
 
 
 class LetsTheNextPassBegin(keras.callbacks.Callback):
-    """At the fit's end, after the callbacks before it in the list ran theirs, lets the gated
-    pass begin, and waits for it while Keras still holds the fit's iterator."""
+    """At the fit's end, lets the gated pass begin (`ended`) and waits, while Keras still holds
+    the fit's iterator: `after` the feeder was told the fit ended (this callback comes after
+    the feeder's in the list), until the pass has begun; else, before the feeder is told, until
+    the pass is halfway through beginning (`halfway`)."""
 
-    def __init__(self, feeder):
+    def __init__(self, feeder, after: bool):
         super().__init__()
-        self.feeder, self.ended, self.began = feeder, threading.Event(), False
+        self.feeder, self.after = feeder, after
+        self.ended, self.halfway, self.began = threading.Event(), threading.Event(), False
 
     def on_train_end(self, logs=None):
         passes = self.feeder._consumer.passes
         self.ended.set()
         deadline = time.monotonic() + 60
+        if not self.after:
+            self.began = self.halfway.wait(60)
+            return
         while self.feeder._consumer.passes == passes and time.monotonic() < deadline:
             time.sleep(0.01)
         self.began = self.feeder._consumer.passes > passes
 
 
-def test_a_pass_tensorflow_reads_ahead_after_the_fit_ended_trains_nothing():
+@pytest.mark.parametrize("when", ["after the fit ended", "as the fit ends"])
+def test_a_pass_tensorflow_reads_ahead_as_the_fit_ends_trains_nothing(when, monkeypatch):
     # A repeated, prefetched dataset is read on by TensorFlow's threads until Keras drops the
-    # fit's iterator: under load its next pass can begin after the fit's end was told to the
-    # feeder. The gate holds the fourth pass back until then, every run.
+    # fit's iterator, so under load its next pass can begin after the fit's end was told to
+    # the feeder, or while it is told. The gate holds the fourth pass back until then.
     with fp.Feeder(ids_data(), BATCH) as feeder:
         model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
         model.compile("sgd", "mse")
-        dataset, told = feeder.as_dataset(), LetsTheNextPassBegin(feeder)
+        after = when == "after the fit ended"
+        dataset, told = feeder.as_dataset(), LetsTheNextPassBegin(feeder, after)
+        ledger = feeder._consumer.fits
+        check = ledger.check_passes_from
+
+        def check_slowly(*args, **kwargs):  # called as a pass begins
+            if told.ended.is_set() and threading.current_thread() is not threading.main_thread():
+                told.halfway.set()
+                time.sleep(0.5)
+            return check(*args, **kwargs)
+
+        monkeypatch.setattr(ledger, "check_passes_from", check_slowly)
 
         def gate(index):
             if index == 3:
@@ -184,12 +202,13 @@ def test_a_pass_tensorflow_reads_ahead_after_the_fit_ended_trains_nothing():
             .flat_map(lambda _: dataset)
             .prefetch(3)
         )
+        tracker = feeder.fit_callback()
         model.fit(
             passes,
             steps_per_epoch=STEPS,
             epochs=3,
             verbose=0,
-            callbacks=[feeder.fit_callback(), told],
+            callbacks=[tracker, told] if after else [told, tracker],
         )
         assert told.began, "the fourth pass never began"
         assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (3, 0)

@@ -45,20 +45,22 @@ class FitLedger:
         """A tracked `fit` begins: passes of `as_dataset` since the position was last settled
         were Keras's look at a batch to build the model, not training. A fit on the same
         dataset that raised goes on from what it trained."""
-        self.end_interrupted()
-        self.consumer.forget_unsettled()
-        self.fit_start = self.consumer.position
-        self.tracker = tracker
+        with self.consumer.lock:
+            self.end_interrupted()
+            self.consumer.forget_unsettled()
+            self.fit_start = self.consumer.position
+            self.tracker = tracker
 
     def untrack(self, tracker: Any) -> None:
         """A tracked `fit` ended: the position becomes what it trained on."""
-        if self.tracker is not tracker:
-            return
-        self.consumer.move_to(self.tracked())  # while the tracker still says what it trained
-        self.tracker = None
-        self.consumer.settle()
-        last = self.consumer.last_fit
-        self.ended_reader = None if last is None else last.reader
+        with self.consumer.lock:
+            if self.tracker is not tracker:
+                return
+            self.consumer.move_to(self.tracked())  # while the tracker says what it trained
+            self.tracker = None
+            self.consumer.settle()
+            last = self.consumer.last_fit
+            self.ended_reader = None if last is None else last.reader
 
     def reads_ahead(self, reader: Any) -> bool:
         """Whether a pass of `as_dataset` read from `reader` is read ahead of the tracked `fit`
@@ -83,10 +85,11 @@ class FitLedger:
     def end_interrupted(self) -> None:
         """A `fit` that raised (an error, Ctrl-C) never tells its tracker it ended: what it
         trained on becomes the position before anything else reads the feeder."""
-        if self.tracker is not None:
-            self.tracker.interrupted()
-            self.untrack(self.tracker)
-            self.interrupted_at = self.consumer.position
+        with self.consumer.lock:
+            if self.tracker is not None:
+                self.tracker.interrupted()
+                self.untrack(self.tracker)
+                self.interrupted_at = self.consumer.position
 
     def tracked(self) -> Position:
         """The position after the batches the tracked `fit` has trained on: the fit's start
