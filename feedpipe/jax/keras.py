@@ -15,9 +15,9 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-import optree
 
-from feedpipe.core.weights import added_weights, scaled_weights, weighting
+from feedpipe.core.weights import added_weights, scaled_weights
+from feedpipe.keras import batches
 
 
 def _check_distribution(feeder: Any) -> None:
@@ -63,40 +63,27 @@ def _check_real_rows_divide(feeder: Any, count: int | None) -> None:
         )
 
 
-def keras_batches(feeder: Any, *, real_only: bool = False) -> Iterator[Any]:
-    """The rest of the feeder's current epoch as Keras takes it: `x`, `(x, y)` or
-    `(x, y, sample_weight)` of global arrays; the feeder's next epoch on the next call. With
-    `real_only` (for `predict` and `evaluate`), each batch's real rows alone, as the source
-    gives them.
+class _JaxRows:
+    """The rows of a feeder's global `jax.Array`s (see `feedpipe.keras.batches.DeviceRows`)."""
 
-    A batch's row weights depend only on its pattern of real rows, so they are made on the
-    devices once per pattern (the stager's masks are made once per pattern too) and reused.
-    """
+    def __init__(self, feeder: Any):
+        self.feeder = feeder
+
+    def real(self, batch: Any, mask: Any) -> np.ndarray:
+        _check_real_rows_divide(self.feeder, batch.num_valid)
+        return np.flatnonzero(np.concatenate([np.asarray(m) for m in batch.masks]))
+
+    def weights(self, mask: Any, scale: float) -> Any:
+        return jnp.where(mask, jnp.float32(scale), jnp.float32(0))
+
+    added = staticmethod(added_weights)
+    scaled = staticmethod(scaled_weights)
+
+
+def keras_batches(feeder: Any, *, real_only: bool = False) -> Iterator[Any]:
+    """The feeder's batches as Keras's JAX trainer takes them (`feedpipe.keras.batches`), once
+    the feeder's devices are found to be the step's."""
     _check_distribution(feeder)
     if real_only:
         _check_real_rows_divide(feeder, None)
-    o = feeder.options
-    how = None if real_only else weighting(feeder.spec, o.remainder, o.errors)
-    size = feeder.options.global_batch_size
-    made: dict[int, tuple[Any, Any]] = {}
-    """Per pattern, keyed by its masks (kept, so that the key stays theirs): rows or weights."""
-    feeder._consumer.end_open_pass()
-    for batch in feeder._consumer.iterate(fit=True, host=False):
-        inputs, mask = batch.distributed()
-        if real_only and batch.num_valid < size:
-            _check_real_rows_divide(feeder, batch.num_valid)
-            # Padding rows come last, but a row errors="skip" left out can be anywhere.
-            real = np.flatnonzero(np.concatenate([np.asarray(m) for m in batch.masks]))
-            inputs = optree.tree_map(lambda a, rows=real: a[rows], inputs)
-        if how is None:
-            yield inputs
-            continue
-        key = id(batch.masks)
-        if key not in made:
-            rows = jnp.where(mask, jnp.float32(size / batch.num_valid), jnp.float32(0))
-            made[key] = (batch.masks, added_weights(inputs[1], rows) if how == "add" else rows)
-        weights = made[key][1]
-        if how == "add":
-            yield (*inputs, weights)
-        else:
-            yield inputs[0], inputs[1], scaled_weights(inputs[2], weights)
+    yield from batches.keras_batches(feeder, _JaxRows(feeder), real_only=real_only)

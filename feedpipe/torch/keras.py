@@ -14,7 +14,8 @@ import optree
 import torch
 
 from feedpipe._internals import keras_torch_device
-from feedpipe.core.weights import broadcastable, weighting
+from feedpipe.core.weights import broadcastable
+from feedpipe.keras import batches
 from feedpipe.torch.layer import resolve_devices
 
 
@@ -32,43 +33,25 @@ def _check_device(feeder: Any) -> None:
         )
 
 
-def keras_batches(feeder: Any, *, real_only: bool = False) -> Iterator[Any]:
-    """The rest of the feeder's current epoch as Keras takes it: `x`, `(x, y)` or
-    `(x, y, sample_weight)`; the feeder's next epoch on the next call. With `real_only` (for
-    `predict` and `evaluate`), each batch's real rows alone.
+class _TorchRows:
+    """The rows of a batch's tensors (see `feedpipe.keras.batches.DeviceRows`)."""
 
-    A batch's row weights depend only on its pattern of real rows, so they are made once per
-    pattern (the stager's masks are too) and reused; each label field gets its own copy.
-    """
+    def real(self, batch: Any, mask: torch.Tensor) -> torch.Tensor:
+        return torch.nonzero(mask).flatten()
+
+    def weights(self, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.where(mask, scale, 0.0).to(torch.float32)
+
+    def added(self, labels: Any, rows: torch.Tensor) -> Any:
+        return optree.tree_map(lambda y: broadcastable(rows, y.ndim).clone(), labels)
+
+    def scaled(self, given: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        scaled = given.to(torch.float32) * broadcastable(rows, given.ndim)
+        return scaled.to(given.dtype)
+
+
+def keras_batches(feeder: Any, *, real_only: bool = False) -> Iterator[Any]:
+    """The feeder's batches as Keras's torch trainer takes them (`feedpipe.keras.batches`),
+    once the feeder's device is found to be the step's."""
     _check_device(feeder)
-    o = feeder.options
-    how = None if real_only else weighting(feeder.spec, o.remainder, o.errors)
-    size = o.global_batch_size
-    made: dict[int, tuple[Any, Any]] = {}
-    """Per pattern, keyed by its mask (kept, so that the key stays its own): the sample weights
-    added to `(x, y)`, or the row weights that scale an `(x, y, w)` source's own."""
-    feeder._consumer.end_open_pass()
-    for batch in feeder._consumer.iterate(fit=True, host=False):
-        inputs, mask = batch.distributed()
-        if real_only and batch.num_valid < size:
-            # Padding rows come last, but a row errors="skip" left out can be anywhere.
-            real = torch.nonzero(mask).flatten()
-            inputs = optree.tree_map(lambda t, rows=real: t[rows], inputs)
-        if how is None:
-            yield inputs
-            continue
-        key = id(mask)
-        if key not in made:
-            rows = torch.where(mask, size / batch.num_valid, 0.0).to(torch.float32)
-            if how == "add":  # each label field its own copy, of its rank, made once
-                rows = optree.tree_map(
-                    lambda y, rows=rows: broadcastable(rows, y.ndim).clone(), inputs[1]
-                )
-            made[key] = (mask, rows)
-        weights = made[key][1]
-        if how == "add":
-            yield (*inputs, weights)
-        else:
-            x, y, given = inputs
-            scaled = given.to(torch.float32) * broadcastable(weights, given.ndim)
-            yield x, y, scaled.to(given.dtype)
+    yield from batches.keras_batches(feeder, _TorchRows(), real_only=real_only)
