@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -57,3 +58,31 @@ def wall_clock(keras):
             return (self.ends[-1] - self.ends[2]) / (len(self.ends) - 3)
 
     return WallClock()
+
+
+DIAGNOSE_TARGET = """
+import keras
+import numpy as np
+
+import feedpipe as fp
+{imports}
+
+def fit_model():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(256, 3)).astype("float32"), rng.normal(size=256).astype("float32")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+    model.compile("adam", "mse")
+    return fp.Feeder((x, y), 16{devices}), model
+"""
+
+
+def diagnose_command(tmp_path, capsys, *, imports: str = "", devices: str = "") -> dict:
+    """`feedpipe diagnose target.py:fit_model --json` on a script as users write them (a Keras
+    model and its feeder, built with `devices` after `imports`), read back as JSON."""
+    from feedpipe import cli
+
+    target = tmp_path / "target.py"
+    target.write_text(DIAGNOSE_TARGET.format(imports=imports, devices=devices))
+    argv = ["diagnose", f"{target}:fit_model", "--json", "--steps", "3", "--warmup", "1"]
+    assert cli.main(argv) == 0
+    return json.loads(capsys.readouterr().out)

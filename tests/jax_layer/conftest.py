@@ -43,3 +43,10 @@ def devices():
     found = jax.devices()
     assert len(found) == 4, "XLA_FLAGS must give JAX 4 host devices (tests/conftest.py)"
     return found
+
+
+@pytest.fixture
+def keras_devices(devices):
+    """The one device Keras on JAX trains on without a distribution
+    (`tests/keras_fit_promises.py`)."""
+    return devices[:1]

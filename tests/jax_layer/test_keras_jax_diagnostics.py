@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import feedpipe as fp
+from tests.keras_cases import diagnose_command
 from tests.starvation import SlowBatches, assert_reads_the_slower_input
 
 STEP_S = 0.02
@@ -193,32 +194,9 @@ def test_diagnosis_on_jax_imports_no_tensorflow(keras, devices):
     assert "tensorflow" not in sys.modules
 
 
-TARGET = """
-import jax
-import keras
-import numpy as np
-
-import feedpipe as fp
-
-
-def fit_model():
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(256, 3)).astype("float32"), rng.normal(size=256).astype("float32")
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8), keras.layers.Dense(1)])
-    model.compile("adam", "mse")
-    return fp.Feeder((x, y), 16, devices=jax.devices()[:1]), model
-"""
-
-
 def test_the_diagnose_command_runs_a_keras_model_on_jax(keras, tmp_path, capsys):
-    import json
-
-    from feedpipe import cli
-
-    target = tmp_path / "target.py"
-    target.write_text(TARGET)
-    argv = ["diagnose", f"{target}:fit_model", "--json", "--steps", "3", "--warmup", "1"]
-    assert cli.main(argv) == 0
-    result = json.loads(capsys.readouterr().out)
+    result = diagnose_command(
+        tmp_path, capsys, imports="import jax", devices=", devices=jax.devices()[:1]"
+    )
     assert len(result["together"]) == 3 and result["remedies"]
     assert "Keras model" in result["step_kind"] and result["waits_derived"]

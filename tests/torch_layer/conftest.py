@@ -23,3 +23,9 @@ def keras():
     if keras.backend.backend() != "torch":
         pytest.skip(f"needs Keras on PyTorch; here it runs on {keras.backend.backend()}")
     return keras
+
+
+@pytest.fixture
+def keras_devices():
+    """The one device Keras on PyTorch trains on here (`tests/keras_fit_promises.py`)."""
+    return [torch.device("cpu")]

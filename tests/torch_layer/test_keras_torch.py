@@ -15,32 +15,13 @@ import pytest
 import torch
 
 import feedpipe as fp
-from feedpipe.core.sampler import Sampler
 from tests.keras_cases import BATCH, LENGTH, assert_same_weights, classifier, data, model
+from tests.keras_fit_promises import *  # noqa: F403 (every promise of fit(feeder) runs here)
+from tests.keras_fit_promises import position
 from tests.processes import REPO_ROOT
 
 CPU = [torch.device("cpu")]
 """The device Keras on PyTorch trains on here."""
-
-
-def position(feeder) -> tuple[int, int]:
-    state = feeder.get_state()
-    return state["epoch"], state["step"]
-
-
-@pytest.mark.parametrize("shuffle", [False, True])
-def test_fit_on_the_feeder_equals_fit_on_arrays_in_the_same_order(keras, shuffle):
-    x, y = data()
-    with fp.Feeder((x, y), BATCH, devices=CPU, shuffle=shuffle, seed=5) as feeder:
-        fed = model(keras)
-        fed.fit(feeder, epochs=2, callbacks=[feeder.fit_callback()], verbose=0)
-        assert position(feeder) == (2, 0)
-    plan = Sampler(LENGTH, BATCH, shuffle=shuffle, seed=5)
-    plain = model(keras)
-    for epoch in range(2):
-        order = plan.order(epoch)
-        plain.fit(x[order], y[order], batch_size=BATCH, shuffle=False, epochs=1, verbose=0)
-    assert_same_weights(fed, plain)
 
 
 def test_a_feeder_built_without_devices_under_keras_on_torch_stages_for_it(keras):
@@ -86,153 +67,6 @@ def test_a_sources_own_weights_are_scaled_and_zero_on_padding(keras):
     assert not last[4:].any()
 
 
-class StepsSeen:
-    """A callback recording the feeder's state after every step, and the steps run."""
-
-    def __new__(cls, keras, feeder):
-        class Seen(keras.callbacks.Callback):
-            def __init__(self):
-                super().__init__()
-                self.states, self.steps = [], 0
-
-            def on_train_batch_end(self, batch, logs=None):
-                self.steps += 1
-                self.states.append(json.loads(json.dumps(feeder.get_state())))
-
-        return Seen()
-
-
-def test_the_state_in_a_callback_counts_the_steps_trained(keras):
-    x, y = data()
-    with fp.Feeder((x, y), BATCH, devices=CPU) as feeder:
-        seen = StepsSeen(keras, feeder)
-        model(keras).fit(feeder, epochs=2, callbacks=[feeder.fit_callback(), seen], verbose=0)
-    steps = -(-LENGTH // BATCH)
-    positions = [(s["epoch"], s["step"]) for s in seen.states]
-    expected = [(0, k) for k in range(1, steps)] + [(1, 0)]
-    assert positions == expected + [(1, k) for k in range(1, steps)] + [(2, 0)]
-
-
-def test_the_state_counts_the_steps_trained_when_fit_stops_early(keras):
-    x, y = data()
-
-    class StopAfterTwo(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == 1:
-                self.model.stop_training = True
-
-    with fp.Feeder((x, y), BATCH, devices=CPU) as feeder:
-        model(keras).fit(
-            feeder, epochs=1, callbacks=[feeder.fit_callback(), StopAfterTwo()], verbose=0
-        )
-        assert position(feeder) == (0, 2)
-
-
-def test_a_fit_interrupted_and_run_again_goes_on_from_what_was_trained(keras):
-    x, y = data()
-
-    class CtrlC(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == 1:
-                raise KeyboardInterrupt
-
-    with fp.Feeder((x, y), BATCH, devices=CPU) as feeder:
-        fed = model(keras)
-        with pytest.raises(KeyboardInterrupt):
-            fed.fit(feeder, epochs=1, callbacks=[feeder.fit_callback(), CtrlC()], verbose=0)
-        assert position(feeder) == (0, 2)
-        # The notebook pattern: the same cell again trains the rest of the epoch, once.
-        fed.fit(feeder, epochs=1, callbacks=[feeder.fit_callback()], verbose=0)
-        assert position(feeder) == (1, 0)
-    plain = model(keras)
-    plain.fit(x, y, batch_size=BATCH, shuffle=False, epochs=1, verbose=0)
-    assert_same_weights(fed, plain)
-
-
-def test_a_state_saved_mid_fit_resumes_in_a_new_feeder_to_the_same_weights(keras):
-    x, y = data()
-    saved = {}
-
-    class SaveAtStepTwo(keras.callbacks.Callback):
-        def __init__(self, feeder):
-            super().__init__()
-            self.feeder = feeder
-
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == 1:
-                saved["state"] = json.loads(json.dumps(self.feeder.state_dict()))
-                saved["weights"] = self.model.get_weights()
-                self.model.stop_training = True
-
-    with fp.Feeder((x, y), BATCH, devices=CPU, shuffle=True, seed=2) as feeder:
-        model(keras).fit(
-            feeder, epochs=1, callbacks=[feeder.fit_callback(), SaveAtStepTwo(feeder)], verbose=0
-        )
-    assert saved["state"]["step"] == 2
-    with fp.Feeder((x, y), BATCH, devices=CPU, shuffle=True, seed=2) as feeder:
-        feeder.load_state_dict(saved["state"])
-        resumed = model(keras)
-        resumed.set_weights(saved["weights"])
-        resumed.fit(feeder, epochs=1, callbacks=[feeder.fit_callback()], verbose=0)  # the rest
-        resumed.fit(feeder, epochs=2, initial_epoch=1, callbacks=[feeder.fit_callback()], verbose=0)
-    with fp.Feeder((x, y), BATCH, devices=CPU, shuffle=True, seed=2) as feeder:
-        whole = model(keras)
-        whole.fit(feeder, epochs=2, callbacks=[feeder.fit_callback()], verbose=0)
-    assert_same_weights(resumed, whole)
-
-
-def test_a_fit_of_several_epochs_after_a_restore_mid_epoch_finishes_it_then_trains_whole_ones(
-    keras,
-):
-    x, y = data()
-    with fp.Feeder((x, y), BATCH, devices=CPU) as feeder:
-        feeder.set_state({**feeder.get_state(), "step": 2})
-        fed = model(keras)
-        history = fed.fit(feeder, epochs=3, callbacks=[feeder.fit_callback()], verbose=0)
-        assert len(history.history["loss"]) == 3
-        assert position(feeder) == (3, 0)
-    plain = model(keras)
-    plain.fit(x[64:], y[64:], batch_size=BATCH, shuffle=False, epochs=1, verbose=0)
-    plain.fit(x, y, batch_size=BATCH, shuffle=False, epochs=2, verbose=0)
-    assert_same_weights(fed, plain)
-
-
-def test_the_same_fit_run_again_after_ctrl_c_finishes_the_epoch_then_whole_epochs_once(keras):
-    x, y = data()
-
-    class CtrlCInFirstEpoch(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.epoch = epoch
-
-        def on_train_batch_end(self, batch, logs=None):
-            if self.epoch == 0 and batch == 1:
-                raise KeyboardInterrupt
-
-    with fp.Feeder((x, y), BATCH, devices=CPU, shuffle=True, seed=3) as feeder:
-        fed = model(keras)
-        callbacks = [feeder.fit_callback(), CtrlCInFirstEpoch()]
-        with pytest.raises(KeyboardInterrupt):
-            fed.fit(feeder, epochs=3, callbacks=callbacks, verbose=0)
-        history = fed.fit(feeder, epochs=3, callbacks=[feeder.fit_callback()], verbose=0)
-        assert len(history.history["loss"]) == 3
-        assert position(feeder) == (3, 0)
-    with fp.Feeder((x, y), BATCH, devices=CPU, shuffle=True, seed=3) as feeder:
-        whole = model(keras)
-        whole.fit(feeder, epochs=3, callbacks=[feeder.fit_callback()], verbose=0)
-    assert_same_weights(fed, whole)
-
-
-def test_without_the_callback_the_state_says_why_it_is_unknown_naming_the_users_own_call(keras):
-    x, y = data()
-    with fp.Feeder((x, y), BATCH, devices=CPU) as feeder:
-        model(keras).fit(feeder, epochs=1, verbose=0)
-        with pytest.raises(RuntimeError) as raised:
-            feeder.get_state()
-    message = str(raised.value)
-    assert "model.fit(feeder, callbacks=[feeder.fit_callback(), ...])" in message
-    assert "as_dataset" not in message and "TensorFlow" not in message
-
-
 def test_a_feeder_on_more_devices_than_keras_trains_on_is_refused(keras):
     x, y = data()
     refused = pytest.raises(
@@ -266,39 +100,6 @@ def test_validation_data_from_a_second_feeder_is_evaluated_on_its_real_rows(kera
     assert history.history["val_loss"][-1] == pytest.approx(last, rel=1e-5)
 
 
-def test_validation_data_reading_the_feeder_being_trained_is_refused(keras):
-    x, y = data()
-    with fp.Feeder((x, y), BATCH, devices=CPU) as feeder:
-        with pytest.raises(ValueError, match=r"`validation_data` reads the feeder this fit"):
-            model(keras).fit(
-                feeder,
-                validation_data=feeder,
-                epochs=2,
-                callbacks=[feeder.fit_callback()],
-                verbose=0,
-            )
-        assert position(feeder) == (1, 0)
-
-
-def test_a_sources_error_leaves_fit_as_itself(keras):
-    class Broke(RuntimeError):
-        pass
-
-    class BreaksAt:
-        def __len__(self):
-            return LENGTH
-
-        def __getitem__(self, index):
-            if index == 40:
-                raise Broke(f"sample {index} is broken")
-            return np.float32([index] * 8), np.int32(index % 3)
-
-    feeder = fp.Feeder(BreaksAt(), BATCH, devices=CPU)
-    with feeder, pytest.raises(Broke, match=r"^sample 40 is broken\n") as info:
-        model(keras).fit(feeder, epochs=1, verbose=0, callbacks=[feeder.fit_callback()])
-    assert any("sample index 40 of epoch 0" in note for note in info.value.__notes__)
-
-
 def test_predict_on_the_feeder_returns_one_prediction_per_real_sample(keras):
     x, y = data(37)
     net = classifier(keras)
@@ -326,57 +127,6 @@ def test_predict_leaves_out_a_skipped_samples_row_wherever_it_is(keras):
     kept = np.delete(x, 3, axis=0)
     assert predicted.shape == (36, 3)
     np.testing.assert_allclose(predicted, net.predict(kept, verbose=0), rtol=1e-5, atol=1e-6)
-
-
-def test_evaluate_on_the_feeder_counts_each_real_sample_once_in_every_metric(keras):
-    x, y = data()
-    net = classifier(keras)
-    with fp.Feeder((x, y), BATCH, devices=CPU) as feeder:
-        fed = net.evaluate(feeder, verbose=0, return_dict=True)
-    plain = net.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
-    assert fed == pytest.approx(plain, rel=1e-5)
-
-
-def counting(shard: int, num_shards: int):
-    """A generator source of LENGTH samples, each one's features its index."""
-    for index in range(shard, LENGTH, num_shards):
-        yield np.full(8, index, np.float32), np.int32(index % 3)
-
-
-def test_a_generator_state_saved_after_an_epochs_last_step_resumes_with_the_next_epoch(keras):
-    steps = -(-LENGTH // BATCH)
-    with fp.Feeder(fp.from_generator(counting), BATCH, devices=CPU) as feeder:
-        seen = StepsSeen(keras, feeder)
-        model(keras).fit(feeder, epochs=1, callbacks=[feeder.fit_callback(), seen], verbose=0)
-    saved = seen.states[-1]  # after the epoch's last step
-    for resume in ("fit", "loop"):
-        with fp.Feeder(fp.from_generator(counting), BATCH, devices=CPU) as feeder:
-            feeder.set_state(saved)
-            if resume == "fit":
-                again = StepsSeen(keras, feeder)
-                callbacks = [feeder.fit_callback(), again]
-                model(keras).fit(feeder, epochs=1, callbacks=callbacks, verbose=0)
-                assert again.steps == steps, "the next epoch, whole"
-            else:
-                firsts = [int(b.replicas[0][0][0, 0]) for b in feeder]
-                assert firsts == list(range(0, LENGTH, BATCH))
-            assert position(feeder) == (2, 0), resume
-
-
-def test_a_generator_fit_of_several_epochs_from_mid_epoch_is_refused_with_the_fit_that_finishes_it(
-    keras,
-):
-    with fp.Feeder(fp.from_generator(counting), BATCH, devices=CPU) as feeder:
-        feeder.set_state({**feeder.get_state(), "step": 2})
-        fed = model(keras)
-        refused = pytest.raises(ValueError, match=r"at step 2 of epoch 0.*short ones.*epochs=1")
-        with refused:
-            fed.fit(feeder, epochs=3, callbacks=[feeder.fit_callback()], verbose=0)
-        seen = StepsSeen(keras, feeder)
-        fed.fit(feeder, epochs=1, callbacks=[feeder.fit_callback(), seen], verbose=0)
-        assert seen.steps == 2  # the rest of epoch 0
-        fed.fit(feeder, epochs=2, callbacks=[feeder.fit_callback()], verbose=0)
-        assert position(feeder) == (3, 0)
 
 
 def test_the_example_fits_on_the_feeder_and_predicts_every_held_out_sample(keras, capsys):

@@ -5,7 +5,6 @@ variable, gradient and training mode put back after the headspace)."""
 
 from __future__ import annotations
 
-import json
 import time
 
 import numpy as np
@@ -15,7 +14,7 @@ import torch
 import feedpipe as fp
 from feedpipe.diagnostics.remedies import rank_remedies
 from feedpipe.diagnostics.verdict import Diagnosis, StepTiming
-from tests.keras_cases import wall_clock
+from tests.keras_cases import diagnose_command, wall_clock
 from tests.starvation import SlowBatches, assert_reads_the_slower_input
 
 STEP_S = 0.04
@@ -263,30 +262,8 @@ def test_a_slow_hand_off_is_never_told_to_use_tensorflows_fp_train(keras):
     assert any("workers=2" in action for action in actions), actions
 
 
-TARGET = """
-import keras
-import numpy as np
-
-import feedpipe as fp
-
-
-def fit_model():
-    rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(256, 3)).astype("float32"), rng.normal(size=256).astype("float32")
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8), keras.layers.Dense(1)])
-    model.compile("adam", "mse")
-    return fp.Feeder((x, y), 16), model
-"""
-
-
 def test_the_diagnose_command_runs_a_keras_model_on_torch(keras, tmp_path, capsys):
-    from feedpipe import cli
-
-    target = tmp_path / "target.py"
-    target.write_text(TARGET)
-    argv = ["diagnose", f"{target}:fit_model", "--json", "--steps", "3", "--warmup", "1"]
-    assert cli.main(argv) == 0
-    result = json.loads(capsys.readouterr().out)
+    result = diagnose_command(tmp_path, capsys)
     assert len(result["together"]) == 3 and result["remedies"]
     assert "Keras model" in result["step_kind"] and result["waits_derived"]
     assert result["feeder"]["framework"] == "torch"
