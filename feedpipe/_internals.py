@@ -248,11 +248,21 @@ _KERAS_TRAINER = re.compile(r"keras[/\\]src[/\\]backend[/\\]\w+[/\\]trainer\.py$
 
 def keras_reading(adapter: Any) -> str | None:
     """Which of Keras's `fit`, `evaluate` or `predict` is reading `adapter` now (a `fit`'s
-    validation is "evaluate"), or None outside them.
+    validation is "evaluate"), or None outside them (see `keras_call`)."""
+    call = keras_call(adapter)
+    return None if call is None else call[0]
+
+
+def keras_call(adapter: Any) -> tuple[str, dict[str, Any]] | None:
+    """Which of Keras's `fit`, `evaluate` or `predict` is reading `adapter` now (a `fit`'s
+    validation is "evaluate"), with the arguments it was called with; None outside them.
 
     Keras tells a data adapter nothing of what it is read for, yet `predict` must not see the
-    padding rows `fit` trains on with zero weight; the nearest of its backend trainer's methods
-    on the calling stack says (the adapter is asked for its batches from inside the method).
+    padding rows `fit` trains on, and a custom adapter gets none of the call's `y`,
+    `sample_weight` or `class_weight` (`get_data_adapter` returns it before it looks at them);
+    the nearest of its backend trainer's methods on the calling stack says (the adapter is
+    asked for its batches from inside the method). A validation's arguments are the fit's
+    `validation_*` ones, which Keras has already unpacked: none are given for it.
     """
     frame = sys._getframe(1)
     while frame is not None:
@@ -260,9 +270,23 @@ def keras_reading(adapter: Any) -> str | None:
         if code.co_name in ("fit", "evaluate", "predict") and _KERAS_TRAINER.search(
             code.co_filename
         ):
-            if code.co_name == "fit" and frame.f_locals.get("x") is not adapter:
-                return "evaluate"  # the validation data of the fit
-            return code.co_name
+            given = frame.f_locals
+            if code.co_name == "fit" and given.get("x") is not adapter:
+                return "evaluate", {}  # the validation data of the fit
+            names = ("y", "sample_weight", "class_weight")
+            return code.co_name, {name: given[name] for name in names if name in given}
+        frame = frame.f_back
+    return None
+
+
+def keras_fit_input() -> Any:
+    """The `x` of the Keras `fit` running on this thread (what it trains on), or None outside
+    one: a callback is told nothing of it (see `keras_call`)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "fit" and _KERAS_TRAINER.search(code.co_filename):
+            return frame.f_locals.get("x")
         frame = frame.f_back
     return None
 

@@ -54,6 +54,9 @@ class Pass:
     reader: Any = None
     """For a pass of `as_dataset`: that dataset's own record, which tells its passes from
     another dataset's (see `FitLedger.reads_ahead`)."""
+    aside: bool = False
+    """A pass read aside (`predict`, `evaluate`): a whole epoch that leaves the consumer's
+    position, and its stats, as they were."""
 
     def catch_up(self, steps_per_epoch: int) -> None:
         """Reads how far the consumer of a gathered pass has got: `handed`, and `end` once it
@@ -137,10 +140,18 @@ class Consumer:
     # ---- passes ---------------------------------------------------------------------------
 
     def iterate(
-        self, *, fit: bool, host: bool, steps: int | None = None, reader: Any = None
+        self,
+        *,
+        fit: bool,
+        host: bool,
+        steps: int | None = None,
+        reader: Any = None,
+        aside: bool = False,
     ) -> Iterator[Any]:
         """One pass over the rest of the current epoch (`steps` batches, where given), staged
-        on the devices or, with `host`, kept on the host.
+        on the devices or, with `host`, kept on the host; with `aside` (Keras's `predict` and
+        `evaluate`), a whole epoch read aside: the current one from its first batch where the
+        position is at an epoch's start, else the next, and the position stays where it was.
 
         A loop left early keeps its position (the next loop resumes there). A `fit` pass
         (`as_dataset`, Keras's adapter) left early does not count unless a `FitTracker` says
@@ -150,31 +161,43 @@ class Consumer:
         read again. `reader` is the record of the dataset read (see `Pass.reader`).
         """
         with self.lock:
-            this = self.begin_pass(fit=fit, steps=steps, reader=reader)
-            pipeline = self.assembly.start(host, self.position, self.stats)
+            this = self.begin_pass(fit=fit, steps=steps, reader=reader, aside=aside)
+            pipeline = self.assembly.start(host, this.start, self.stats)
         plan = self.assembly.plan
+        after = None  # the item after the one being handed over, where it was read already
         try:
             while True:
-                item = self._next(pipeline)
+                item, after = (self._next(pipeline) if after is None else after), None
                 with self.lock:
                     if self.active is not this:
                         raise RuntimeError(SUPERSEDED)
                     if isinstance(item, EpochEnd):
                         if this.handed == 0 and this.start.step > 0:
-                            # A source of unknown length learns its epoch's end by reading on,
-                            # so a state taken after the last batch can say (e, steps): that
-                            # epoch is over, and this pass is the next one, never an empty one.
-                            self.position = this.start = Position(item.epoch + 1, 0)
+                            # A state of an older release taken after the last batch of a
+                            # source of unknown length can say (e, steps): that epoch is over,
+                            # and this pass is the next one, never an empty one.
+                            this.start = Position(item.epoch + 1, 0)
+                            if not aside:
+                                self.position = this.start
                             continue
                         self._end_epoch(this, item)
                         return
-                    self.position = Position(item.epoch, item.step + 1)
+                    if not aside:
+                        self.position = Position(item.epoch, item.step + 1)
                     this.handed += 1
                     item.handed_over()
-                if plan is not None and item.step + 1 == len(plan):
+                if plan is None:
+                    # A source of unknown length learns its epoch's end by reading on: it is
+                    # read before the batch goes, so that the state after an epoch's last step
+                    # says (e + 1, 0), as it does where the length is known.
+                    after = self._next(pipeline)
+                    last = isinstance(after, EpochEnd)
+                else:
+                    last = item.step + 1 == len(plan)
+                if last:
                     # The epoch's end is taken with its last batch: Keras never asks past it,
                     # nor does a loop that takes len(feeder) batches (islice, zip with range).
-                    end = self._next(pipeline)
+                    end = self._next(pipeline) if after is None else after
                     with self.lock:
                         if self.active is this:
                             self._end_epoch(this, end)
@@ -187,7 +210,9 @@ class Consumer:
             with self.lock:
                 if self.active is this and not sys.is_finalizing():
                     self.stats.loop_ended()
-                    if fit:
+                    if aside:
+                        self._end_aside(this)
+                    elif fit:
                         self.supersede()
                     else:
                         self.active = None
@@ -196,9 +221,17 @@ class Consumer:
 
     @_locked
     def begin_pass(
-        self, *, fit: bool, steps: int | None, taken: Any = None, reader: Any = None
+        self,
+        *,
+        fit: bool,
+        steps: int | None,
+        taken: Any = None,
+        reader: Any = None,
+        aside: bool = False,
     ) -> Pass:
-        """Begins a pass from the consumer's position, superseding a `fit` pass still open."""
+        """Begins a pass from the consumer's position, superseding a `fit` pass still open;
+        with `aside`, a pass of a whole epoch that leaves the position as it is (see
+        `iterate`)."""
         if self.closed:
             if self.failure is not None:
                 raise self.failure
@@ -219,9 +252,13 @@ class Consumer:
             self.fits.check_passes_from(self.position, steps, None)
         self.passes += 1
         counters = self.stats.consumer_counters()
-        this = Pass(fit, self.position, counters, self.passes, taken=taken, reader=reader)
+        start = self.position
+        if aside and start.step > 0:
+            start = Position(start.epoch + 1, 0)
+            self.assembly.stop()  # what it staged goes on from the position
+        this = Pass(fit, start, counters, self.passes, taken=taken, reader=reader, aside=aside)
         self.active = this
-        if fit:
+        if fit and not aside:
             self.last_fit = this
             self.fits.begun(ahead)
         return this
@@ -276,12 +313,23 @@ class Consumer:
         return item
 
     def _end_epoch(self, this: Pass, end: EpochEnd) -> None:
-        self.position = this.end = Position(end.epoch + 1, 0)
+        this.end = Position(end.epoch + 1, 0)
+        if this.aside:
+            self._end_aside(this)
+            return
+        self.position = this.end
         if end.dropped and self.assembly.plan is None:
             warn_dropped(end.epoch, end.dropped)
         self.active = None
         if not this.fit:
             self.settle()
+
+    def _end_aside(self, this: Pass) -> None:
+        """Ends the pass read aside `this`: what was staged after it is made again from the
+        position, and its batches leave the stats as they were."""
+        self.active = None
+        self.assembly.stop()
+        self.stats.restore_consumer(this.counters)
 
     @_locked
     def supersede(self) -> None:
@@ -290,6 +338,9 @@ class Consumer:
         else where the pass began (its batches will be made and taken again)."""
         left, self.active = self.active, None
         self.assembly.stop()
+        if left is not None and left.aside:
+            self.stats.restore_consumer(left.counters)
+            return
         if left is not None and self.assembly.plan is not None:
             left.catch_up(len(self.assembly.plan))
         if left is not None and left.end is not None:

@@ -21,9 +21,9 @@ class Feeder(core.Feeder):
     def _layer(self, devices: Any, strategy: Any, global_batch_size: int) -> JaxLayer:
         return JaxLayer(devices, strategy, global_batch_size)
 
-    def _keras_batches(self, real_only: bool) -> Iterator[Any]:
+    def _keras_batches(self, reading: str | None, class_weight: dict | None) -> Iterator[Any]:
         """What Keras's JAX trainer reads from this feeder (`feedpipe.jax.keras`)."""
-        return keras_batches(self, real_only=real_only)
+        return keras_batches(self, reading=reading, class_weight=class_weight)
 
     @property
     def sharding(self) -> Any:

@@ -44,33 +44,31 @@ def _check_distribution(feeder: Any) -> None:
         )
 
 
-def _check_real_rows_divide(feeder: Any, count: int | None) -> None:
-    """Refuses to predict or evaluate a batch of `count` real rows (None: the epoch's last,
-    where the length is known) that cannot be sharded evenly over the feeder's devices, as
-    Keras's step shards every batch."""
-    length, size = feeder._assembly.source.length, feeder.options.global_batch_size
-    if count is None:
-        count = length % size if feeder.options.remainder == "pad" and length else 0
-    devices = len(feeder.devices)
-    if feeder.share.num_hosts > 1 or (devices > 1 and count % devices):
-        raise ValueError(
-            f"model.predict(feeder) and model.evaluate(feeder) read each real sample once, but "
-            f"the epoch's last batch holds {count} real samples, which the {devices} devices "
-            "Keras's step shards every batch over cannot share evenly (and its padding rows "
-            "would be predicted, and counted by every metric, as samples). Predict and "
-            "evaluate on one device: keras.distribution.set_distribution(None) and a feeder "
-            "built with devices=[jax.devices()[0]]."
-        )
-
-
 class _JaxRows:
     """The rows of a feeder's global `jax.Array`s (see `feedpipe.keras.batches.DeviceRows`)."""
 
     def __init__(self, feeder: Any):
         self.feeder = feeder
 
-    def real(self, batch: Any, mask: Any) -> np.ndarray:
-        _check_real_rows_divide(self.feeder, batch.num_valid)
+    def uneven(self, count: int | None) -> str | None:
+        feeder = self.feeder
+        if feeder.share.num_hosts > 1:
+            return (
+                "under jax.distributed each process stages its share of every batch, padding "
+                "rows included, and Keras's step takes each share whole"
+            )
+        if count is None:
+            length, size = feeder._assembly.source.length, feeder.options.global_batch_size
+            count = length % size if feeder.options.remainder == "pad" and length else 0
+        devices = len(feeder.devices)
+        if devices > 1 and count % devices:
+            return (
+                f"a batch holds {count} real samples, which the {devices} devices Keras's step "
+                "shards every batch over cannot share evenly"
+            )
+        return None
+
+    def real(self, batch: Any, mask: Any) -> Any:
         return np.flatnonzero(np.concatenate([np.asarray(m) for m in batch.masks]))
 
     def weights(self, mask: Any, scale: float) -> Any:
@@ -80,10 +78,12 @@ class _JaxRows:
     scaled = staticmethod(scaled_weights)
 
 
-def keras_batches(feeder: Any, *, real_only: bool = False) -> Iterator[Any]:
+def keras_batches(
+    feeder: Any, *, reading: str | None, class_weight: dict | None = None
+) -> Iterator[Any]:
     """The feeder's batches as Keras's JAX trainer takes them (`feedpipe.keras.batches`), once
     the feeder's devices are found to be the step's."""
     _check_distribution(feeder)
-    if real_only:
-        _check_real_rows_divide(feeder, None)
-    yield from batches.keras_batches(feeder, _JaxRows(feeder), real_only=real_only)
+    yield from batches.keras_batches(
+        feeder, _JaxRows(feeder), reading=reading, class_weight=class_weight
+    )

@@ -2,11 +2,13 @@
 
 Keras 3 takes any `DataAdapter` as it is ("Allow passing a custom data adapter" in
 `get_data_adapter`). A feeder built once Keras is imported is one (`with_keras`), and hands each
-backend what suits it: TensorFlow gets `feeder.as_dataset()`; JAX gets the global batch as
-`jax.Array`s already sharded over the feeder's devices (Keras's `DataParallel` takes them as
-they are); PyTorch gets `torch.Tensor`s on the one device it trains on; on JAX and PyTorch
-padding rows are weighted zero (to `predict` and `evaluate`, the real rows alone,
-so that each real sample is seen once). As with `as_dataset()`, pass
+backend what suits it: TensorFlow gets a `tf.data.Dataset` of the feeder's batches; JAX gets
+the global batch as `jax.Array`s already sharded over the feeder's devices (Keras's
+`DataParallel` takes them as they are); PyTorch gets `torch.Tensor`s on the one device it
+trains on. On every backend a padded batch goes over as its real rows alone, as `fit(x, y)`'s
+last batch does, `class_weight` weighs rows as Keras weighs arrays, and `predict` and
+`evaluate` read a whole epoch aside, leaving the feeder's state as it was
+(`feedpipe.keras.batches`, `feedpipe.keras.arguments`). As with `as_dataset()`, pass
 `callbacks=[feeder.fit_callback()]` so that the feeder's state is what the step trained on.
 
 The base class is Keras's private `DataAdapter` (`feedpipe._internals.keras_data_adapter`):
@@ -18,7 +20,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from feedpipe._internals import keras_data_adapter, keras_reading
+from feedpipe._internals import keras_data_adapter
+from feedpipe.keras.arguments import keras_arguments
 
 
 class KerasInput:
@@ -59,7 +62,13 @@ class KerasInput:
                 "tf.data.Dataset; build the feeder with TensorFlow devices (or none) under "
                 "KERAS_BACKEND=tensorflow."
             )
-        return self._dataset(real_only=_evaluating(self), whole=True)
+        reading, class_weight = keras_arguments(self)
+        return self._dataset(
+            real_only=self.share.num_hosts == 1,
+            whole=True,
+            aside=reading in ("evaluate", "predict"),
+            class_weight=class_weight,
+        )
 
     def get_jax_iterator(self) -> Any:
         if self.layer.name != "jax":
@@ -67,7 +76,7 @@ class KerasInput:
                 f"This feeder stages for {self.layer.name}, but Keras's backend is JAX; build "
                 "it with devices=jax.devices() (or under KERAS_BACKEND=jax, with none)."
             )
-        return self._keras_batches(real_only=_evaluating(self))
+        return self._keras_batches(*keras_arguments(self))
 
     def get_torch_dataloader(self) -> Any:
         if self.layer.name != "torch":
@@ -76,7 +85,7 @@ class KerasInput:
                 "build it with torch devices (devices=[torch.device('cuda:0')]), "
                 "framework='torch', or under KERAS_BACKEND=torch with none."
             )
-        return self._keras_batches(real_only=_evaluating(self))
+        return self._keras_batches(*keras_arguments(self))
 
     def get_numpy_iterator(self) -> Any:
         raise TypeError(
@@ -89,12 +98,6 @@ class KerasInput:
 
     def on_epoch_end(self) -> None:
         """The pass's end is the feeder's own (its last batch carries the epoch's end)."""
-
-
-def _evaluating(feeder: Any) -> bool:
-    """Whether Keras reads `feeder` to predict or evaluate: then a padding row would be
-    predicted, or counted by every metric, as a sample, so Keras gets the real rows alone."""
-    return keras_reading(feeder) in ("evaluate", "predict")
 
 
 def _backend() -> str:

@@ -13,7 +13,12 @@ from typing import Any
 
 import keras
 
-from feedpipe._internals import keras_reading, keras_validation_input, unweighted_metrics
+from feedpipe._internals import (
+    keras_fit_input,
+    keras_reading,
+    keras_validation_input,
+    unweighted_metrics,
+)
 
 
 class FitTracker(keras.callbacks.Callback):
@@ -45,6 +50,9 @@ class FitTracker(keras.callbacks.Callback):
         by the callbacks of a step (a checkpoint in `on_train_batch_end` saves the step it
         follows) and right after a fit that raised in a step or was interrupted (a handler of
         `KeyboardInterrupt` saves where the feeder goes on)."""
+        self.first_epoch = True
+        """The next Keras epoch is the fit's first: Keras's epoch and the feeder's are lined
+        up then (`FitLedger.line_up`)."""
         self.epoch_steps: int | None = None
         """Steps Keras runs per epoch (None: the length is unknown); an epoch's last call may
         run fewer than `steps_per_execution`."""
@@ -55,14 +63,19 @@ class FitTracker(keras.callbacks.Callback):
         read every step, that cost ~0.7 ms a step of a 3-layer MLP on 4 host devices."""
 
     def on_train_begin(self, logs=None):
-        self.earlier, self.steps, self.finished = 0, 0, 0
+        self._check_fit_reads_feeder()
+        self.earlier, self.steps, self.finished, self.first_epoch = 0, 0, 0, True
         self.per_call = int(self.model.steps_per_execution)
         self.feeder._consumer.fits.track(self)
         self._wrap_train_function()
-        _warn_unweighted_metrics(self.model, self.feeder)
+        if keras_reading(self.feeder) != "fit":  # the feeder itself hands Keras real rows alone
+            _warn_unweighted_metrics(self.model, self.feeder)
         self._quiet_end_of_unknown_epoch()
 
     def on_epoch_begin(self, epoch, logs=None):
+        if self.first_epoch:
+            self.first_epoch = False
+            self.feeder._consumer.fits.line_up(epoch)
         self.earlier += self.finished
         self.first_pass, self.steps, self.finished = self.feeder._consumer.passes, 0, 0
         params = self.params or {}
@@ -90,6 +103,19 @@ class FitTracker(keras.callbacks.Callback):
         function = self.model.train_function
         if getattr(function, "__self__", None) is self:
             self.model.train_function = self._original
+
+    def _check_fit_reads_feeder(self) -> None:
+        """Refuses a fit on other data: its steps would move this feeder's position (a
+        callbacks list kept for several fits takes this callback to each)."""
+        data = keras_fit_input()
+        if data is not None and not self.feeder._reads_this(data):
+            raise ValueError(
+                f"feeder.fit_callback() is in the callbacks of a fit on other data "
+                f"({type(data).__name__}): its steps would count as the feeder's batches. "
+                "Pass the callback only to fits on its feeder, model.fit(feeder, "
+                "callbacks=[feeder.fit_callback(), ...]) (or feeder.as_dataset()), and a "
+                "callbacks list without it to other fits."
+            )
 
     def _wrap_train_function(self) -> None:
         """Keras's train function, raising a source's error as itself: where the step reads

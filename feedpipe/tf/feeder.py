@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import warnings
 import weakref
+from collections.abc import Hashable
 from typing import Any
 
 import optree
@@ -21,6 +22,7 @@ from feedpipe.consumer import SUPERSEDED
 from feedpipe.core.source import ArraySource
 from feedpipe.core.stage import HostBatch
 from feedpipe.core.weights import row_weights, weighting, with_weights
+from feedpipe.keras.arguments import with_class_weights
 from feedpipe.tf.gather import GATHER_MAX_BYTES, gathered_dataset, weight_spec
 from feedpipe.tf.layer import TensorFlowLayer
 
@@ -79,14 +81,23 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
         return self._dataset(real_only=False, whole=False)
 
     def _dataset(
-        self, *, real_only: bool, whole: bool
+        self,
+        *,
+        real_only: bool,
+        whole: bool,
+        aside: bool = False,
+        class_weight: dict | None = None,
     ) -> tf.data.Dataset | tf.distribute.DistributedDataset:
         """`as_dataset()`, or with `real_only` its batches cut to their real rows and without
-        added weights: what `model.predict` and `model.evaluate` read, since a padding row
-        would be predicted, and counted by every metric, as a sample (the last batch is then
-        smaller, which Keras and `tf.distribute` take for predict and evaluate). With `whole`
-        (Keras's adapter, whose `num_batches` says how long Keras's epochs are) each pass is
-        the rest of the feeder's epoch, whatever its position, and states no cardinality."""
+        added weights, as Keras's adapter reads it: a padded batch is then a smaller one, as
+        `fit(x, y)`'s last batch is (Keras and `tf.distribute` take it), so that the loss, the
+        metrics and BatchNormalization see the samples alone, and `predict` and `evaluate`
+        predict or count no padding row. With `whole` (Keras's adapter, whose `num_batches`
+        says how long Keras's epochs are) each pass is the rest of the feeder's epoch,
+        whatever its position, and states no cardinality; with `aside` (`predict`,
+        `evaluate`) each pass reads a whole epoch and leaves the position where it was (see
+        `Consumer.iterate`). `class_weight` weighs each row by its class, as Keras weighs
+        arrays (`feedpipe.keras.arguments`)."""
         self._consumer.fits.end_interrupted()
         self._consumer.end_open_pass()
         self._consumer.fits.entry = "feeder" if whole else "feeder.as_dataset()"
@@ -101,20 +112,22 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
             )
         rows = self.split.per_replica if hosts else self.options.global_batch_size
         rows = None if real_only else rows
-        signature = self.spec.unflatten(
-            [
-                tf.TensorSpec((rows, *leaf.shape), tf.as_dtype(leaf.dtype))
-                for leaf in self.spec.leaves
-            ]
+        signature = _tuples(
+            self.spec.unflatten(
+                [
+                    tf.TensorSpec((rows, *leaf.shape), tf.as_dtype(leaf.dtype))
+                    for leaf in self.spec.leaves
+                ]
+            )
         )
         o = self.options
         how = None if real_only else weighting(self.spec, o.remainder, o.errors)
         if how == "add":
             signature = (*signature, optree.tree_map(weight_spec, signature[1]))
         steps = None if hosts or whole else self._consumer.steps_left()
-        if self._gathers():
+        if self._gathers() and not aside:
             dataset = gathered_dataset(self, signature, how, steps, SUPERSEDED, real_only=real_only)
-            return self._as_dataset(dataset, steps)
+            return self._as_dataset(_class_weighted(dataset, class_weight), steps)
         feeder = weakref.ref(self)  # TensorFlow keeps `generate` for the life of the process
         reader = object()  # this dataset's record: its passes are told from another's by it
 
@@ -126,7 +139,9 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
                     "while its dataset is read."
                 )
             if not hosts:
-                batches = this._consumer.iterate(fit=True, host=True, steps=steps, reader=reader)
+                batches = this._consumer.iterate(
+                    fit=True, host=True, steps=steps, reader=reader, aside=aside
+                )
                 for batch in batches:
                     yield _real(this, batch) if real_only else _weighted(this, batch, how)
                 return
@@ -137,7 +152,7 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
                     for lo in range(0, len(batch.arrays[0]), per_replica):
                         yield optree.tree_map(lambda a, lo=lo: a[lo : lo + per_replica], sample)
 
-        dataset = generator_dataset(generate, signature)
+        dataset = _class_weighted(generator_dataset(generate, signature), class_weight)
         if hosts:
             dataset = dataset.apply(
                 tf.data.experimental.assert_cardinality(tf.data.INFINITE_CARDINALITY)
@@ -200,7 +215,7 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
 
     def _reads_this(self, data: Any) -> bool:
         """Whether `data` reads this feeder: it, or a dataset built on one it made."""
-        if data is self or data in self._datasets:
+        if data is self or (isinstance(data, Hashable) and data in self._datasets):
             return True
         if not isinstance(data, tf.data.Dataset):
             return False
@@ -230,17 +245,40 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
         self.set_state(json.loads(string_value))
 
 
+def _tuples(sample: Any) -> Any:
+    """`sample` with its lists made tuples: a `tf.data.Dataset`'s elements cannot hold lists,
+    and Keras takes a list `[x, y]` as the tuple `(x, y)`."""
+    if isinstance(sample, list):
+        return tuple(_tuples(item) for item in sample)
+    if isinstance(sample, tuple) and not hasattr(sample, "_fields"):
+        return tuple(_tuples(item) for item in sample)
+    if isinstance(sample, dict):
+        return {key: _tuples(item) for key, item in sample.items()}
+    return sample
+
+
+def _class_weighted(dataset: tf.data.Dataset, class_weight: dict | None) -> tf.data.Dataset:
+    """`dataset`, each `(x, y)` element weighted by its rows' classes where `class_weight` is
+    given (see `feedpipe.keras.batches`)."""
+    if class_weight is None:
+        return dataset
+    # `map` hands a tuple's fields over one by one, and a namedtuple whole.
+    return dataset.map(
+        lambda *fields: with_class_weights(fields[0] if len(fields) == 1 else fields, class_weight)
+    )
+
+
 def _real(feeder: Feeder, batch: HostBatch) -> Any:
     """The batch's sample, its real rows only."""
     if batch.num_valid == len(batch.arrays[0]):
-        return feeder.spec.unflatten(batch.arrays)
+        return _tuples(feeder.spec.unflatten(batch.arrays))
     real = slice(batch.num_valid) if batch.real is None else batch.real
-    return feeder.spec.unflatten([array[real] for array in batch.arrays])
+    return _tuples(feeder.spec.unflatten([array[real] for array in batch.arrays]))
 
 
 def _weighted(feeder: Feeder, batch: HostBatch, how: str | None) -> Any:
     """The batch's sample, its padding weighted as `how` says."""
-    sample = feeder.spec.unflatten(batch.arrays)
+    sample = _tuples(feeder.spec.unflatten(batch.arrays))
     if how is None:
         return sample
     real = slice(batch.num_valid) if batch.real is None else batch.real

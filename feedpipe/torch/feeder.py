@@ -22,9 +22,9 @@ class Feeder(core.Feeder):
     def _layer(self, devices: Any, strategy: Any, global_batch_size: int) -> TorchLayer:
         return TorchLayer(devices, strategy, global_batch_size)
 
-    def _keras_batches(self, real_only: bool) -> Iterator[Any]:
+    def _keras_batches(self, reading: str | None, class_weight: dict | None) -> Iterator[Any]:
         """What Keras's torch trainer reads from this feeder (`feedpipe.torch.keras`)."""
-        return keras_batches(self, real_only=real_only)
+        return keras_batches(self, reading=reading, class_weight=class_weight)
 
     def state_dict(self) -> dict:
         """The consumer's position, as PyTorch's checkpoints take it: `get_state()`."""

@@ -36,6 +36,10 @@ def _check_device(feeder: Any) -> None:
 class _TorchRows:
     """The rows of a batch's tensors (see `feedpipe.keras.batches.DeviceRows`)."""
 
+    def uneven(self, count: int | None) -> None:
+        """Never: Keras on torch trains on one device, which takes a batch of any size."""
+        return None
+
     def real(self, batch: Any, mask: torch.Tensor) -> torch.Tensor:
         return torch.nonzero(mask).flatten()
 
@@ -50,8 +54,12 @@ class _TorchRows:
         return scaled.to(given.dtype)
 
 
-def keras_batches(feeder: Any, *, real_only: bool = False) -> Iterator[Any]:
+def keras_batches(
+    feeder: Any, *, reading: str | None, class_weight: dict | None = None
+) -> Iterator[Any]:
     """The feeder's batches as Keras's torch trainer takes them (`feedpipe.keras.batches`),
     once the feeder's device is found to be the step's."""
     _check_device(feeder)
-    yield from batches.keras_batches(feeder, _TorchRows(), real_only=real_only)
+    yield from batches.keras_batches(
+        feeder, _TorchRows(), reading=reading, class_weight=class_weight
+    )

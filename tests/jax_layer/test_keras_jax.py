@@ -1,5 +1,6 @@
 """Keras 3 on JAX fed by `model.fit(feeder)`: the same weights as `fit(arrays)` on the same
-order, padding weighted zero, a state that counts what the step trained on."""
+order, a padded batch handed over as its real rows alone (weighted zero where the devices
+cannot share its rows), a state that counts what the step trained on."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 
 import feedpipe as fp
+from tests import keras_conformance as conformance
 from tests.keras_cases import BATCH, LENGTH, assert_same_weights, classifier, data, model
 from tests.keras_fit_promises import *  # noqa: F403 (every promise of fit(feeder) runs here)
 
@@ -50,26 +52,23 @@ def test_the_fit_callback_attaches_the_training_state_once_a_fit_not_once_a_step
     assert syncs(3) == syncs(1)
 
 
-def test_padding_rows_weigh_nothing(keras, devices):
+def test_a_padded_batch_goes_to_keras_as_its_real_rows_alone(keras, devices):
     x, y = data()
     with fp.Feeder((x, y), BATCH, devices=devices[:1]) as feeder:
         batches = list(feeder.get_jax_iterator())
-    *_, (_bx, by, weight) = batches
-    weight = np.asarray(weight).ravel()
-    assert weight[:4].tolist() == [BATCH / 4] * 4 and not weight[4:].any()
-    assert np.asarray(by)[:4].tolist() == y[96:].tolist()
+    assert [len(b) for b in batches] == [2] * len(batches), "no weight is added"
+    *_, (bx, by) = batches
+    assert np.asarray(by).tolist() == y[96:].tolist()
+    np.testing.assert_array_equal(np.asarray(bx), x[96:])
 
 
-def test_a_sources_own_weights_are_scaled_and_zero_on_padding(keras, devices):
+def test_a_sources_own_weights_go_to_keras_as_they_are(keras, devices):
     x, y = data()
     given = np.linspace(0.5, 2.0, LENGTH).astype("float32")
     with fp.Feeder((x, y, given), BATCH, devices=devices[:1]) as feeder:
         batches = list(feeder.get_jax_iterator())
-    assert len(batches[0]) == 3  # no weight added beside the source's
-    np.testing.assert_allclose(np.asarray(batches[0][2]), given[:BATCH], rtol=1e-6)
-    last = np.asarray(batches[-1][2])
-    np.testing.assert_allclose(last[:4], given[96:] * BATCH / 4, rtol=1e-6)
-    assert not last[4:].any()
+    np.testing.assert_array_equal(np.asarray(batches[0][2]), given[:BATCH])
+    np.testing.assert_array_equal(np.asarray(batches[-1][2]), given[96:])
 
 
 def test_a_feeder_on_more_devices_than_keras_trains_on_is_refused(keras, devices):
@@ -100,3 +99,30 @@ def test_predict_where_the_last_real_rows_cannot_be_sharded_says_to_use_one_devi
     )
     with fp.Feeder((x, y), 8, devices=devices) as feeder, refused:
         net.predict(feeder, verbose=0)
+
+
+def test_data_parallel_fit_with_a_last_batch_the_devices_share_equals_fit_on_arrays(keras, devices):
+    # The last batch's 4 real rows divide among 4 devices: it goes over as a smaller batch, as
+    # fit(x, y)'s does, so BatchNormalization and the History see the same rows.
+    samples = conformance.Structure()
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    fed = conformance.fit_feeder(keras, devices, samples, optimizer="adam")[:2]
+    expected = conformance.fit_arrays(keras, samples, optimizer="adam")
+    conformance.assert_same_fit(fed, expected)
+
+
+def test_data_parallel_fit_with_a_last_batch_the_devices_cannot_share_warns_what_differs(
+    keras, devices
+):
+    x, y = (a[:37] for a in data())  # the last batch's 5 real rows cannot split among 4
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    net = model(keras)
+    with fp.Feeder((x, y), 8, devices=devices) as feeder:
+        warned = pytest.warns(UserWarning, match=r"holds 5 real samples.*BatchNormalization")
+        with warned:
+            net.fit(feeder, epochs=1, callbacks=[feeder.fit_callback()], verbose=0)
+        assert feeder.get_state()["epoch"] == 1
+    keras.distribution.set_distribution(None)
+    plain = model(keras)  # a mean loss over the padded batch is the mean over its real rows
+    plain.fit(x, y, batch_size=8, shuffle=False, epochs=1, verbose=0)
+    assert_same_weights(net, plain)

@@ -1,6 +1,6 @@
 """Keras 3 on PyTorch fed by `model.fit(feeder)`: the same weights as `fit(arrays)` on the same
-order, padding weighted zero, a state that counts what the step trained on, and `predict` and
-`evaluate` on the real rows alone."""
+order, a padded batch handed over as its real rows alone, a state that counts what the step
+trained on, and `predict` and `evaluate` on the real rows alone."""
 
 from __future__ import annotations
 
@@ -35,36 +35,23 @@ def test_a_feeder_built_without_devices_under_keras_on_torch_stages_for_it(keras
     assert_same_weights(fed, plain)
 
 
-def test_padding_rows_weigh_nothing(keras):
+def test_a_padded_batch_goes_to_keras_as_its_real_rows_alone(keras):
     x, y = data()
     with fp.Feeder((x, y), BATCH, devices=CPU) as feeder:
         batches = list(feeder.get_torch_dataloader())
-    *_, (_bx, by, weight) = batches
-    assert isinstance(weight, torch.Tensor) and weight.dtype == torch.float32
-    assert weight[:4].tolist() == [BATCH / 4] * 4 and not weight[4:].any()
-    assert by[:4].tolist() == y[96:].tolist()
-    assert batches[0][2].tolist() == [1.0] * BATCH
+    assert [len(b) for b in batches] == [2] * len(batches), "no weight is added"
+    *_, (bx, by) = batches
+    assert isinstance(by, torch.Tensor) and by.tolist() == y[96:].tolist()
+    np.testing.assert_array_equal(bx.numpy(), x[96:])
 
 
-def test_each_label_field_gets_weights_of_its_own_rank(keras):
-    x, y = data()
-    targets = {"class": y, "box": np.zeros((LENGTH, 4), np.float32)}
-    with fp.Feeder((x, targets), BATCH, devices=CPU) as feeder:
-        *_, (_, _, weights) = list(feeder.get_torch_dataloader())
-    assert weights["class"].shape == (BATCH,) and weights["box"].shape == (BATCH, 1)
-    assert weights["class"].data_ptr() != weights["box"].data_ptr()
-
-
-def test_a_sources_own_weights_are_scaled_and_zero_on_padding(keras):
+def test_a_sources_own_weights_go_to_keras_as_they_are(keras):
     x, y = data()
     given = np.linspace(0.5, 2.0, LENGTH).astype("float32")
     with fp.Feeder((x, y, given), BATCH, devices=CPU) as feeder:
         batches = list(feeder.get_torch_dataloader())
-    assert len(batches[0]) == 3  # no weight added beside the source's
-    np.testing.assert_allclose(batches[0][2].numpy(), given[:BATCH], rtol=1e-6)
-    last = batches[-1][2].numpy()
-    np.testing.assert_allclose(last[:4], given[96:] * BATCH / 4, rtol=1e-6)
-    assert not last[4:].any()
+    np.testing.assert_array_equal(batches[0][2].numpy(), given[:BATCH])
+    np.testing.assert_array_equal(batches[-1][2].numpy(), given[96:])
 
 
 def test_a_feeder_on_more_devices_than_keras_trains_on_is_refused(keras):

@@ -1,0 +1,112 @@
+"""Arguments: what of `model.fit`'s, `evaluate`'s and `predict`'s arguments a feeder takes.
+
+Keras hands a custom data adapter none of the call's `y`, `sample_weight` or `class_weight`
+(`get_data_adapter` returns it before it looks at them): a fit given them would train as if
+they were not. A feeder's samples carry their labels and weights, so `y` and `sample_weight`
+are refused, naming the source that carries them; `class_weight` is applied as Keras applies
+it to arrays, on the devices, with Keras's own ops.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+
+from feedpipe._internals import keras_call
+
+
+def keras_arguments(feeder: Any) -> tuple[str | None, dict | None]:
+    """Which of Keras's `fit`, `evaluate` or `predict` reads `feeder` now (None: another
+    reader), and the `class_weight` it trains with (None: none), once its arguments are found
+    to be ones a feeder takes."""
+    call = keras_call(feeder)
+    if call is None:
+        return None, None
+    reading, given = call
+    if given.get("y") is not None:
+        raise ValueError(
+            f"model.{reading}(feeder, y=...): a feeder's samples carry their labels, and Keras "
+            "reads no `y` beside a data adapter; build the feeder over (x, y), "
+            "fp.Feeder((x, y), ...), and leave `y` unset."
+        )
+    if given.get("sample_weight") is not None:
+        raise ValueError(
+            f"model.{reading}(feeder, sample_weight=...): Keras reads no `sample_weight` beside "
+            "a data adapter, so the weights would be ignored; build the feeder over "
+            "(x, y, sample_weight), fp.Feeder((x, y, w), ...): Keras weighs each sample by "
+            "its third field."
+        )
+    class_weight = given.get("class_weight") or None
+    if class_weight is not None:
+        _check_class_weight(feeder.spec.treespec, class_weight)
+    return reading, class_weight
+
+
+def _check_class_weight(treespec: Any, class_weight: Any) -> None:
+    """Refuses a `class_weight` Keras would refuse for these samples, or could not apply."""
+    pair = labelled(treespec)
+    if pair == 3:
+        raise ValueError(
+            "model.fit(feeder, class_weight=...): the feeder's samples are (x, y, "
+            "sample_weight), and Keras cannot use `class_weight` and `sample_weight` at the "
+            "same time; fold the class weights into the samples' third field, or build the "
+            "feeder over (x, y)."
+        )
+    if pair != 2:
+        raise ValueError(
+            f"model.fit(feeder, class_weight=...) weighs each sample by its label, but the "
+            f"feeder's samples are {treespec}, not (x, y); build it over (x, y)."
+        )
+    if treespec.children()[1].num_leaves != 1:
+        raise ValueError(
+            "model.fit(feeder, class_weight=...): `class_weight` is only supported for models "
+            "with a single output (Keras's rule), and the feeder's labels have "
+            f"{treespec.children()[1].num_leaves} fields; give per-sample weights as the "
+            "samples' third field, fp.Feeder((x, y, w), ...)."
+        )
+    if not isinstance(class_weight, dict) or not all(
+        isinstance(k, int) and not isinstance(k, bool) for k in class_weight
+    ):
+        raise ValueError(
+            f"`class_weight` must be a dict from class index (an int) to weight; got "
+            f"{class_weight!r}."
+        )
+
+
+def labelled(treespec: Any) -> int | None:
+    """How many fields a sample of `treespec` gives Keras, where it is `(x, y)` or
+    `(x, y, sample_weight)` (a tuple, a list or a namedtuple, as Keras unpacks them)."""
+    kinds = (optree.PyTreeKind.TUPLE, optree.PyTreeKind.LIST, optree.PyTreeKind.NAMEDTUPLE)
+    if treespec.kind in kinds and treespec.num_children in (2, 3):
+        return treespec.num_children
+    return None
+
+
+def class_weights(labels: Any, class_weight: dict) -> Any:
+    """Each row's weight by its class, as Keras weighs arrays
+    (`data_adapter_utils.class_weight_to_sample_weights`): a one-hot row's class is its
+    argmax, any other's its rounded value, and a class not in `class_weight` weighs 1. In
+    Keras's ops, so the weights are made where the labels are, on any backend."""
+    from keras import backend, ops
+
+    table = [float(class_weight.get(c, 1.0)) for c in range(max(max(class_weight), 0) + 1)]
+    y = labels
+    if len(y.shape) > 1:
+        y = ops.argmax(y, axis=-1) if y.shape[-1] != 1 else ops.squeeze(y, axis=-1)
+    classes = ops.cast(ops.round(ops.cast(y, "float32")), "int32")
+    known = ops.logical_and(classes >= 0, classes < len(table))
+    looked_up = ops.take(ops.array(table, backend.floatx()), ops.clip(classes, 0, len(table) - 1))
+    return ops.where(known, looked_up, ops.ones_like(looked_up))
+
+
+def with_class_weights(inputs: Any, class_weight: dict) -> tuple:
+    """`(x, y)` with each row weighted by its class, or `(x, y, w)` (a padded batch's zero
+    weights on padding) with `w` multiplied by it."""
+    from keras import ops
+
+    by_class = class_weights(inputs[1], class_weight)
+    if len(inputs) == 3:
+        w = inputs[2]
+        return inputs[0], inputs[1], w * ops.reshape(by_class, (-1,) + (1,) * (len(w.shape) - 1))
+    return inputs[0], inputs[1], by_class

@@ -1,0 +1,700 @@
+"""Conformance: `model.fit(feeder, **kw)` against Keras's own `model.fit(x, y, **kw)` on the same
+rows in the same order, on every Keras backend; Keras's result is the expected one.
+
+Each case builds the same model twice and fits it once on a feeder and once on the arrays the
+feeder reads, then compares what Keras gives: the weights (bit for bit), the optimizer's
+step count, the History, how often each sample was trained on (a weighted metric over the
+samples' ids, which are their labels) and `predict` and `evaluate` after the fit. The rule:
+every case is equal, or refused before anything trains with a message that names the way that
+works. docs/promises.md carries the matrix.
+
+Each backend's module imports the tests; its conftest (or module) gives the `keras` fixture and
+`keras_devices`, the one device Keras trains on there (None on TensorFlow: its default). This
+module imports no framework.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+
+import numpy as np
+import optree
+import pytest
+
+import feedpipe as fp
+from feedpipe.core.sampler import Sampler
+
+LENGTH, BATCH, FEATURES = 100, 32, 8  # the last batch holds 4 real rows
+Pair = collections.namedtuple("Pair", "x y")
+
+
+def features(length: int = LENGTH, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(length, FEATURES)).astype("float32")
+
+
+def ids(length: int = LENGTH) -> np.ndarray:
+    """Each sample's label is its id, so that a metric over labels counts each sample."""
+    return np.arange(length, dtype="int32")
+
+
+def rows_trained(keras, length: int = LENGTH):
+    """A weighted metric: how many times, times its weight, each sample (by its label, its
+    id) entered the loss this epoch; its result, their sum."""
+
+    class RowsTrained(keras.metrics.Metric):
+        def __init__(self, name="rows_trained", **kwargs):
+            super().__init__(name=name, **kwargs)
+            self.counts = self.add_variable((length,), "zeros", name="counts")
+
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            ops = keras.ops
+            labels = ops.reshape(ops.cast(y_true, "int32"), (-1,))
+            hits = ops.one_hot(labels, length)
+            if sample_weight is not None:
+                hits = hits * ops.reshape(ops.cast(sample_weight, hits.dtype), (-1, 1))
+            self.counts.assign(self.counts + ops.sum(hits, axis=0))
+
+        def result(self):
+            return keras.ops.sum(self.counts)
+
+    return RowsTrained()
+
+
+# ---- the samples: each structure as a source, and the same as Keras's x, y, sample_weight ----
+
+
+class Structure:
+    """One sample structure: the feeder's source of it and the arrays `fit(x, y)` takes."""
+
+    name = "tuple"
+
+    def __init__(self, length: int = LENGTH):
+        self.x, self.y = features(length), ids(length)
+        self.length = length
+
+    def sample(self, i: int):
+        return self.x[i], self.y[i]
+
+    def arrays(self, order=None):
+        """`(x, y, sample_weight)` as Keras's `fit` takes them, rows in `order`."""
+        order = np.arange(self.length) if order is None else order
+        return self.x[order], self.y[order], None
+
+    def model(self, keras, optimizer: str = "sgd", **compile_options):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((FEATURES,))
+        hidden = keras.layers.BatchNormalization()(keras.layers.Dense(16)(inputs))
+        net = keras.Model(inputs, keras.layers.Dense(self.length)(hidden))
+        net.compile(
+            _optimizer(keras, optimizer),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            weighted_metrics=[rows_trained(keras, self.length)],
+            **compile_options,
+        )
+        return net
+
+
+class ListSamples(Structure):
+    name = "list"
+
+    def sample(self, i):
+        return [self.x[i], self.y[i]]
+
+
+class NamedTupleSamples(Structure):
+    name = "namedtuple"
+
+    def sample(self, i):
+        return Pair(self.x[i], self.y[i])
+
+
+class WeightedSamples(Structure):
+    """`(x, y, w)`, integer weights: a padded batch's weights were once scaled and truncated."""
+
+    name = "weighted"
+
+    def __init__(self, length: int = LENGTH):
+        super().__init__(length)
+        self.w = (np.arange(length) % 3 + 1).astype("int32")
+
+    def sample(self, i):
+        return self.x[i], self.y[i], self.w[i]
+
+    def arrays(self, order=None):
+        order = np.arange(self.length) if order is None else order
+        return self.x[order], self.y[order], self.w[order]
+
+
+class DictInputs(Structure):
+    """Two named inputs in a dict, one output."""
+
+    name = "dict"
+
+    def __init__(self, length: int = LENGTH):
+        super().__init__(length)
+        self.z = features(length, seed=1)[:, :3]
+
+    def sample(self, i):
+        return {"a": self.x[i], "b": self.z[i]}, self.y[i]
+
+    def arrays(self, order=None):
+        order = np.arange(self.length) if order is None else order
+        return {"a": self.x[order], "b": self.z[order]}, self.y[order], None
+
+    def model(self, keras, optimizer="sgd", **compile_options):
+        keras.utils.set_random_seed(1)
+        a, b = keras.Input((FEATURES,), name="a"), keras.Input((3,), name="b")
+        joined = keras.layers.Concatenate()([keras.layers.Dense(16)(a), b])
+        net = keras.Model({"a": a, "b": b}, keras.layers.Dense(self.length)(joined))
+        net.compile(
+            _optimizer(keras, optimizer),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            weighted_metrics=[rows_trained(keras, self.length)],
+            **compile_options,
+        )
+        return net
+
+
+class NestedSamples(DictInputs):
+    """Two inputs and two outputs, nested: `((x1, x2), (ids, targets))`."""
+
+    name = "nested"
+
+    def __init__(self, length: int = LENGTH):
+        super().__init__(length)
+        self.t = self.z.sum(axis=1, keepdims=True).astype("float32")
+
+    def sample(self, i):
+        return (self.x[i], self.z[i]), (self.y[i], self.t[i])
+
+    def arrays(self, order=None):
+        order = np.arange(self.length) if order is None else order
+        return (self.x[order], self.z[order]), (self.y[order], self.t[order]), None
+
+    def model(self, keras, optimizer="sgd", **compile_options):
+        keras.utils.set_random_seed(1)
+        a, b = keras.Input((FEATURES,)), keras.Input((3,))
+        hidden = keras.layers.Concatenate()([keras.layers.Dense(16)(a), b])
+        outputs = [
+            keras.layers.Dense(self.length, name="ids")(hidden),
+            keras.layers.Dense(1, name="targets")(hidden),
+        ]
+        net = keras.Model([a, b], outputs)
+        net.compile(
+            _optimizer(keras, optimizer),
+            [keras.losses.SparseCategoricalCrossentropy(from_logits=True), "mse"],
+            weighted_metrics=[[rows_trained(keras, self.length)], []],
+            **compile_options,
+        )
+        return net
+
+
+class DictLabels(NestedSamples):
+    """Dict labels compiled with a list of losses, in the model's output order."""
+
+    name = "dict-labels"
+
+    def sample(self, i):
+        return (self.x[i], self.z[i]), {"ids": self.y[i], "targets": self.t[i]}
+
+    def arrays(self, order=None):
+        order = np.arange(self.length) if order is None else order
+        y = {"ids": self.y[order], "targets": self.t[order]}
+        return (self.x[order], self.z[order]), y, None
+
+    def model(self, keras, optimizer="sgd", **compile_options):
+        keras.utils.set_random_seed(1)
+        a, b = keras.Input((FEATURES,)), keras.Input((3,))
+        hidden = keras.layers.Concatenate()([keras.layers.Dense(16)(a), b])
+        outputs = {
+            "ids": keras.layers.Dense(self.length, name="ids")(hidden),
+            "targets": keras.layers.Dense(1, name="targets")(hidden),
+        }
+        net = keras.Model([a, b], outputs)
+        net.compile(
+            _optimizer(keras, optimizer),
+            [keras.losses.SparseCategoricalCrossentropy(from_logits=True), "mse"],
+            **compile_options,
+        )
+        return net
+
+
+STRUCTURES = [
+    Structure,
+    ListSamples,
+    NamedTupleSamples,
+    WeightedSamples,
+    DictInputs,
+    NestedSamples,
+    DictLabels,
+]
+
+
+def _optimizer(keras, name: str):
+    return keras.optimizers.SGD(0.1) if name == "sgd" else keras.optimizers.Adam(0.01)
+
+
+# ---- the sources of a structure ---------------------------------------------------------------
+
+
+class MapStyle:
+    def __init__(self, structure: Structure):
+        self.structure = structure
+
+    def __len__(self):
+        return self.structure.length
+
+    def __getitem__(self, i):
+        return self.structure.sample(i)
+
+
+def source(keras, structure: Structure, kind: str):
+    """The feeder's source of `structure`'s samples: "arrays", "map", "generator" or
+    "pydataset"."""
+    if kind == "map":
+        return MapStyle(structure)
+    if kind == "generator":
+
+        def samples(shard, num_shards):
+            for i in range(shard, structure.length, num_shards):
+                yield structure.sample(i)
+
+        return fp.from_generator(samples)
+    x, y, w = structure.arrays()
+    if kind == "arrays":
+        return (x, y) if w is None else (x, y, w)
+    assert kind == "pydataset"
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return -(-structure.length // 10)
+
+        def __getitem__(self, number):
+            rows = slice(10 * number, 10 * (number + 1))
+            return (x[rows], y[rows]) if w is None else (x[rows], y[rows], w[rows])
+
+    return Batches()
+
+
+# ---- the comparison ------------------------------------------------------------------------
+
+
+def fit_arrays(keras, structure, *, epochs=2, order=None, optimizer="sgd", compile=None, **kw):
+    """Keras's own fit on the arrays: the expected result."""
+    net = structure.model(keras, optimizer, **(compile or {}))
+    x, y, w = structure.arrays(order)
+    history = net.fit(
+        x, y, sample_weight=w, batch_size=BATCH, shuffle=False, epochs=epochs, verbose=0, **kw
+    )
+    return net, history
+
+
+def fit_feeder(
+    keras,
+    devices,
+    structure,
+    kind="map",
+    *,
+    epochs=2,
+    optimizer="sgd",
+    compile=None,
+    feeder_options=None,
+    **kw,
+):
+    """The same fit on a feeder of the same rows; the feeder's state after it."""
+    net = structure.model(keras, optimizer, **(compile or {}))
+    options = {"devices": devices, **(feeder_options or {})}
+    with fp.Feeder(source(keras, structure, kind), BATCH, **options) as feeder:
+        callbacks = [feeder.fit_callback(), *kw.pop("callbacks", [])]
+        history = net.fit(feeder, epochs=epochs, callbacks=callbacks, verbose=0, **kw)
+        state = json.loads(json.dumps(feeder.get_state()))
+    return net, history, state
+
+
+def assert_same_fit(fed, expected) -> None:
+    """Weights bit for bit, the same optimizer steps, History and rows trained."""
+    (net, history), (theirs, their_history) = fed, expected
+    for mine, other in zip(net.get_weights(), theirs.get_weights(), strict=True):
+        np.testing.assert_array_equal(mine, other)
+    assert int(net.optimizer.iterations) == int(theirs.optimizer.iterations)
+    assert history.history.keys() == their_history.history.keys()
+    for key, values in history.history.items():
+        np.testing.assert_allclose(values, their_history.history[key], rtol=1e-6, err_msg=key)
+    for mine, other in zip(net.metrics, theirs.metrics, strict=True):
+        if hasattr(mine, "counts"):
+            np.testing.assert_array_equal(np.asarray(mine.counts), np.asarray(other.counts))
+
+
+# ---- the cases ---------------------------------------------------------------------------------
+
+
+CASES = [(structure, "adam") for structure in STRUCTURES] + [(Structure, "sgd")]
+
+
+@pytest.mark.parametrize("structure, optimizer", CASES, ids=[f"{s.name}-{o}" for s, o in CASES])
+def test_every_structure_trains_what_fit_on_arrays_trains(
+    keras, keras_devices, structure, optimizer
+):
+    samples = structure()
+    fed, _, state = fit_feeder(keras, keras_devices, samples, optimizer=optimizer)
+    assert (state["epoch"], state["step"]) == (2, 0)
+    assert_same_fit((fed, _), fit_arrays(keras, samples, optimizer=optimizer))
+
+
+@pytest.mark.parametrize("kind", ["arrays", "map", "generator", "pydataset"])
+def test_every_source_trains_what_fit_on_arrays_trains(keras, keras_devices, kind):
+    samples = Structure()
+    net, history, state = fit_feeder(keras, keras_devices, samples, kind, optimizer="adam")
+    assert (state["epoch"], state["step"]) == (2, 0)
+    assert_same_fit((net, history), fit_arrays(keras, samples, optimizer="adam"))
+
+
+@pytest.mark.parametrize("kind", ["arrays", "map"])
+def test_class_weight_weighs_each_row_as_on_arrays(keras, keras_devices, kind):
+    samples = Structure()
+    class_weight = {i: float(1 + i % 4) for i in range(0, LENGTH, 2)}  # odd ids weigh 1
+    fed = fit_feeder(keras, keras_devices, samples, kind, class_weight=class_weight)[:2]
+    assert_same_fit(fed, fit_arrays(keras, samples, class_weight=class_weight))
+
+
+@pytest.mark.parametrize(
+    "compile",
+    [
+        {"steps_per_execution": 2},
+        {"steps_per_execution": 3},
+        {"jit_compile": False},
+        {"jit_compile": True},
+    ],
+    ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()),
+)
+def test_compile_options_train_what_fit_on_arrays_trains(keras, keras_devices, compile):
+    samples = Structure()
+    try:
+        expected = fit_arrays(keras, samples, compile=compile, optimizer="adam")
+    except ValueError as refused:  # steps_per_execution > 1 on torch: Keras refuses it
+        with pytest.raises(ValueError, match=re.escape(str(refused))):
+            fit_feeder(keras, keras_devices, samples, compile=compile, optimizer="adam")
+        return
+    fed = fit_feeder(keras, keras_devices, samples, compile=compile, optimizer="adam")[:2]
+    assert_same_fit(fed, expected)
+
+
+def test_steps_per_epoch_of_a_whole_epoch_trains_what_fit_on_arrays_trains(keras, keras_devices):
+    samples, steps = Structure(), -(-LENGTH // BATCH)
+    fed = fit_feeder(keras, keras_devices, samples, steps_per_epoch=steps)[:2]
+    assert_same_fit(fed, fit_arrays(keras, samples, steps_per_epoch=steps))
+
+
+def test_initial_epoch_on_a_fresh_feeder_goes_on_from_that_epoch(keras, keras_devices):
+    samples = Structure()
+    options = {"shuffle": True, "seed": 3}
+    net, _, state = fit_feeder(
+        keras, keras_devices, samples, "map", epochs=3, initial_epoch=1, feeder_options=options
+    )
+    assert (state["epoch"], state["step"]) == (3, 0)
+    plan = Sampler(LENGTH, BATCH, shuffle=True, seed=3)
+    theirs = samples.model(keras)
+    for epoch in (1, 2):  # the feeder's order of those epochs, written out
+        x, y, _ = samples.arrays(plan.order(epoch))
+        theirs.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    for mine, other in zip(net.get_weights(), theirs.get_weights(), strict=True):
+        np.testing.assert_array_equal(mine, other)
+    assert int(net.optimizer.iterations) == int(theirs.optimizer.iterations)
+
+
+def test_a_shuffled_feeder_trains_its_order_written_out_as_arrays(keras, keras_devices):
+    samples = Structure()
+    options = {"shuffle": True, "seed": 5}
+    net, _, _ = fit_feeder(
+        keras, keras_devices, samples, "arrays", optimizer="adam", feeder_options=options
+    )
+    plan = Sampler(LENGTH, BATCH, shuffle=True, seed=5)
+    theirs = samples.model(keras, "adam")
+    for epoch in (0, 1):
+        x, y, _ = samples.arrays(plan.order(epoch))
+        theirs.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    for mine, other in zip(net.get_weights(), theirs.get_weights(), strict=True):
+        np.testing.assert_array_equal(mine, other)
+
+
+@pytest.mark.parametrize("validation", ["arrays", "feeder"])
+def test_validation_data_gives_the_history_of_fit_on_arrays(keras, keras_devices, validation):
+    samples, held_out = Structure(), Structure()
+    held_out.x = features(seed=7)
+    x_val, y_val, _ = held_out.arrays()
+    expected = fit_arrays(keras, samples, validation_data=(x_val, y_val))
+    if validation == "arrays":
+        fed = fit_feeder(keras, keras_devices, samples, validation_data=(x_val, y_val))[:2]
+    else:
+        with fp.Feeder(MapStyle(held_out), BATCH, devices=keras_devices) as val:
+            fed = fit_feeder(keras, keras_devices, samples, validation_data=val)[:2]
+            assert val.get_state() == {**val.get_state(), "epoch": 0, "step": 0}
+    assert "val_loss" in fed[1].history
+    assert_same_fit(fed, expected)
+
+
+def test_early_stopping_stops_where_it_stops_on_arrays(keras, keras_devices):
+    samples = Structure()
+
+    def stopping():
+        return keras.callbacks.EarlyStopping(monitor="loss", min_delta=1e9, patience=1)
+
+    net, history, state = fit_feeder(
+        keras, keras_devices, samples, epochs=5, callbacks=[stopping()]
+    )
+    expected = fit_arrays(keras, samples, epochs=5, callbacks=[stopping()])
+    assert len(history.history["loss"]) == 2
+    assert (state["epoch"], state["step"]) == (2, 0)
+    assert_same_fit((net, history), expected)
+
+
+def test_model_checkpoint_saves_the_weights_it_saves_on_arrays(keras, keras_devices, tmp_path):
+    samples = Structure()
+
+    def checkpoint(folder):
+        path = str(tmp_path / folder / "e{epoch}.weights.h5")
+        (tmp_path / folder).mkdir()
+        return keras.callbacks.ModelCheckpoint(path, save_weights_only=True)
+
+    fed = fit_feeder(keras, keras_devices, samples, callbacks=[checkpoint("fed")])[:2]
+    expected = fit_arrays(keras, samples, callbacks=[checkpoint("arrays")])
+    assert_same_fit(fed, expected)
+    for epoch in (1, 2):
+        mine, theirs = samples.model(keras), samples.model(keras)
+        mine.load_weights(str(tmp_path / "fed" / f"e{epoch}.weights.h5"))
+        theirs.load_weights(str(tmp_path / "arrays" / f"e{epoch}.weights.h5"))
+        for a, b in zip(mine.get_weights(), theirs.get_weights(), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_backup_and_restore_resumes_as_fit_on_arrays_resumes(keras, keras_devices, tmp_path):
+    samples = Structure()
+
+    class Crash(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 2:
+                raise RuntimeError("crash")
+
+    def resumed(folder, fit):
+        backup = keras.callbacks.BackupAndRestore(str(tmp_path / folder))
+        net = fit(epochs=4, callbacks=[backup, Crash()])
+        return fit(epochs=4, callbacks=[backup], net=net)
+
+    def on_arrays(epochs, callbacks, net=None):
+        x, y, _ = samples.arrays()
+        net = net or samples.model(keras)
+        try:
+            return net, net.fit(
+                x, y, batch_size=BATCH, shuffle=False, epochs=epochs, callbacks=callbacks, verbose=0
+            )
+        except RuntimeError:
+            return net
+
+    states = []
+
+    def on_a_new_feeder(epochs, callbacks, net=None):
+        # A new feeder each time, as a new process would build: BackupAndRestore restores the
+        # model and Keras's epoch, and the feeder lines its epoch up with Keras's.
+        net = net or samples.model(keras)
+        with fp.Feeder(MapStyle(samples), BATCH, devices=keras_devices) as feeder:
+            try:
+                history = net.fit(
+                    feeder, epochs=epochs, verbose=0, callbacks=[feeder.fit_callback(), *callbacks]
+                )
+            except RuntimeError:
+                return net
+            states.append(feeder.get_state())
+            return net, history
+
+    mine, theirs = resumed("fed", on_a_new_feeder), resumed("arrays", on_arrays)
+    assert (states[-1]["epoch"], states[-1]["step"]) == (4, 0)
+    for a, b in zip(mine[0].get_weights(), theirs[0].get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert int(mine[0].optimizer.iterations) == int(theirs[0].optimizer.iterations)
+
+
+@pytest.mark.parametrize("structure", [Structure, NestedSamples], ids=lambda s: s.name)
+def test_predict_and_evaluate_give_what_they_give_on_arrays_and_leave_the_state(
+    keras, keras_devices, structure
+):
+    samples = structure()
+    net = samples.model(keras)
+    x, y, _ = samples.arrays()
+    with fp.Feeder(MapStyle(samples), BATCH, devices=keras_devices) as feeder:
+        net.fit(feeder, epochs=1, callbacks=[feeder.fit_callback()], verbose=0)
+        loop = iter(feeder)  # mid-epoch: predict reads the next epoch whole, aside
+        next(loop)
+        loop.close()
+        state = feeder.get_state()
+        predicted = net.predict(feeder, verbose=0)
+        evaluated = net.evaluate(feeder, verbose=0, return_dict=True)
+        assert feeder.get_state() == state
+        steps = [b.step for b in feeder]
+        assert steps[0] == state["step"], "the loop goes on where it was"
+    expected = net.predict(x, batch_size=BATCH, verbose=0)
+    for mine, theirs in zip(
+        optree.tree_leaves(predicted), optree.tree_leaves(expected), strict=True
+    ):
+        np.testing.assert_array_equal(mine, theirs)
+    theirs = net.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    assert evaluated.keys() == theirs.keys()
+    for key in theirs:
+        np.testing.assert_allclose(evaluated[key], theirs[key], rtol=1e-6, err_msg=key)
+
+
+def test_a_feeder_only_predicted_on_still_says_its_state(keras, keras_devices):
+    samples = Structure()
+    net = samples.model(keras)
+    with fp.Feeder(MapStyle(samples), BATCH, devices=keras_devices) as feeder:
+        net.predict(feeder, verbose=0)
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (0, 0)
+        assert [b.step for b in feeder] == list(range(-(-LENGTH // BATCH)))
+
+
+# ---- refused before anything trains -----------------------------------------------------------
+
+
+REFUSED = [
+    ("y", {"y": ids()}, r"leave `y` unset"),
+    ("sample_weight", {"sample_weight": np.ones(LENGTH)}, r"fp.Feeder\(\(x, y, w\)"),
+    ("validation_split", {"validation_split": 0.2}, r"validation_split"),
+    ("steps_per_epoch", {"steps_per_epoch": 2}, r"steps_per_epoch"),
+    ("initial_epoch", {"initial_epoch": 3, "epochs": 4}, r"initial_epoch=1"),
+]
+
+
+@pytest.mark.parametrize("argument, given, message", REFUSED, ids=[r[0] for r in REFUSED])
+def test_an_argument_a_feeder_cannot_honour_is_refused_before_training(
+    keras, keras_devices, argument, given, message
+):
+    samples = Structure()
+    net = samples.model(keras)
+    with fp.Feeder(MapStyle(samples), BATCH, devices=keras_devices) as feeder:
+        if argument == "initial_epoch":  # the feeder is at epoch 1: Keras would count anew
+            net.fit(feeder, epochs=1, callbacks=[feeder.fit_callback()], verbose=0)
+        before, steps = net.get_weights(), int(net.optimizer.iterations)
+        state = feeder.get_state()
+        with pytest.raises(ValueError, match=message):
+            net.fit(feeder, callbacks=[feeder.fit_callback()], verbose=0, **given)
+        assert int(net.optimizer.iterations) == steps
+        for a, b in zip(net.get_weights(), before, strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert feeder.get_state() == state
+
+
+@pytest.mark.parametrize("structure", [WeightedSamples, NestedSamples], ids=lambda s: s.name)
+def test_class_weight_keras_would_refuse_is_refused_naming_the_way(keras, keras_devices, structure):
+    samples = structure()
+    net = samples.model(keras)
+    with fp.Feeder(MapStyle(samples), BATCH, devices=keras_devices) as feeder:
+        with pytest.raises(ValueError, match=r"class_weight.*(third field|single output)"):
+            net.fit(feeder, class_weight={0: 2.0}, callbacks=[feeder.fit_callback()], verbose=0)
+        assert int(net.optimizer.iterations) == 0
+
+
+def test_the_fit_callback_in_a_fit_on_other_data_is_refused(keras, keras_devices):
+    samples = Structure()
+    net = samples.model(keras)
+    x, y, _ = samples.arrays()
+    with fp.Feeder(MapStyle(samples), BATCH, devices=keras_devices) as feeder:
+        callbacks = [feeder.fit_callback()]
+        with pytest.raises(ValueError, match=r"fit on other data.*only to fits on its feeder"):
+            net.fit(x, y, batch_size=BATCH, callbacks=callbacks, verbose=0)
+        assert int(net.optimizer.iterations) == 0
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (0, 0)
+        net.fit(feeder, callbacks=callbacks, verbose=0)  # the same list, on its feeder
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (1, 0)
+
+
+# ---- interruptions -----------------------------------------------------------------------------
+
+
+class Faulty(MapStyle):
+    """A map-style source whose next read raises, once, after `arm()`."""
+
+    def __init__(self, structure: Structure):
+        super().__init__(structure)
+        self.armed = False
+
+    def arm(self):
+        self.armed = True
+
+    def __getitem__(self, i):
+        if self.armed:
+            self.armed = False
+            raise OSError(f"sample {i} could not be read")
+        return super().__getitem__(i)
+
+
+def interrupter(keras, how: str, at: int, source: Faulty):
+    """A callback that interrupts the fit as its step `at` (counted over the fit) begins: it
+    raises; or the source's next read raises (a batch or two ahead, as the producer reads);
+    or a thread sends a real SIGINT, which lands while the step runs."""
+    import os
+    import signal
+    import threading
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.steps = 0
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if self.steps == at:
+                if how == "callback":
+                    raise RuntimeError("a callback failed")
+                if how == "source":
+                    source.arm()
+                else:
+                    threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGINT)).start()
+            self.steps += 1
+
+    return Interrupt()
+
+
+SHORT, SHORT_BATCH = 40, 16  # three steps an epoch, the last of 8 real rows
+
+
+@pytest.mark.parametrize("how", ["callback", "source", "sigint"])
+@pytest.mark.parametrize("resume", ["same fit again", "restored state"])
+def test_a_fit_interrupted_at_any_step_and_resumed_equals_one_never_interrupted(
+    keras, keras_devices, how, resume
+):
+    import time
+
+    if how == "source" and resume == "same fit again":
+        pytest.skip("a source's error closes the feeder: a new one restores its state")
+    samples = Structure(SHORT)
+    steps = 2 * -(-SHORT // SHORT_BATCH)
+    never = samples.model(keras, "adam")
+    with fp.Feeder(MapStyle(samples), SHORT_BATCH, devices=keras_devices) as feeder:
+        never.fit(feeder, epochs=2, callbacks=[feeder.fit_callback()], verbose=0)
+    for at in range(steps):
+        net, source = samples.model(keras, "adam"), Faulty(samples)
+        feeder = fp.Feeder(source, SHORT_BATCH, devices=keras_devices)
+        try:
+            callbacks = [feeder.fit_callback(), interrupter(keras, how, at, source)]
+            try:
+                net.fit(feeder, epochs=2, callbacks=callbacks, verbose=0)
+                time.sleep(0.5)  # a SIGINT sent as the last step began may land after fit
+            except (KeyboardInterrupt, RuntimeError, OSError):
+                pass
+            state = json.loads(json.dumps(feeder.get_state()))
+            if resume == "restored state":
+                feeder.close()
+                feeder = fp.Feeder(MapStyle(samples), SHORT_BATCH, devices=keras_devices)
+                feeder.set_state(state)
+            net.fit(
+                feeder,
+                epochs=2,
+                initial_epoch=state["epoch"],
+                verbose=0,
+                callbacks=[feeder.fit_callback()],
+            )
+            assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (2, 0), at
+        finally:
+            feeder.close()
+        assert int(net.optimizer.iterations) == steps, (how, at, state)
+        for mine, other in zip(net.get_weights(), never.get_weights(), strict=True):
+            np.testing.assert_array_equal(mine, other, err_msg=f"{how} at step {at}")
