@@ -44,7 +44,7 @@ def keras_batches(feeder: Any, rows: DeviceRows, *, real_only: bool = False) -> 
     how = None if real_only else weighting(feeder.spec, o.remainder, o.errors)
     size = o.global_batch_size
     made: dict[int, tuple[Any, Any]] = {}
-    """Per pattern, keyed by its mask (kept, so that the key stays its own): the sample weights
+    """Per pattern, keyed by its masks (kept, so that the key stays its own): the sample weights
     added to `(x, y)`, or the row weights that scale an `(x, y, w)` source's own."""
     feeder._consumer.end_open_pass()
     for batch in feeder._consumer.iterate(fit=True, host=False):
@@ -55,10 +55,16 @@ def keras_batches(feeder: Any, rows: DeviceRows, *, real_only: bool = False) -> 
         if how is None:
             yield inputs
             continue
-        if id(mask) not in made:
+        # A torch batch's masks are its own copies (a loop may write them); its pattern's
+        # are shared, as JAX's masks themselves are.
+        pattern = getattr(batch, "_pattern", mask)
+        if id(pattern) not in made:
             weights = rows.weights(mask, size / batch.num_valid)
-            made[id(mask)] = (mask, rows.added(inputs[1], weights) if how == "add" else weights)
-        weights = made[id(mask)][1]
+            made[id(pattern)] = (
+                pattern,
+                rows.added(inputs[1], weights) if how == "add" else weights,
+            )
+        weights = made[id(pattern)][1]
         if how == "add":
             yield (*inputs, weights)
         else:

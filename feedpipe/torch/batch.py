@@ -18,9 +18,12 @@ class Batch(core.Batch):
     On a CUDA device the tensors were copied on a stream of the feeder's own; when the batch is
     handed to the consumer, the consumer's current stream is made to wait for that copy (and
     nothing else), and torch's allocator is told that stream reads the memory.
+
+    Its `masks` are its own: torch tensors can be written in place (`mask &= y >= 0`), so a
+    mask shared with later batches of the same pattern of real rows would change theirs.
     """
 
-    __slots__ = ("_copies",)
+    __slots__ = ("_copies", "_pattern")
 
     def __init__(
         self,
@@ -29,11 +32,15 @@ class Batch(core.Batch):
         num_valid: int,
         epoch: int,
         step: int,
+        pattern: tuple,
         copies: list[tuple[Any, Any]] | None = None,
     ):
         super().__init__(replicas, masks, num_valid, epoch, step)
         self._copies = copies
         """Per CUDA device: its device and the event recorded after the copies to it."""
+        self._pattern = pattern
+        """The masks `masks` were copied from, made once per pattern of real rows and shared by
+        its batches (never handed out): what a reader that caches per pattern keys by."""
 
     def handed_over(self) -> None:
         """The consumer's stream on each device waits for this batch's copies (see the class)."""

@@ -179,8 +179,9 @@ class Stager:
         self.masks = MaskCache(len(layer.devices), layout.split.per_replica, self._place_masks)
 
     def _place_masks(self, parts: np.ndarray) -> tuple[torch.Tensor, ...]:
-        """A pattern's masks, made once and kept; on CUDA copied on the feeder's own streams
-        (a copy on the default stream would wait for every step queued there)."""
+        """A pattern's masks, made once and kept, each batch given copies of its own (see
+        `Batch`); on CUDA copied on the feeder's own streams (a copy on the default stream
+        would wait for every step queued there)."""
         devices = self.layer.devices
         if self.streams is None:
             return tuple(
@@ -203,9 +204,10 @@ class Stager:
             )
         unflatten = self.layout.spec.unflatten
         views = self.layout.views(leased)
+        pattern = self.masks(step)
         copies = None
         if self.streams is not None:
-            placed, copies = self._copy_on_own_streams(views)
+            placed, masks, copies = self._copy_on_own_streams(views, pattern)
         elif self.layer.accelerated:
             started = time.perf_counter()
             placed = [
@@ -213,24 +215,30 @@ class Stager:
                 for device, regions in zip(self.layer.devices, views, strict=True)
             ]
             self.stats.copied(self.layout.batch_bytes, time.perf_counter() - started)
+            masks = tuple(mask.clone() for mask in pattern)
         else:
             placed = [[torch.from_numpy(region) for region in regions] for regions in views]
+            masks = tuple(mask.clone() for mask in pattern)
         replicas = tuple(unflatten(tensors) for tensors in placed)
-        return Batch(replicas, self.masks(step), step.num_valid, step.epoch, step.index, copies)
+        return Batch(replicas, masks, step.num_valid, step.epoch, step.index, pattern, copies)
 
-    def _copy_on_own_streams(self, views: list) -> tuple[list, list]:
-        """Each replica's regions copied on its device's stream; waits for those copies alone."""
+    def _copy_on_own_streams(self, views: list, pattern: tuple) -> tuple[list, tuple, list]:
+        """Each replica's regions, and a copy of its mask of `pattern` (a bool per row),
+        copied on its device's stream; waits for those copies alone."""
         started = time.perf_counter()
-        placed, copies = [], []
-        for device, stream, regions in zip(self.layer.devices, self.streams, views, strict=True):
+        placed, masks, copies = [], [], []
+        for device, stream, regions, mask in zip(
+            self.layer.devices, self.streams, views, pattern, strict=True
+        ):
             with torch.cuda.stream(stream):
                 placed.append(
                     [torch.from_numpy(region).to(device, non_blocking=True) for region in regions]
                 )
+                masks.append(mask.clone())
             event = torch.cuda.Event(blocking=True)  # its wait sleeps, never spins a core
             event.record(stream)
             copies.append((device, event))
         for _, event in copies:
             event.synchronize()  # the slot's bytes are read: it may return to the pool
         self.stats.copied(self.layout.batch_bytes, time.perf_counter() - started)
-        return placed, copies
+        return placed, tuple(masks), copies

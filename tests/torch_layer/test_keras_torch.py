@@ -46,6 +46,16 @@ def test_padding_rows_weigh_nothing(keras):
     assert batches[0][2].tolist() == [1.0] * BATCH
 
 
+def test_the_weights_of_a_pattern_of_real_rows_are_made_once(keras):
+    """Each batch's masks are its own, yet the weights Keras reads are made once per pattern
+    of real rows, not once per batch."""
+    x, y = data()
+    with fp.Feeder((x, y), BATCH, devices=CPU) as feeder:
+        *full, (_, _, last) = list(feeder.get_torch_dataloader())
+    assert len(full) > 1 and len({w.data_ptr() for _, _, w in full}) == 1
+    assert last.data_ptr() != full[0][2].data_ptr()
+
+
 def test_each_label_field_gets_weights_of_its_own_rank(keras):
     x, y = data()
     targets = {"class": y, "box": np.zeros((LENGTH, 4), np.float32)}

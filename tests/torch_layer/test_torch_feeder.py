@@ -72,6 +72,22 @@ def test_pad_masks_exactly_the_padding_and_num_valid_counts_real_samples():
     assert _real_labels(batches[1]) == [8, 9]
 
 
+def test_each_batch_owns_its_masks_so_writing_one_leaves_the_others():
+    """A loop that narrows a batch's mask in place (`mask &= y >= 0`) changes that batch's
+    mask alone: later batches of the same pattern of real rows still mark every real row."""
+    x, y = index_pairs(60)
+    y[::7] = -1  # labels to leave out of the loss
+    counted = []
+    with _feeder((x, y), 8) as feeder:
+        for _ in range(2):
+            for batch in feeder:
+                counted.append(sum(int(mask.sum()) for mask in batch.masks))
+                assert counted[-1] == batch.num_valid, (batch.epoch, batch.step)
+                for (_, labels), mask in zip(batch.replicas, batch.masks, strict=True):
+                    mask &= labels >= 0
+    assert sum(counted) == 2 * 60
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_every_sample_once_per_epoch_in_the_cores_order(workers):
     length, size = 37, 8
