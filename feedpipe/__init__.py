@@ -82,10 +82,37 @@ if TYPE_CHECKING:
     from feedpipe.tf.training import TowerStep, Trainer, WarmupLinearScaling, train
 
 
+_TENSORFLOW_TRAINING = "feedpipe.tf.training"
+"""The module of the names that train on TensorFlow alone, with Keras on TensorFlow."""
+
+
+def _without_tensorflow(name: str, error: ModuleNotFoundError) -> ModuleNotFoundError:
+    """What `fp.<name>`, one of TensorFlow's training names, raises where `error` says that
+    TensorFlow (or Keras on it) cannot be imported: what a JAX or PyTorch install uses."""
+    names = ", ".join(f"fp.{n}" for n, module in _EXPORTS.items() if module == _TENSORFLOW_TRAINING)
+    return ModuleNotFoundError(
+        f"fp.{name} trains with Keras on TensorFlow, which is not installed here ({error}); "
+        f"{names} are TensorFlow's. On JAX: model.fit(feeder) with Keras on JAX "
+        "(KERAS_BACKEND=jax), or a loop of your own, for batch in feeder: inputs, mask = "
+        "batch.distributed() (global jax.Arrays sharded over the feeder's devices). On "
+        "PyTorch: model.fit(feeder) with Keras on PyTorch (KERAS_BACKEND=torch), or a plain "
+        "loop, for batch in feeder: inputs, mask = batch.distributed(). For TensorFlow's "
+        'training, install it: pip install "feedpipe[tensorflow]".',
+        name="tensorflow",
+    )
+
+
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module 'feedpipe' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    try:
+        module = importlib.import_module(_EXPORTS[name])
+    except ModuleNotFoundError as error:
+        missing = (error.name or "").split(".")[0]
+        if _EXPORTS[name] == _TENSORFLOW_TRAINING and missing in ("tensorflow", "keras"):
+            raise _without_tensorflow(name, error) from error
+        raise
+    value = getattr(module, name)
     globals()[name] = value
     return value
 

@@ -114,7 +114,7 @@ class Feeder:
             raise TypeError(
                 f"`transform` must be callable or None; got {type(transform).__name__}."
             )
-        self.layer = self._layer(devices, strategy, global_batch_size)
+        self.layer = self._layer(devices, strategy, self.options.global_batch_size)
         """The framework layer: its devices, this host's share, how it stages."""
         self.strategy = strategy
         self.source = source
@@ -127,7 +127,7 @@ class Feeder:
             transpose=transpose,
             service=service,
         )
-        self._consumer = Consumer(self._assembly, StatsRecorder(depth))
+        self._consumer = Consumer(self._assembly, StatsRecorder(self.options.depth))
         if self.share.num_hosts > 1:
             try:
                 self._assembly.check_hosts_agree()

@@ -3,12 +3,28 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from feedpipe.core.checks import check_int
 from feedpipe.core.remainder import check_remainder
 from feedpipe.core.skips import ErrorPolicy, check_error_policy
 
 WORKER_MODES = ("process", "thread")
+
+SEED_LIMIT = 2**63
+"""Seeds stay below it: a `transform(sample, seed)` gets the seed in an int64 array, as
+TensorFlow's stateless random ops take it."""
+
+
+def check_seed(seed: Any) -> int:
+    """`seed` as an `int`, if it is an integer in [0, 2**63); otherwise refused, naming it."""
+    value = check_int("seed", seed, "pass seed=0 or any larger integer", minimum=0)
+    if value >= SEED_LIMIT:
+        raise ValueError(
+            f"`seed`={value} must be below 2**63: a transform taking `seed` gets it as an "
+            f"int64; pass seed % 2**63 ({value % SEED_LIMIT}) or any smaller integer."
+        )
+    return value
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -61,19 +77,26 @@ class FeedOptions:
         return ErrorPolicy(self.errors, self.max_skipped)
 
     def __post_init__(self):
-        check_int("global_batch_size", self.global_batch_size, "pass the samples per step")
+        # Counts are kept as Python ints, whatever integer type was given: a numpy integer
+        # would reach the state, which JSON, torch.load(weights_only=True) and
+        # tf.train.Checkpoint then refuse.
+        keep = object.__setattr__
+        size = check_int("global_batch_size", self.global_batch_size, "pass the samples per step")
+        keep(self, "global_batch_size", size)
         check_remainder(self.remainder)
         if not isinstance(self.shuffle, bool):
             raise TypeError(f"`shuffle`={self.shuffle!r} must be True or False.")
-        check_int("seed", self.seed, "pass seed=0 or any larger integer", minimum=0)
-        check_int(
+        keep(self, "seed", check_seed(self.seed))
+        workers = check_int(
             "workers",
             self.workers,
             "use 0 for one background thread, or the number of worker processes (for example "
             "os.cpu_count())",
             minimum=0,
         )
-        check_int("depth", self.depth, "use depth=2 to hide one step's transfer")
+        keep(self, "workers", workers)
+        depth = check_int("depth", self.depth, "use depth=2 to hide one step's transfer")
+        keep(self, "depth", depth)
         check_error_policy(self.errors, self.max_skipped)
         if self.worker_mode not in WORKER_MODES:
             raise ValueError(f'`worker_mode`={self.worker_mode!r} must be "process" or "thread".')

@@ -1121,6 +1121,28 @@ def test_a_bad_seed_is_refused(seed):
         fp.Feeder(index_arrays(8), 2, seed=seed)
 
 
+def test_a_seed_beyond_int64_is_refused_at_construction_naming_seed():
+    """A transform taking `seed` gets it as an int64: a larger seed is refused when the feeder
+    is built, not by the first sample's transform."""
+    with pytest.raises(ValueError, match=r"`seed`=9223372036854775808 must be below 2\*\*63"):
+        fp.Feeder(index_arrays(8), 2, seed=2**63, transform=lambda sample, seed: sample)
+    with fp.Feeder(index_arrays(8), 2, seed=2**63 - 1) as feeder:
+        assert feeder.options.seed == 2**63 - 1
+
+
+def test_numpy_integer_settings_leave_a_state_that_json_and_checkpoints_take(devices, tmp_path):
+    """A batch size or seed given as a numpy integer is kept as an `int`, so the state is the
+    plain one a Python int gives."""
+    with fp.Feeder(
+        index_arrays(16), np.int64(4), devices=devices[:2], shuffle=True, seed=np.int32(3)
+    ) as feeder:
+        take(feeder, 1)
+        state = feeder.get_state()
+        assert json.loads(json.dumps(state)) == state
+        assert [type(state[k]) for k in ("global_batch_size", "seed")] == [int, int]
+        tf.train.Checkpoint(feeder=feeder).save(str(tmp_path / "ckpt"))
+
+
 def test_repr_shows_the_settings(devices):
     with fp.Feeder(
         index_arrays(8), 4, devices=devices[:2], remainder="drop", shuffle=True, seed=3, depth=3

@@ -176,3 +176,20 @@ def test_a_dataset_fit_run_again_after_ctrl_c_names_the_interrupted_fit_and_the_
             fed.fit(feeder.as_dataset(), epochs=3, callbacks=[feeder.fit_callback()], verbose=0)
         assert "restore" not in str(refused.excinfo.value)
         assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (0, 2)
+
+
+@pytest.mark.parametrize("entry", ["feeder", "feeder.as_dataset()"])
+def test_a_fit_of_shorter_epochs_than_a_fresh_feeders_names_steps_per_epoch(entry):
+    """A fresh feeder is at an epoch's start: the refusal speaks of Keras's steps_per_epoch,
+    not of a dataset made mid-epoch, and names the calls that work."""
+    with fp.Feeder(data(), 32) as feeder:
+        given = feeder if entry == "feeder" else feeder.as_dataset()
+        with pytest.raises(ValueError) as refused:
+            model().fit(given, steps_per_epoch=2, callbacks=[feeder.fit_callback()], verbose=0)
+        message = str(refused.value)
+        assert "steps_per_epoch" in message and "the feeder's epochs have 4 batches" in message
+        assert "Leave steps_per_epoch unset" in message
+        assert f"model.fit({entry}, epochs=...)" in message
+        assert "2 batches of 32 are an fp.Feeder over 64 samples" in message
+        assert "made mid-epoch and serves" not in message and "step 0 of epoch 0" not in message
+        assert feeder.get_state()["step"] == 0

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 import feedpipe as fp
 from tests import worker_fakes as wf
+from tests.core.test_slots import small_dev_shm
 from tests.fakes import all_ids, host_batch_ids, index_pydataset, real_ids
 
 GLOBAL_BATCH = 8
@@ -210,6 +211,15 @@ def iter_batches(feeder, epochs: int):
     for _ in range(epochs):
         for batch in feeder:
             yield batch.num_valid
+
+
+def test_a_feeder_with_workers_is_not_refused_for_a_small_dev_shm(devices, monkeypatch):
+    """Worker processes share memfds, never files of /dev/shm: with Docker's default 64 MiB
+    /dev/shm (faked here as 1 MiB free) a feeder whose slots the memory holds runs."""
+    small_dev_shm(monkeypatch, 2**20)
+    rows = np.zeros((64, 16384), np.float32)  # 64 KiB a row: a slot of 2 MiB
+    with fp.Feeder((rows, np.arange(64)), 32, devices=devices[:2], workers=2) as feeder:
+        assert [batch.num_valid for batch in feeder] == [32, 32]
 
 
 def test_as_dataset_with_workers_gives_the_same_batches(devices):

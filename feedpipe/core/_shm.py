@@ -35,6 +35,10 @@ NAME_PATTERN = re.compile(rf"{PREFIX}-\d+-(?:{'|'.join(KINDS)})-\d+")
 `feedpipe-`, such as an unpacked `feedpipe-0.1.0/` checkout)."""
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 """Where a named buffer briefly lives on systems without `memfd_create`."""
+MEMFD = hasattr(os, "memfd_create")
+"""Whether buffers are memfds (Linux): memory alone, charged as this process's (and its
+cgroup's), never a file of `SHM_DIR`, whose size (Docker's 64 MiB `/dev/shm`) bounds only
+the files of systems without them."""
 
 _counter = itertools.count()
 
@@ -63,7 +67,7 @@ def remove_orphans() -> list[str]:
 
 def _anonymous_file(name: str) -> int:
     try:
-        if hasattr(os, "memfd_create"):
+        if MEMFD:
             return os.memfd_create(name, os.MFD_CLOEXEC)
         path = SHM_DIR / name
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

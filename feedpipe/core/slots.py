@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from feedpipe.core._shm import SHM_DIR, SharedBuffer
+from feedpipe.core._shm import MEMFD, SHM_DIR, SharedBuffer
 from feedpipe.core._sync import Stopped
 from feedpipe.core.pinned import PageLocker
 from feedpipe.core.source import SampleSpec
@@ -58,8 +58,10 @@ def _read_int(path: str) -> int | None:
 def available_host_bytes(shared: bool) -> tuple[int, str] | None:
     """The host memory a new mapping can take now, and where that figure comes from: the
     lowest of the kernel's estimate (`MemAvailable` in /proc/meminfo, else free pages), the
-    container's cgroup limit less its usage, and, for slots shared with worker processes, the
-    free space of the shared-memory filesystem. None where the system says none of these."""
+    container's cgroup limit less its usage, and, for slots shared with worker processes on a
+    system without memfds, the free space of the directory their files live in (a memfd is
+    memory, which the first two count, and never takes `/dev/shm`'s space). None where the
+    system says none of these."""
     found: list[tuple[int, str]] = []
     try:
         with open("/proc/meminfo") as file:
@@ -80,7 +82,7 @@ def available_host_bytes(shared: bool) -> tuple[int, str] | None:
         if limit is not None and usage is not None and limit < 1 << 60:
             found.append((max(limit - usage, 0), f"this container's cgroup limit ({limit_path})"))
             break
-    if shared:
+    if shared and not MEMFD:
         try:
             disk = os.statvfs(SHM_DIR)
             found.append((disk.f_bavail * disk.f_frsize, f"the free space of {SHM_DIR}"))

@@ -36,6 +36,37 @@ def is_tensor_dtype(dtype: np.dtype) -> bool:
     return dtype.kind not in _NON_TENSOR_KINDS and dtype.type is not np.void
 
 
+def as_array(leaf: Any) -> np.ndarray:
+    """`leaf`, a field of a sample, as a numpy array (`np.asarray`); a torch tensor of a float
+    numpy lacks (bfloat16, float8) as the same bits in ml_dtypes' dtype of that name, which
+    every framework's feeder stages as that dtype."""
+    try:
+        return np.asarray(leaf)
+    except TypeError as error:
+        return _torch_float(leaf, error)
+
+
+def _torch_float(tensor: Any, error: TypeError) -> np.ndarray:
+    """`tensor`, a torch bfloat16 or float8 tensor whose `__array__` raised `error`, as
+    ml_dtypes' array of its bits; `error` raised as it is for anything else."""
+    name = str(getattr(tensor, "dtype", "")).removeprefix("torch.")
+    floats = name == "bfloat16" or name.startswith("float8")
+    if type(tensor).__module__.split(".")[0] != "torch" or not floats:
+        raise error
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise TypeError(
+            f"A field is a torch.{name} tensor, and numpy holds {name} only with the ml_dtypes "
+            f"package, which is not installed: pip install ml_dtypes, and the feeder stages "
+            f"it as {name}; or cast it (tensor.float()) in the dataset or `transform`."
+        ) from error
+    ours = np.dtype(getattr(ml_dtypes, name))
+    torch = sys.modules["torch"]  # loaded: `tensor` is one of its tensors
+    bits = {1: torch.uint8, 2: torch.int16}[ours.itemsize]
+    return tensor.detach().cpu().view(bits).numpy().view(ours)
+
+
 def _refuse_empty(length: int) -> None:
     if length < 1:
         raise ValueError("`source` is empty (0 samples); give the feeder at least one sample.")
@@ -74,7 +105,7 @@ class SampleSpec:
             raise ValueError(f"Sample {index} has no fields (got {sample!r}); samples need data.")
         specs = []
         for path, leaf in zip(paths, leaves, strict=True):
-            array = np.asarray(leaf)
+            array = as_array(leaf)
             name = field_name(path)
             if not is_tensor_dtype(array.dtype):
                 raise TypeError(
@@ -95,7 +126,7 @@ class SampleSpec:
             )
         arrays = []
         for spec, leaf in zip(self.leaves, leaves, strict=True):
-            array = np.asarray(leaf)
+            array = as_array(leaf)
             if array.shape != spec.shape or array.dtype != spec.dtype:
                 raise ValueError(
                     f"Field {spec.name} of sample {index} has shape {array.shape} and dtype "

@@ -90,7 +90,16 @@ class Layer(Protocol):
 
 def refuse_unstageable(spec: SampleSpec, framework: str, device: Any, place: Callable) -> None:
     """Refuses, at construction, a field whose dtype `place` (one array onto `device`) cannot
-    handle, naming the field and the fix, instead of failing at the first batch."""
+    handle, naming the field and the fix, instead of failing at the first batch. A device that
+    takes no array at all (float32 included) is refused as the device, not as a dtype."""
+    try:
+        place(np.zeros(1, np.float32))
+    except Exception as error:
+        raise ValueError(
+            f"{framework} cannot place any array on {device} ({type(error).__name__}: "
+            f"{str(error).splitlines()[0][:120]}); the device is at fault, not a field's dtype: "
+            "pass devices this process has, or leave `devices` unset."
+        ) from error
     for leaf in spec.leaves:
         try:
             place(np.zeros(1, leaf.dtype))

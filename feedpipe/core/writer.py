@@ -23,7 +23,7 @@ import optree
 
 from feedpipe.core.sampler import Step
 from feedpipe.core.slots import HostSlot
-from feedpipe.core.source import ArraySource, SampleSpec, Source, TFDatasetSource
+from feedpipe.core.source import ArraySource, SampleSpec, Source, TFDatasetSource, as_array
 
 Transform = Callable[..., Any]
 
@@ -132,7 +132,7 @@ def first_look(
         sample = source.sample(0) if source.indexed else source.first_sample()
         digest = hashlib.sha1()
         for leaf in optree.tree_leaves(sample):
-            digest.update(np.ascontiguousarray(leaf).tobytes())
+            digest.update(np.ascontiguousarray(as_array(leaf)).tobytes())
         if transform is not None:
             sample = apply_transform(transform, randomness(transform), sample, seed, 0, 0)
         return SampleSpec.of(sample), digest.hexdigest()

@@ -214,6 +214,8 @@ class FitLedger:
                 "callbacks=[feeder.fit_callback(), ...]) trains the rest of epoch "
                 f"{epoch}, then whole epochs."
             )
+        if step == 0 and epochs is not None and steps is not None:
+            self._refuse_other_epochs(steps, epoch)
         if step == 0:
             fix = (
                 f"this dataset was made mid-epoch and serves only the rest of that epoch; for "
@@ -232,4 +234,32 @@ class FitLedger:
             f"{step} of epoch {epoch}, which has {left} batches left, and later epochs have "
             f"{len(assembly.plan)}: Keras runs every epoch of a fit for the same number of "
             f"steps. Leave steps_per_epoch unset; {fix}."
+        )
+
+    def _refuse_other_epochs(self, steps: int, epoch: int) -> None:
+        """Refuses a fit begun at the start of the feeder's `epoch` whose epochs of `steps`
+        batches are not the feeder's: Keras's `steps_per_epoch`, or, unset, the length of a
+        dataset made mid-epoch."""
+        batches, entry = len(self.consumer.assembly.plan), self.entry
+        size = self.consumer.assembly.options.global_batch_size
+        if entry == "feeder":
+            what = f"steps_per_epoch={steps}"
+            fix = "Leave steps_per_epoch unset"
+        else:
+            what = (
+                f"This fit's epochs have {steps} batches (its steps_per_epoch, or unset, the "
+                "length of the dataset)"
+            )
+            fix = (
+                "Leave steps_per_epoch unset and make the dataset at an epoch's start (one made "
+                "mid-epoch has the rest of that epoch alone)"
+            )
+        first = f"initial_epoch={epoch}, " if epoch > 0 else ""
+        raise ValueError(
+            f"{what}, but the feeder's epochs have {batches} batches of {size}: Keras runs "
+            f"every epoch of a fit for the same number of steps, so this fit's epochs would not "
+            f"be the feeder's. {fix}, "
+            f"model.fit({entry}, {first}epochs=...): each epoch is then the feeder's "
+            f"{batches} batches. Or build the feeder so that its epoch is the one you want: "
+            f"{steps} batches of {size} are an fp.Feeder over {steps * size} samples."
         )

@@ -18,6 +18,9 @@ class Batch(core.Batch):
     On a CUDA device the tensors were copied on a stream of the feeder's own; when the batch is
     handed to the consumer, the consumer's current stream is made to wait for that copy (and
     nothing else), and torch's allocator is told that stream reads the memory.
+
+    Its `masks` are its own: torch tensors can be written in place (`mask &= y >= 0`), so a
+    mask shared with later batches of the same pattern of real rows would change theirs.
     """
 
     __slots__ = ("_copies",)

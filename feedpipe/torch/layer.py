@@ -19,6 +19,7 @@ PyTorch does at once (reference counting).
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Sequence
@@ -40,6 +41,36 @@ from feedpipe.torch.batch import Batch
 
 OWN_STREAM = "torch stream"
 """`CopyPath.name` where torch copies on a CUDA stream of the feeder's own."""
+
+
+_CARRIERS = {1: np.uint8, 2: np.int16}
+"""The integer dtype of each width that carries a float's bits where torch.from_numpy refuses
+the float's own numpy dtype."""
+
+
+@functools.cache
+def _carried(dtype: np.dtype) -> tuple[np.dtype, torch.dtype] | None:
+    """For ml_dtypes' floats that torch holds too (bfloat16, float8_e4m3fn, float8_e5m2, ...)
+    but `torch.from_numpy` refuses: the integer dtype their bits cross as and torch's dtype of
+    the same name. None for every other dtype (torch's int4 packs two values a byte, where
+    ml_dtypes' takes one)."""
+    floats = dtype.name == "bfloat16" or dtype.name.startswith("float8")
+    if dtype.type.__module__ != "ml_dtypes" or not floats:
+        return None
+    theirs = getattr(torch, dtype.name, None)
+    carrier = _CARRIERS.get(dtype.itemsize)
+    if not isinstance(theirs, torch.dtype) or theirs.itemsize != dtype.itemsize or not carrier:
+        return None
+    return np.dtype(carrier), theirs
+
+
+def from_numpy(array: np.ndarray) -> torch.Tensor:
+    """`torch.from_numpy(array)`, over the same memory, for ml_dtypes' bfloat16 and float8
+    fields too (see `_carried`): each arrives as torch's dtype of that name."""
+    carried = _carried(array.dtype)
+    if carried is None:
+        return torch.from_numpy(array)
+    return torch.from_numpy(array.view(carried[0])).view(carried[1])
 
 
 def _world() -> tuple[int, int]:
@@ -77,6 +108,42 @@ def _default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def _counted(kind: str) -> int | None:
+    """How many devices of `kind` ("cuda", "mps", "xpu") this process sees, where torch has a
+    module that counts them; None where it has none (then a copy onto one tells)."""
+    module = getattr(torch, kind, None)
+    if not hasattr(module, "is_available") or not hasattr(module, "device_count"):
+        return None
+    return module.device_count() if module.is_available() else 0
+
+
+def _refuse_absent(given: Any, device: torch.device) -> None:
+    """Refuses `device` (as `given`) where this process has no such device, naming the devices
+    it has: a copy onto it would fail at construction as if the field's dtype were at fault."""
+    count = _counted(device.type)
+    if count is None or (count and (device.index or 0) < count):
+        return
+    if count:
+        kind = "CUDA" if device.type == "cuda" else device.type
+        why = f"PyTorch sees {count} {kind} device{'s' if count > 1 else ''}"
+    elif device.type == "cuda" and torch.version.cuda is None:
+        why = "this PyTorch is built without CUDA"
+    elif device.type == "cuda":
+        why = (
+            "PyTorch sees no CUDA device (torch.cuda.is_available() is False: no NVIDIA "
+            "driver, or no GPU visible to this process, see CUDA_VISIBLE_DEVICES)"
+        )
+    else:
+        why = f"PyTorch sees no {device.type} device (torch.{device.type}.is_available() is False)"
+    present = ["cpu"] + [
+        f"{kind}:{index}" for kind in ("cuda", "mps", "xpu") for index in range(_counted(kind) or 0)
+    ]
+    raise ValueError(
+        f"`devices` names {given!r}, which is not a device of this process: {why}; the devices "
+        f"are {', '.join(present)}. Leave `devices` unset for this process's device."
+    )
+
+
 def resolve_devices(devices: Any) -> tuple[torch.device, ...]:
     """The replica devices, as `torch.device`s with their index: `devices` given, else this
     process's one device. The CPU may be listed more than once (several replicas on the host,
@@ -97,6 +164,7 @@ def resolve_devices(devices: Any) -> tuple[torch.device, ...]:
                 f"`devices` holds {device!r}, which is not a PyTorch device ({error}); pass "
                 "torch.device objects or strings such as 'cuda:0' or 'cpu'."
             ) from error
+        _refuse_absent(device, one)
         if one.type == "cuda" and one.index is None:
             one = torch.device("cuda", torch.cuda.current_device())
         resolved.append(one)
@@ -146,10 +214,11 @@ class TorchLayer:
             self.copy_path = NO_COPY
 
     def check_stageable(self, spec: SampleSpec, values: Sequence[np.ndarray] | None) -> SampleSpec:
-        """Refuses a field PyTorch cannot hold (bfloat16 from ml_dtypes, strings); PyTorch keeps
-        every dtype it takes, so the fields arrive as they are (`values` is not read)."""
+        """Refuses a field PyTorch cannot hold (float128, ml_dtypes' int4); PyTorch keeps every
+        dtype it takes, ml_dtypes' bfloat16 and float8 included (`from_numpy`), so the fields
+        arrive as they are (`values` is not read)."""
         device = self.devices[0]
-        refuse_unstageable(spec, "PyTorch", device, lambda a: torch.from_numpy(a).to(device))
+        refuse_unstageable(spec, "PyTorch", device, lambda a: from_numpy(a).to(device))
         return spec
 
     def exchange(self, payload: bytes) -> list[bytes]:
@@ -179,8 +248,9 @@ class Stager:
         self.masks = MaskCache(len(layer.devices), layout.split.per_replica, self._place_masks)
 
     def _place_masks(self, parts: np.ndarray) -> tuple[torch.Tensor, ...]:
-        """A pattern's masks, made once and kept; on CUDA copied on the feeder's own streams
-        (a copy on the default stream would wait for every step queued there)."""
+        """A pattern's masks, made once and kept, each batch given copies of its own (see
+        `Batch`); on CUDA copied on the feeder's own streams (a copy on the default stream
+        would wait for every step queued there)."""
         devices = self.layer.devices
         if self.streams is None:
             return tuple(
@@ -203,34 +273,41 @@ class Stager:
             )
         unflatten = self.layout.spec.unflatten
         views = self.layout.views(leased)
+        pattern = self.masks(step)
         copies = None
         if self.streams is not None:
-            placed, copies = self._copy_on_own_streams(views)
+            placed, masks, copies = self._copy_on_own_streams(views, pattern)
         elif self.layer.accelerated:
             started = time.perf_counter()
             placed = [
-                [torch.from_numpy(region).to(device) for region in regions]
+                [from_numpy(region).to(device) for region in regions]
                 for device, regions in zip(self.layer.devices, views, strict=True)
             ]
             self.stats.copied(self.layout.batch_bytes, time.perf_counter() - started)
+            masks = tuple(mask.clone() for mask in pattern)
         else:
-            placed = [[torch.from_numpy(region) for region in regions] for regions in views]
+            placed = [[from_numpy(region) for region in regions] for regions in views]
+            masks = tuple(mask.clone() for mask in pattern)
         replicas = tuple(unflatten(tensors) for tensors in placed)
-        return Batch(replicas, self.masks(step), step.num_valid, step.epoch, step.index, copies)
+        return Batch(replicas, masks, step.num_valid, step.epoch, step.index, copies)
 
-    def _copy_on_own_streams(self, views: list) -> tuple[list, list]:
-        """Each replica's regions copied on its device's stream; waits for those copies alone."""
+    def _copy_on_own_streams(self, views: list, pattern: tuple) -> tuple[list, tuple, list]:
+        """Each replica's regions, and a copy of its mask of `pattern` (a bool per row),
+        copied on its device's stream; waits for those copies alone."""
         started = time.perf_counter()
-        placed, copies = [], []
-        for device, stream, regions in zip(self.layer.devices, self.streams, views, strict=True):
+        placed, masks, copies = [], [], []
+        for device, stream, regions, mask in zip(
+            self.layer.devices, self.streams, views, pattern, strict=True
+        ):
             with torch.cuda.stream(stream):
                 placed.append(
-                    [torch.from_numpy(region).to(device, non_blocking=True) for region in regions]
+                    [from_numpy(region).to(device, non_blocking=True) for region in regions]
                 )
+                masks.append(mask.clone())
             event = torch.cuda.Event(blocking=True)  # its wait sleeps, never spins a core
             event.record(stream)
             copies.append((device, event))
         for _, event in copies:
             event.synchronize()  # the slot's bytes are read: it may return to the pool
         self.stats.copied(self.layout.batch_bytes, time.perf_counter() - started)
-        return placed, copies
+        return placed, tuple(masks), copies

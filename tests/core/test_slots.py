@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from feedpipe.core._shm import SHM_DIR
 from feedpipe.core._sync import Stopped
 from feedpipe.core.slots import (
     ALIGN_BYTES,
@@ -146,6 +147,31 @@ def test_the_host_memory_available_is_read_from_the_system():
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert 0 < available <= total
     assert where
+
+
+def small_dev_shm(monkeypatch, nbytes: int) -> None:
+    """The shared-memory directory reports `nbytes` free, as Docker's default 64 MiB /dev/shm
+    does once a little of it is used."""
+    statvfs = os.statvfs
+
+    def reported(path):
+        if os.fspath(path) != os.fspath(SHM_DIR):
+            return statvfs(path)
+        real = statvfs(path)
+        return os.statvfs_result((*real[:4], nbytes // real.f_frsize, *real[5:]))
+
+    monkeypatch.setattr(os, "statvfs", reported)
+
+
+def test_slots_shared_with_workers_are_checked_against_memory_not_a_small_dev_shm(monkeypatch):
+    """Slots shared with worker processes are memfds: memory, never /dev/shm's space. A small
+    /dev/shm refuses none that the memory holds."""
+    small_dev_shm(monkeypatch, 2**20)
+    assert os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize == 2**20
+    available, where = available_host_bytes(shared=True)
+    assert available > 2**20 and str(SHM_DIR) not in where
+    layout = SlotLayout(SampleSpec.of(np.zeros(1024, np.float32)), ReplicaSplit(1024, 4))
+    check_host_memory(layout, 2, shared=True)  # 8 MiB of slots
 
 
 def test_slots_larger_than_the_memory_available_are_refused_naming_the_size_and_the_fix(

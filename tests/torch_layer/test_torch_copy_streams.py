@@ -99,8 +99,10 @@ def test_copies_run_on_each_devices_own_stream_and_the_consumer_waits_for_them(f
         calls = list(log.calls)
         loop.close()
     staged = [c for c in calls if c[0] in ("enter", "leave", "record", "synchronize")]
-    # First batch: per device, copies inside its own stream, then an event on that stream.
-    first = staged[:8]
+    # The pattern's masks are made first, once, each on its device's own stream; then, per
+    # device, the batch's copies (its mask's too) inside that stream, then an event on it.
+    made, first = staged[:4], staged[4:12]
+    assert [c[0] for c in made] == ["enter", "leave"] * 2
     assert [c[0] for c in first] == ["enter", "leave", "record"] * 2 + ["synchronize"] * 2
     assert first[0][1] == first[1][1] == first[2][1] != first[3][1]
     assert first[3][1] == first[4][1] == first[5][1]
@@ -110,6 +112,7 @@ def test_copies_run_on_each_devices_own_stream_and_the_consumer_waits_for_them(f
     assert waits[:2] == [("wait_event", "consumer", e) for e in events]
     # The masks, made once per pattern, are copied on the same own streams, waited for there.
     copy_streams = {first[0][1], first[3][1]}
+    assert {c[1] for c in made} == copy_streams
     assert {c[1] for c in calls if c[0] == "stream_synchronize"} == copy_streams
     leaves = [t for replica in batch.replicas for t in replica] + list(batch.masks)
     assert len(marked) >= len(leaves)

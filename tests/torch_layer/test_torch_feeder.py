@@ -72,6 +72,22 @@ def test_pad_masks_exactly_the_padding_and_num_valid_counts_real_samples():
     assert _real_labels(batches[1]) == [8, 9]
 
 
+def test_each_batch_owns_its_masks_so_writing_one_leaves_the_others():
+    """A loop that narrows a batch's mask in place (`mask &= y >= 0`) changes that batch's
+    mask alone: later batches of the same pattern of real rows still mark every real row."""
+    x, y = index_pairs(60)
+    y[::7] = -1  # labels to leave out of the loss
+    counted = []
+    with _feeder((x, y), 8) as feeder:
+        for _ in range(2):
+            for batch in feeder:
+                counted.append(sum(int(mask.sum()) for mask in batch.masks))
+                assert counted[-1] == batch.num_valid, (batch.epoch, batch.step)
+                for (_, labels), mask in zip(batch.replicas, batch.masks, strict=True):
+                    mask &= labels >= 0
+    assert sum(counted) == 2 * 60
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_every_sample_once_per_epoch_in_the_cores_order(workers):
     length, size = 37, 8
@@ -149,6 +165,78 @@ def test_sixty_four_bit_fields_arrive_as_they_are():
         x, y = next(iter(feeder)).replicas[0]
     assert y.dtype == torch.int64 and x.dtype == torch.float64
     assert y.tolist() == big[:4].tolist()
+
+
+def test_bfloat16_and_float8_fields_arrive_as_torchs_own_dtypes():
+    """numpy's bfloat16 and float8 (ml_dtypes) arrive as torch.bfloat16 and torch.float8_*,
+    bit for bit, as they do on JAX and TensorFlow."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    values = np.arange(16, dtype=np.float32).reshape(8, 2) / 4
+    source = (values.astype(ml_dtypes.bfloat16), values.astype(ml_dtypes.float8_e4m3fn))
+    with _feeder(source, 8) as feeder:
+        staged = [field for batch in feeder for replica in batch.replicas for field in replica]
+    brain, eight = torch.cat(staged[0::2]), torch.cat(staged[1::2])
+    assert (brain.dtype, eight.dtype) == (torch.bfloat16, torch.float8_e4m3fn)
+    assert brain.float().numpy().tolist() == values.tolist()
+    assert eight.float().numpy().tolist() == source[1].astype(np.float32).tolist()
+
+
+def test_a_dataset_of_bfloat16_tensors_is_fed_as_bfloat16():
+    pytest.importorskip("ml_dtypes")
+
+    class Halves(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, index):
+            return torch.full((2,), index / 2, dtype=torch.bfloat16), torch.tensor(index)
+
+    with _feeder(Halves(), 8) as feeder:
+        (x, y), _ = next(iter(feeder)).replicas
+    assert x.dtype == torch.bfloat16 and x[:, 0].tolist() == [0.0, 0.5, 1.0, 1.5]
+    assert y.tolist() == [0, 1, 2, 3]
+
+
+def test_a_bfloat16_tensor_without_ml_dtypes_is_refused_naming_the_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # import ml_dtypes fails
+    samples = [(torch.zeros(2, dtype=torch.bfloat16), torch.tensor(i)) for i in range(8)]
+    with pytest.raises(TypeError, match=r"torch\.bfloat16 tensor.*pip install ml_dtypes"):
+        _feeder(samples, 4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+@pytest.mark.parametrize("device", ["cuda:0", "cuda", torch.device("cuda", 1)])
+def test_a_cuda_device_where_there_is_none_is_refused_as_the_device(device):
+    """Not as a dtype to cast: the device is named, and the devices there are."""
+    with pytest.raises(ValueError) as refused:
+        fp.Feeder(index_pairs(8), 4, devices=[device], framework="torch")
+    message = str(refused.value)
+    assert message.startswith(f"`devices` names {device!r}, which is not a device of this")
+    assert "CUDA" in message and "the devices are cpu." in message
+    assert "dtype" not in message and "cast" not in message
+
+
+def test_a_cuda_index_past_the_gpus_there_are_is_refused_listing_them(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(
+        ValueError,
+        match=r"`devices` names 'cuda:2', which is not a device of this process: PyTorch sees 2 "
+        r"CUDA devices; the devices are cpu, cuda:0, cuda:1\.",
+    ):
+        fp.Feeder(index_pairs(8), 4, devices=["cuda:2"], framework="torch")
+
+
+def test_a_device_that_takes_no_array_is_refused_as_the_device_not_a_dtype(monkeypatch):
+    def refuses(tensor, *args, **kwargs):
+        raise RuntimeError("the device fell off the bus")
+
+    monkeypatch.setattr(torch.Tensor, "to", refuses)
+    monkeypatch.setattr("feedpipe.torch.layer._counted", lambda kind: None)
+    with pytest.raises(
+        ValueError, match=r"PyTorch cannot place any array on cuda:0 .*fell off the bus.*not a "
+    ):
+        fp.Feeder(index_pairs(8), 4, devices=["cuda:0"], framework="torch")
 
 
 def test_a_dtype_torch_cannot_hold_is_refused_at_construction_naming_the_field():
