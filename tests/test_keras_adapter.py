@@ -3,6 +3,8 @@ reads exactly what `fit(feeder.as_dataset())` reads."""
 
 from __future__ import annotations
 
+import collections
+
 import keras
 import numpy as np
 import pytest
@@ -193,3 +195,26 @@ def test_a_fit_of_shorter_epochs_than_a_fresh_feeders_names_steps_per_epoch(entr
         assert "2 batches of 32 are an fp.Feeder over 64 samples" in message
         assert "made mid-epoch and serves" not in message and "step 0 of epoch 0" not in message
         assert feeder.get_state()["step"] == 0
+
+
+@pytest.mark.parametrize("kind", ["list", "namedtuple"])
+def test_as_dataset_of_list_or_namedtuple_samples_weighs_padding_as_tuples_do(kind):
+    x, y = data()
+    pair = collections.namedtuple("Pair", "x y")
+
+    class Samples:
+        def __len__(self):
+            return len(x)
+
+        def __getitem__(self, i):
+            return [x[i], y[i]] if kind == "list" else pair(x[i], y[i])
+
+    with fp.Feeder(Samples(), 32) as feeder:
+        *_, last = list(feeder.as_dataset())
+        assert np.asarray(last[2]).tolist() == [8.0] * 4 + [0.0] * 28
+        fed = model()
+        fed.fit(feeder.as_dataset(), epochs=2, callbacks=[feeder.fit_callback()], verbose=0)
+    plain = model()
+    plain.fit(*data(), batch_size=32, shuffle=False, epochs=2, verbose=0)
+    for mine, theirs in zip(fed.get_weights(), plain.get_weights(), strict=True):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)

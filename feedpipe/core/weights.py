@@ -20,11 +20,17 @@ def weighting(spec: SampleSpec, remainder: str, errors: str = "raise") -> str | 
     """How padding is weighted: "add" a sample weight to `(x, y)`, "scale" the `w` of
     `(x, y, w)`, or None (nothing to weigh, or no padding: `remainder` pads the last batch,
     and `errors="skip"` turns a failing sample's row into padding in any batch)."""
-    treespec = spec.treespec
     pads = remainder == "pad" or errors == "skip"
-    if not pads or treespec.kind != optree.PyTreeKind.TUPLE:
-        return None
-    return {2: "add", 3: "scale"}.get(treespec.num_children)
+    return {2: "add", 3: "scale"}.get(labelled(spec.treespec)) if pads else None
+
+
+def labelled(treespec: Any) -> int | None:
+    """How many fields a sample of `treespec` gives Keras, where it is `(x, y)` or
+    `(x, y, sample_weight)` (a tuple, a list or a namedtuple, as Keras unpacks them)."""
+    kinds = (optree.PyTreeKind.TUPLE, optree.PyTreeKind.LIST, optree.PyTreeKind.NAMEDTUPLE)
+    if treespec.kind in kinds and treespec.num_children in (2, 3):
+        return treespec.num_children
+    return None
 
 
 def row_weights(num_rows: int, real: Any, num_valid: int, global_batch_size: int) -> np.ndarray:

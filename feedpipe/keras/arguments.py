@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import optree
-
 from feedpipe._internals import keras_call
+from feedpipe.core.weights import labelled
 
 
 def keras_arguments(feeder: Any) -> tuple[str | None, dict | None]:
@@ -72,15 +71,6 @@ def _check_class_weight(treespec: Any, class_weight: Any) -> None:
             f"`class_weight` must be a dict from class index (an int) to weight; got "
             f"{class_weight!r}."
         )
-
-
-def labelled(treespec: Any) -> int | None:
-    """How many fields a sample of `treespec` gives Keras, where it is `(x, y)` or
-    `(x, y, sample_weight)` (a tuple, a list or a namedtuple, as Keras unpacks them)."""
-    kinds = (optree.PyTreeKind.TUPLE, optree.PyTreeKind.LIST, optree.PyTreeKind.NAMEDTUPLE)
-    if treespec.kind in kinds and treespec.num_children in (2, 3):
-        return treespec.num_children
-    return None
 
 
 def class_weights(labels: Any, class_weight: dict) -> Any:

@@ -3,11 +3,12 @@
 Each batch as Keras takes it from arrays: a batch with padding rows is handed over as its
 real rows alone, a smaller batch, as `fit(x, y)` hands over its last one, so that the loss,
 its reduction, the metrics, BatchNormalization's statistics and History see exactly the
-samples they would see there. Where the devices cannot take the smaller batch (Keras's step
-shards every batch evenly over several devices), training gets the padded batch with its
+samples they would see there. Where the devices may not take the smaller batch (Keras's step
+shards every batch evenly over several devices), training gets padded batches with their
 padding rows weighted zero instead (`feedpipe.core.weights`, made on the devices once per
-pattern of real rows), with a warning that says what differs; `predict` and `evaluate`
-refuse it. `class_weight` adds its weights as Keras adds them to arrays
+pattern of real rows; every batch of such a pass carries weights, since Keras's step keeps
+the structure of its first batch), with a warning that says what differs; `predict` and
+`evaluate` refuse them. `class_weight` adds its weights as Keras adds them to arrays
 (`feedpipe.keras.arguments`). `predict` and `evaluate` read a whole epoch aside: the feeder's
 position, and so its state, stays where training left it. The rule is written here once;
 each framework gives its array operations (`DeviceRows`). TensorFlow's trainer reads
@@ -62,27 +63,28 @@ def keras_batches(
     o = feeder.options
     how = weighting(feeder.spec, o.remainder, o.errors)
     size = o.global_batch_size
+    # Keras's step keeps the structure of the first batch it takes, so where a batch may have to
+    # keep its padding, every batch of the pass carries weights (1 on the real rows of a full one).
+    padded = not aside and _may_keep_padding(rows, o.errors)
+    weighted = padded and how is not None
     made: dict[int, tuple[Any, Any]] = {}
-    """Per pattern where padding stays, keyed by its mask (kept, so that the key stays its
-    own): the sample weights added to `(x, y)`, or the row weights that scale an `(x, y, w)`
-    source's own."""
+    """Per pattern, keyed by its mask (kept, so that the key stays its own): the sample weights
+    added to `(x, y)`, or the row weights that scale an `(x, y, w)` source's own."""
     warned = False
     feeder._consumer.end_open_pass()
     for batch in feeder._consumer.iterate(fit=True, host=False, aside=aside):
         inputs, mask = batch.distributed()
-        padded = batch.num_valid < size
-        if padded:
+        if batch.num_valid < size:
             reason = rows.uneven(batch.num_valid)
-            if reason is None:
+            if reason is None and not padded:
                 real = rows.real(batch, mask)
                 inputs = optree.tree_map(lambda a, real=real: a[real], inputs)
-                padded = False
             elif aside:
                 raise ValueError(_refusal(reason))
             elif not warned:
                 warned = True
-                warnings.warn(_padded_warning(reason, how), stacklevel=2)
-        if padded and how is not None:
+                warnings.warn(_padded_warning(reason or _MAY_KEEP, how), stacklevel=2)
+        if weighted:
             if id(mask) not in made:
                 weights = rows.weights(mask, size / batch.num_valid)
                 made[id(mask)] = (mask, rows.added(inputs[1], weights) if how == "add" else weights)
@@ -94,6 +96,16 @@ def keras_batches(
         if class_weight is not None:
             inputs = with_class_weights(inputs, class_weight)
         yield inputs
+
+
+_MAY_KEEP = "a skipped sample can leave a batch whose real rows the devices cannot share evenly"
+
+
+def _may_keep_padding(rows: DeviceRows, errors: str) -> bool:
+    """Whether a batch of the pass may have to keep its padding: the epoch's last cannot go as
+    its real rows alone, or a skipped sample can leave a batch that cannot (one real row fewer
+    than a full batch divides among no more devices than one does)."""
+    return rows.uneven(None) is not None or (errors == "skip" and rows.uneven(1) is not None)
 
 
 def _refusal(reason: str) -> str:
