@@ -314,6 +314,8 @@ class Assembly:
         if self.pipeline is not None and self.pipeline.host == host:
             return self.pipeline
         self.stop()
+        if self.skips is not None:  # the batches from `position` on are made again, and read
+            self.skips.forget_from(position)
         stats.stream_started()
         pool = self.pool(host)
         stager = HostStager(pool.layout) if host else self.layer.stager(pool.layout, stats)

@@ -47,9 +47,9 @@ class TaskRunner:
 
     Until `configure` gives it the spec, it can only look at its first sample (`("spec", id)`:
     the spec and a digest, see `first_look`). Then:
-    `("rows", id, slot, epoch, first_row, indices, known)` fills those rows of a slot, leaving
-    out the samples in `known` and, under `errors="skip"`, those that raise (it returns the rows
-    written and the skips, each error pickled with its traceback);
+    `("rows", id, slot, epoch, first_row, indices)` fills those rows of a slot, leaving out,
+    under `errors="skip"`, the samples that raise (it returns the rows written and the skips,
+    each error pickled with its traceback);
     `("stream", id, slot, epoch, generation)` fills a slot with the next rows of this worker's
     shard, restarting the shard for a new (generation, epoch); `("epoch_end", id, epoch)` tells
     the source an epoch ended. `run` returns the rows written (the spec, for "spec").
@@ -86,8 +86,8 @@ class TaskRunner:
         if kind == "spec":
             return first_look(self.source, self.transform, self.seed, self.status)
         if kind == "rows":
-            _, _, ident, epoch, first_row, indices, known = task
-            skipped = self.writer.fill_rows(self.slots[ident], epoch, first_row, indices, known)
+            _, _, ident, epoch, first_row, indices = task
+            skipped = self.writer.fill_rows(self.slots[ident], epoch, first_row, indices)
             return len(indices), [pack_skip(*skip) for skip in skipped]
         if kind == "stream":
             _, _, ident, epoch, generation = task
@@ -129,10 +129,8 @@ def code_at(filename: str, make, args: tuple):
     return make(*args).replace(co_filename=filename)
 
 
-def pack_skip(row: int, index: int, error: BaseException | None) -> tuple:
+def pack_skip(row: int, index: int, error: BaseException) -> tuple:
     """A skipped row as a reply carries it: its error pickled, with its traceback as text."""
-    if error is None:
-        return row, index, None, ""
     return row, index, pack_error(error), "".join(traceback.format_exception(error))
 
 

@@ -5,9 +5,10 @@ the sample's row into a padding row of its batch (a copy of a real row, mask Fal
 zero), so no other sample moves and every replica keeps its shape, up to a budget of
 `max_skipped` samples per epoch, in the spirit of tf.data's `ignore_errors` with a bound like
 Grain's error budgets. `SkipLedger` names every skipped sample (epoch, index, step, the error's
-type and message) for `stats()` and the state, and a sample it knows of is skipped again
-without being read when its batch is made again (a loop after a `break`, a restore), so the
-stream is the same on every resume.
+type and message) for `stats()` and the state, where the skips of the batches taken count
+against a restored feeder's budget. Skips belong to the batches that hold them: a batch made
+ahead and not taken is made again from scratch by the next pipeline (after a `break`, a
+restore), its samples read again, so a state gives one stream here and in a restored feeder.
 """
 
 from __future__ import annotations
@@ -131,11 +132,6 @@ class SkipLedger:
         self._lock = threading.Lock()
         self._epochs: dict[int, dict[int, SkippedSample]] = {}
 
-    def known(self, epoch: int) -> frozenset[int]:
-        """The sample indices of `epoch` already skipped: they are not read again."""
-        with self._lock:
-            return frozenset(self._epochs.get(epoch, ()))
-
     def record(self, skip: SkippedSample, error: BaseException) -> None:
         """Books a newly skipped sample; raises `error`, with a note naming the budget, the
         samples skipped and the fix, if the epoch's skips would exceed the budget."""
@@ -165,6 +161,14 @@ class SkipLedger:
     def state(self, position: Position) -> list[list]:
         """The skips of `position`'s epoch before it, JSON-safe, for the state."""
         return [list(skip) for skip in self.before(position) if skip.epoch == position.epoch]
+
+    def forget_from(self, position: Position) -> None:
+        """Forgets the skips of the batches at and after `position`: a pipeline starting there
+        makes them again and reads their samples again, as a feeder restored there does."""
+        with self._lock:
+            for epoch in self._epochs.values():
+                for index in [i for i, s in epoch.items() if (s.epoch, s.step) >= position]:
+                    del epoch[index]
 
     def restore(self, records: Iterable[Iterable]) -> None:
         """Forgets every skip and knows those of a state (see `state`)."""

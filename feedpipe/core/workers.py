@@ -140,10 +140,7 @@ def _rebuild(packed: bytes, text: str, name: str) -> BaseException:
 
 def unpack_skips(packed: list[tuple], name: str) -> list[Skip]:
     """The skips of a "rows" reply of worker `name`, their errors rebuilt (see `pack_skip`)."""
-    return [
-        Skip(row, index, None if error is None else _rebuild(error, text, name))
-        for row, index, error, text in packed
-    ]
+    return [Skip(row, index, _rebuild(error, text, name)) for row, index, error, text in packed]
 
 
 class _Pool:

@@ -15,7 +15,7 @@ import hashlib
 import inspect
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
@@ -30,11 +30,11 @@ Transform = Callable[..., Any]
 
 class Skip(NamedTuple):
     """A row left unwritten under `errors="skip"`: its global row, its sample, and the error
-    the sample raised (None for a sample already known to fail, which was not read again)."""
+    the sample raised."""
 
     row: int
     index: int
-    error: BaseException | None
+    error: BaseException
 
 
 RNG = "rng"
@@ -216,11 +216,9 @@ class SampleWriter:
         epoch: int,
         first_row: int,
         indices: np.ndarray,
-        known: Collection[int] = (),
     ) -> list[Skip]:
         """Writes samples `indices` to global rows `first_row`, `first_row + 1`, ... of `slot`;
-        under `errors="skip"`, returns the rows left unwritten: samples that raised, and those
-        in `known` (already skipped), which are not read."""
+        under `errors="skip"`, returns the rows left unwritten: the samples that raised."""
         skipped: list[Skip] = []
         for outs, done, count in slot.runs(first_row, len(indices)):
             rows = indices[done : done + count]
@@ -229,9 +227,6 @@ class SampleWriter:
                 self.source.take(rows, outs)
                 continue
             for row, index in enumerate(rows.tolist()):
-                if index in known:
-                    skipped.append(Skip(first_row + done + row, index, None))
-                    continue
                 try:
                     leaves = self.read(index, epoch)
                 except Exception as error:
@@ -244,11 +239,11 @@ class SampleWriter:
         self.mark(-1, epoch)
         return skipped
 
-    def fill(self, slot: HostSlot, step: Step, known: Collection[int] = ()) -> list[Skip]:
+    def fill(self, slot: HostSlot, step: Step) -> list[Skip]:
         """Writes the rows of `step` into `slot`, covers the rows it skipped and pads the rest
         of the batch (a host's share of a batch reads its padding rows: there is no rest);
         returns the rows skipped."""
-        skipped = self.fill_rows(slot, step.epoch, 0, step.rows, known)
+        skipped = self.fill_rows(slot, step.epoch, 0, step.rows)
         cover(slot, [skip.row for skip in skipped], len(step.rows))
         slot.pad(len(step.rows))
         return skipped
