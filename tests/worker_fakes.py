@@ -366,6 +366,35 @@ class FailsOn:
         return sample
 
 
+class UnprintableError(Exception):
+    """An error whose `__str__` raises, as a user's exception class can by mistake."""
+
+    def __str__(self):
+        raise ValueError("this __str__ is broken")
+
+
+class UnpicklableUnprintableError(UnprintableError):
+    """An `UnprintableError` holding a lock, so it cannot be pickled back from a worker."""
+
+    def __init__(self):
+        super().__init__()
+        self.lock = threading.Lock()
+
+
+class FailsUnprintably(FailsOn):
+    """A transform that raises `error` (an `UnprintableError` by default) on the samples `bad`."""
+
+    def __init__(self, bad, error: type[Exception] = UnprintableError):
+        super().__init__(bad)
+        self.error = error
+
+    def __call__(self, sample):
+        try:
+            return super().__call__(sample)
+        except BadSample:
+            raise self.error() from None
+
+
 class FailsOnce(FailsOn):
     """A transform whose samples `bad` raise on their first call only (a read that timed out
     once): made again, they succeed."""

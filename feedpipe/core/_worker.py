@@ -34,6 +34,7 @@ import cloudpickle
 import numpy as np
 
 from feedpipe.core._shm import map_shared
+from feedpipe.core.skips import shown
 from feedpipe.core.slots import HostSlot, SlotLayout
 from feedpipe.core.writer import RowStream, SampleWriter, first_look
 
@@ -113,8 +114,8 @@ def pack_error(error: BaseException) -> bytes:
     except Exception:
         kind = type(error)
         stand_in = RuntimeError(
-            f"{kind.__module__}.{kind.__qualname__}: {error} (raised in a worker; it cannot be "
-            "pickled, so it arrives as a RuntimeError)"
+            f"{kind.__module__}.{kind.__qualname__}: {shown(error)} (raised in a worker; it "
+            "cannot be pickled, so it arrives as a RuntimeError)"
         )
         for note in getattr(error, "__notes__", []):
             stand_in.add_note(note)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 from feedpipe.core.state import Position
@@ -56,9 +56,19 @@ def error_name(error: BaseException) -> str:
     return f"{kind.__module__}.{kind.__qualname__}"
 
 
+def shown(value: object, show: Callable[[object], str] = str) -> str:
+    """`show(value)` (`str` or `repr`), or the name of `value`'s type where that raises: a
+    user's exception whose `__str__` is broken must reach the user as itself, not as the error
+    its `__str__` raised while feedpipe described it."""
+    try:
+        return show(value)
+    except Exception:
+        return type(value).__qualname__
+
+
 def describe(error: BaseException) -> tuple[str, str]:
     """The type and first line of `error`, as a skip records them."""
-    lines = str(error).splitlines()
+    lines = shown(error).splitlines()
     return error_name(error), lines[0] if lines else ""
 
 

@@ -48,6 +48,7 @@ import numpy as np
 from feedpipe.core._shm import SharedBuffer, remove_orphans
 from feedpipe.core._sync import STOP_GRACE_S, WAIT_SLICE_S, Watchdog, join_within
 from feedpipe.core._worker import TaskRunner, code_at
+from feedpipe.core.skips import shown
 from feedpipe.core.slots import ALIGN_BYTES, HostSlot
 from feedpipe.core.writer import Skip
 
@@ -101,9 +102,9 @@ def check_picklable(name: str, value: Any) -> None:
     except Exception as error:
         raise TypeError(
             f"`{name}` cannot be sent to worker processes: pickling it failed with "
-            f"{type(error).__name__}: {error}. Build it from picklable parts (open files, "
-            f"locks and connections inside the worker, on first use), or pass "
-            f'worker_mode="thread" or workers=0.'
+            f"{type(error).__name__}: {shown(error)}. Build it from picklable parts (open "
+            "files, locks and connections inside the worker, on first use), or pass "
+            'worker_mode="thread" or workers=0.'
         ) from error
 
 

@@ -22,6 +22,7 @@ import numpy as np
 import optree
 
 from feedpipe.core.sampler import Step
+from feedpipe.core.skips import shown
 from feedpipe.core.slots import HostSlot
 from feedpipe.core.source import ArraySource, SampleSpec, Source, TFDatasetSource
 
@@ -89,9 +90,9 @@ def raise_noted(error: BaseException, doing: str, index: int, epoch: int) -> NoR
     )
     if isinstance(error, StopIteration):
         stand_in = RuntimeError(
-            f"User code raised StopIteration({', '.join(map(repr, error.args))}); an indexed "
-            "source says it has no sample `i` with IndexError, and a `transform` must return "
-            "a sample."
+            f"User code raised StopIteration({', '.join(shown(arg, repr) for arg in error.args)}"
+            "); an indexed source says it has no sample `i` with IndexError, and a `transform` "
+            "must return a sample."
         )
         stand_in.add_note(note)
         raise stand_in from error

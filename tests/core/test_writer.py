@@ -20,6 +20,7 @@ from feedpipe.core.writer import (
     RowStream,
     SampleWriter,
     first_look,
+    raise_noted,
     randomness,
     sample_seeds,
 )
@@ -212,3 +213,14 @@ def test_a_streams_error_names_the_sample_it_reached():
         rows.read_into(slot_of(writer, global_batch=4, replicas=2))
     assert info.value.args == ("generator broke after 6",)
     assert "while producing sample index 6 of epoch 3" in note(info.value)
+
+
+class Unreprable:
+    def __repr__(self):
+        raise ValueError("this __repr__ is broken")
+
+
+def test_a_stop_iteration_carrying_a_value_whose_repr_raises_is_named():
+    with pytest.raises(RuntimeError, match=r"raised StopIteration\(Unreprable\)") as raised:
+        raise_noted(StopIteration(Unreprable()), "producing sample", 3, 0)
+    assert "index 3 of epoch 0" in raised.value.__notes__[0]

@@ -17,7 +17,14 @@ import pytest
 
 import feedpipe as fp
 from tests.processes import REPO_ROOT
-from tests.worker_fakes import BadSample, FailsOn, FailsOnce, index_pairs
+from tests.worker_fakes import (
+    BadSample,
+    FailsOn,
+    FailsOnce,
+    FailsUnprintably,
+    UnpicklableUnprintableError,
+    index_pairs,
+)
 
 LENGTH = 30
 BATCH = 8  # 2 rows per device on 4 devices; 4 steps, the last holding 6 real samples
@@ -157,6 +164,27 @@ def test_a_skip_in_a_batch_made_ahead_and_not_taken_is_not_kept(devices, workers
     assert state["skipped"] == []
     assert here == there
     assert [label for label, mask in here[0] if mask] == list(range(BATCH, 2 * BATCH))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_error_whose_str_raises_is_skipped_and_named_by_its_type(devices, workers):
+    with feeder(devices, workers, transform=FailsUnprintably(BAD)) as f:
+        assert sum(b.num_valid for b in f) == LENGTH - len(BAD)
+        skipped = f.stats().skipped
+    assert [(s.index, s.error, s.message) for s in skipped] == [
+        (i, "tests.worker_fakes.UnprintableError", "UnprintableError") for i in BAD
+    ]
+
+
+def test_an_unpicklable_error_whose_str_raises_reaches_the_loop_named_by_its_type(devices):
+    transform = FailsUnprintably(BAD, UnpicklableUnprintableError)
+    name = "tests.worker_fakes.UnpicklableUnprintableError: UnpicklableUnprintableError"
+    with (
+        fp.Feeder(index_pairs(LENGTH), BATCH, devices=devices, workers=2, transform=transform) as f,
+        pytest.raises(RuntimeError, match=rf"^{name} \(raised in a worker; it cannot be") as raised,
+    ):
+        list(f)
+    assert any("index 3 of epoch 0" in note for note in raised.value.__notes__)
 
 
 def test_raise_stays_the_default_and_names_the_sample(devices):
