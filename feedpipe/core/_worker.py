@@ -46,8 +46,9 @@ _PR_SET_PDEATHSIG = 1
 class TaskRunner:
     """Runs one worker's tasks with its own copy of the source (a generator's: its shard).
 
-    Until `configure` gives it the spec, it can only look at its first sample (`("spec", id)`:
-    the spec and a digest, see `first_look`). Then:
+    Until `configure` gives it the spec (and what worker 0 measured of the source), it can only
+    look at its first sample (`("spec", id, policy)`: the spec, a digest, see `first_look`, and
+    what it measured of the source, see `Source.measure`). Then:
     `("rows", id, slot, epoch, first_row, indices)` fills those rows of a slot, leaving out,
     under `errors="skip"`, the samples that raise (it returns the rows written and the skips,
     each error pickled with its traceback);
@@ -69,7 +70,9 @@ class TaskRunner:
         self.slots: dict[int, HostSlot] = {}
         self._stream: tuple[tuple[int, int], RowStream] | None = None
 
-    def configure(self, spec, axes, layouts: dict[bool, SlotLayout]) -> None:
+    def configure(self, spec, axes, layouts: dict[bool, SlotLayout], measured) -> None:
+        if measured is not None:
+            self.source.learn(measured)
         self.writer = SampleWriter(
             self.source, spec, self.transform, self.seed, axes, skips=self.skips
         )
@@ -85,7 +88,8 @@ class TaskRunner:
     def run(self, task: tuple):
         kind = task[0]
         if kind == "spec":
-            return first_look(self.source, self.transform, self.seed, self.status)
+            spec, digest = first_look(self.source, self.transform, self.seed, self.status, task[2])
+            return spec, digest, self.source.measure()
         if kind == "rows":
             _, _, ident, epoch, first_row, indices = task
             skipped = self.writer.fill_rows(self.slots[ident], epoch, first_row, indices)

@@ -72,11 +72,26 @@ def describe(error: BaseException) -> tuple[str, str]:
     return error_name(error), lines[0] if lines else ""
 
 
+def over_budget(skipping: str, policy: ErrorPolicy, budget: int) -> str:
+    """The note of an error that `errors="skip"` cannot skip: `skipping` (how many samples of
+    which epoch, and which) would exceed the epoch's `budget`."""
+    return (
+        f'feedpipe: errors="skip" would skip {skipping}, more than {policy} allows ({budget} '
+        "per epoch); fix the samples or the transform, or raise max_skipped (a count, or a "
+        "fraction of the epoch like 0.05)."
+    )
+
+
 def named(skips: Iterable[SkippedSample]) -> str:
     """Skipped samples by index, the first `SHOWN_SKIPS` of them."""
-    indices = sorted(skip.index for skip in skips)
-    shown = ", ".join(map(str, indices[:SHOWN_SKIPS]))
-    return shown + (f" and {len(indices) - SHOWN_SKIPS} more" if len(indices) > SHOWN_SKIPS else "")
+    return listed(skip.index for skip in skips)
+
+
+def listed(numbers: Iterable[int]) -> str:
+    """`numbers` in order, the first `SHOWN_SKIPS` of them, and how many more."""
+    numbers = sorted(numbers)
+    first = ", ".join(map(str, numbers[:SHOWN_SKIPS]))
+    return first + (f" and {len(numbers) - SHOWN_SKIPS} more" if len(numbers) > SHOWN_SKIPS else "")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -151,13 +166,8 @@ class SkipLedger:
                 return
             if len(epoch) + 1 > self.budget:
                 skips = [*epoch.values(), skip]
-                error.add_note(
-                    f'feedpipe: errors="skip" would skip {len(skips)} samples of epoch '
-                    f"{skip.epoch} (indices {named(skips)}), more than {self.policy} allows "
-                    f"({self.budget} per epoch); fix the "
-                    "samples or the transform, or raise max_skipped (a count, or a fraction of "
-                    "the epoch like 0.05)."
-                )
+                skipping = f"{len(skips)} samples of epoch {skip.epoch} (indices {named(skips)})"
+                error.add_note(over_budget(skipping, self.policy, self.budget))
                 raise error
             epoch[skip.index] = skip
 

@@ -11,6 +11,7 @@ TensorFlow: worker processes run it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import threading
@@ -22,7 +23,7 @@ import numpy as np
 import optree
 
 from feedpipe.core.sampler import Step
-from feedpipe.core.skips import shown
+from feedpipe.core.skips import ErrorPolicy, listed, over_budget, shown
 from feedpipe.core.slots import HostSlot
 from feedpipe.core.source import ArraySource, SampleSpec, Source, TFDatasetSource
 
@@ -123,23 +124,58 @@ def apply_transform(
 
 
 def first_look(
-    source: Source, transform: Transform | None, seed: int, status: np.ndarray | None = None
+    source: Source,
+    transform: Transform | None,
+    seed: int,
+    status: np.ndarray | None = None,
+    policy: ErrorPolicy | None = None,
 ) -> tuple[SampleSpec, str]:
-    """The spec of what producers will make, from sample 0 (the first of a stream) after
-    `transform`, and a digest of that sample as the source gave it (two shards of a generator
-    that begin with the same digest ignore their shard)."""
-    mark(status, 0, 0)
+    """The spec of what producers will make, from the first sample after `transform`, and a
+    digest of that sample as the source gave it (two shards of a generator that begin with the
+    same digest ignore their shard). The source is measured first (`Source.measure`).
+
+    The first sample is sample 0 (the first of a stream). Under `policy`'s `errors="skip"`, an
+    indexed source's sample that raises is passed over for the next, as its batch will skip it,
+    up to the epoch's budget of skips: past it, the error raises with a note saying so.
+    """
+    source.measure(policy)
+    tries = 1
+    if policy is not None and policy.skips and source.indexed:
+        budget = policy.budget(source.length)
+        tries = min(budget + 1, source.length)
+    for index in range(tries - 1):
+        with contextlib.suppress(Exception):
+            return _look(source, transform, seed, index, status)
     try:
-        sample = source.sample(0) if source.indexed else source.first_sample()
+        return _look(source, transform, seed, tries - 1, status)
+    except Exception as error:
+        if tries > 1 and tries == source.length:
+            error.add_note(
+                f'feedpipe: errors="skip" found no sample that reads: all {tries} raised.'
+            )
+        elif tries > 1:
+            skipping = f"{tries} samples of epoch 0 (indices {listed(range(tries))})"
+            error.add_note(over_budget(skipping, policy, budget))
+        raise
+
+
+def _look(
+    source: Source, transform: Transform | None, seed: int, index: int, status: np.ndarray | None
+) -> tuple[SampleSpec, str]:
+    """The spec of sample `index` (the first of a stream) after `transform`, and a digest of
+    the sample as the source gave it; an error gets a note naming the sample."""
+    mark(status, index, 0)
+    try:
+        sample = source.sample(index) if source.indexed else source.first_sample()
         digest = hashlib.sha1()
         for leaf in optree.tree_leaves(sample):
             digest.update(np.ascontiguousarray(leaf).tobytes())
         if transform is not None:
-            sample = apply_transform(transform, randomness(transform), sample, seed, 0, 0)
-        return SampleSpec.of(sample), digest.hexdigest()
+            sample = apply_transform(transform, randomness(transform), sample, seed, 0, index)
+        return SampleSpec.of(sample, index=index), digest.hexdigest()
     except Exception as error:
         error.add_note(
-            "feedpipe: raised while reading sample 0 to learn the structure, shapes and "
+            f"feedpipe: raised while reading sample {index} to learn the structure, shapes and "
             "dtypes of the samples."
         )
         raise

@@ -78,6 +78,16 @@ def test_skip_delivers_every_other_sample_once_per_epoch_and_masks_exactly_the_s
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+def test_sample_0_is_skipped_too_the_structure_coming_from_the_next_that_reads(devices, workers):
+    # Sample 0 is read at construction to learn the structure: it fails, so sample 1 tells it.
+    with feeder(devices, workers, transform=FailsOn({0, 3})) as f:
+        real = [label for b in f for label, mask in rows(b) if mask]
+        skipped = [(s.epoch, s.index, s.step) for s in f.stats().skipped]
+    assert real == [i for i in range(LENGTH) if i not in (0, 3)]
+    assert skipped == [(0, 0, 0), (0, 3, 0)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
 def test_num_valid_counts_the_real_samples_left(devices, workers):
     with feeder(devices, workers) as f:
         assert [b.num_valid for b in f] == [7, 7, 8, 5]
