@@ -161,6 +161,9 @@ def test_under_skip_a_pydataset_batch_that_raises_is_passed_over_within_the_budg
         measure({0}, 3)
     assert 'errors="skip" would skip 4 samples of epoch 0 (batches 0)' in info.value.__notes__[-1]
     with pytest.raises(SourceBroke) as info:
+        measure({0, 1}, 8)  # every batch but the last raises: none tells the batch size
+    assert "passed over PyDataset batches 0, 1, which all raised" in info.value.__notes__[-1]
+    with pytest.raises(SourceBroke) as info:
         measure({2}, 4)  # the last batch: its rows are the length
     assert 'which the length depends on (errors="skip" cannot pass over it)' in "\n".join(
         info.value.__notes__

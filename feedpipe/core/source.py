@@ -309,8 +309,8 @@ class PyDatasetSource(Source):
                     if skips:
                         error.add_note(
                             f'feedpipe: errors="skip" passed over PyDataset batches '
-                            f"{listed(failed)}, which raised too, and found no other to learn "
-                            f"its batch size from within {policy}."
+                            f"{listed(failed)}, which all raised, and found none within "
+                            f"{policy} to learn its batch size from."
                         )
                     raise
                 latest = error
