@@ -1,11 +1,12 @@
 """Assembly: the pipeline a feeder's options build, source → sampler → producer → slots → stager.
 
-It adapts the source and checks it against the options, reads what a sample looks like (in a
-worker where there are workers: a source that crashes or hangs on first use does so there),
-picks who makes the batches (one thread, workers, tf.data service, or the source's own
-threads), refuses host slots the machine cannot map, and starts and stops the pipeline that
-makes batches and stages them on the devices. It owns the host slot pools. It keeps no
-position: what the consumer has taken is `feedpipe.consumer`'s.
+It adapts the source and checks it against the options, reads what a sample looks like and what
+the epochs' plan needs (a PyDataset's length), in a worker where there are workers (a source
+that crashes or hangs on first use does so there), plans the epochs, picks who makes the
+batches (one thread, workers, tf.data service, or the source's own threads), refuses host slots
+the machine cannot map, and starts and stops the pipeline that makes batches and stages them on
+the devices. It owns the host slot pools. It keeps no position: what the consumer has taken is
+`feedpipe.consumer`'s.
 """
 
 from __future__ import annotations
@@ -74,8 +75,8 @@ class Assembly:
             raise
 
     def _adapt(self, source: Any, transform: Any, transpose: Any, service: Any) -> Any:
-        """Adapts `source`, checks it against the options, and plans its epochs; returns the
-        producer of a source that makes batches in threads of its own (DALI), else None."""
+        """Adapts `source` and checks it against the options; returns the producer of a source
+        that makes batches in threads of its own (DALI), else None."""
         o = self.options
         self.source = as_source(
             source, text=transform is not None, global_batch_size=o.global_batch_size
@@ -93,6 +94,13 @@ class Assembly:
         )
         """Each batch is the source's rows as they are, made in this process: nothing runs
         per sample, so a framework may gather the rows itself (`Consumer.gathered_pass`)."""
+        self.shared = o.workers > 0 and o.worker_mode == "process"
+        """Whether the slots are shared memory that worker processes write into."""
+        return own_producer
+
+    def _plan_epochs(self) -> None:
+        """Plans the epochs of the source, measured (see `Source.measure`)."""
+        o = self.options
         length = self.source.length
         self.plan = (
             None
@@ -110,11 +118,8 @@ class Assembly:
         """The epoch's batches, where the length is known (it applies the remainder rules)."""
         self.sampler = self.plan if self.source.indexed else None
         """What chooses the samples of indexed sources; streams keep their own order."""
-        self.shared = o.workers > 0 and o.worker_mode == "process"
-        """Whether the slots are shared memory that worker processes write into."""
         self.skips = SkipLedger(o.error_policy, length) if o.error_policy.skips else None
         """The samples `errors="skip"` has left out (None with `errors="raise"`)."""
-        return own_producer
 
     def _refuse_mismatches(self, own_producer: Any, transform: Any, transpose: Any) -> None:
         """Refuses options the source cannot serve, naming what to pass instead."""
@@ -169,18 +174,22 @@ class Assembly:
             )
 
     def _build(self, own_producer: Any, transform: Any, transpose: Any, service: Any) -> None:
-        """Reads the spec and picks the producer; refuses slots the host cannot map."""
+        """Reads the spec, plans the epochs and picks the producer; refuses slots the host
+        cannot map."""
         o = self.options
-        address, work = None, None
+        address, work, measured = None, None, None
         if service is not None:
             address, work = self._service_work(service, transform, transpose)
         if o.workers:
             self.workers = self._start_workers(transform)
-            sample_spec = self.workers.first_spec()  # read in a worker: a crash there is theirs
+            # Read in a worker, with what the plan needs: a crash or a hang there is theirs.
+            sample_spec, measured = self.workers.first_spec(o.error_policy)
+            self.source.learn(measured)
         elif work is not None:
             sample_spec = SampleSpec.of(work.first_sample())
         else:
-            sample_spec, _ = first_look(self.source, transform, o.seed)
+            sample_spec, _ = first_look(self.source, transform, o.seed, policy=o.error_policy)
+        self._plan_epochs()
         axes = transposition(transpose, sample_spec)
         self.spec = sample_spec.transposed(axes)
         """What each host slot holds: the samples after `transform` and `transpose`."""
@@ -205,7 +214,7 @@ class Assembly:
             self.producer = ServiceProducer(work, address, self.sampler)
         elif o.workers:
             layouts = {c: SlotLayout(self.spec, self.split, contiguous=c) for c in (False, True)}
-            self.workers.configure(sample_spec, axes, layouts)
+            self.workers.configure(sample_spec, axes, layouts, measured)
             self.producer = WorkerProducer(
                 self.workers, self.source, rows, self.sampler, self.rule, self.skips
             )
@@ -314,6 +323,8 @@ class Assembly:
         if self.pipeline is not None and self.pipeline.host == host:
             return self.pipeline
         self.stop()
+        if self.skips is not None:  # the batches from `position` on are made again, and read
+            self.skips.forget_from(position)
         stats.stream_started()
         pool = self.pool(host)
         stager = HostStager(pool.layout) if host else self.layer.stager(pool.layout, stats)

@@ -3,8 +3,10 @@
 The position is what the consumer has taken, never what was produced: batches staged and not
 taken are made again after a restore. Each loop over the feeder is a pass over the rest of the
 current epoch; a pass a framework's `fit` reads (`as_dataset`, Keras's adapter) counts only what
-the fit trained on, which its ledger (`feedpipe.keras.ledger`) says. A failure in the pipeline
-closes the feeder and is raised by every later read.
+the fit trained on, which its ledger (`feedpipe.keras.ledger`) says. A user's loop counts a
+batch once it takes it, and takes it back where the batch's `with` block raised (see
+`Consumer.give_back`). A failure in the pipeline closes the feeder and is raised by every later
+read.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import dataclasses
 import functools
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -57,6 +60,8 @@ class Pass:
     aside: bool = False
     """A pass read aside (`predict`, `evaluate`): a whole epoch that leaves the consumer's
     position, and its stats, as they were."""
+    given_back: Position | None = None
+    """For a user's loop whose batch under way was given back: the position it had taken."""
 
     def catch_up(self, steps_per_epoch: int) -> None:
         """Reads how far the consumer of a gathered pass has got: `handed`, and `end` once it
@@ -119,6 +124,9 @@ class Consumer:
         the passes of `as_dataset` while the user's thread ends a fit or reads the state."""
         self.fits = FitLedger(self)
         """What the fits reading this feeder trained on."""
+        self.under_way: tuple[Pass, Position] | None = None
+        """The batch a user's loop was handed last, and that loop, until it asks for the next
+        one or another pass begins: the batch `give_back` may take back."""
         self.settle()
 
     @property
@@ -153,7 +161,8 @@ class Consumer:
         `evaluate`), a whole epoch read aside: the current one from its first batch where the
         position is at an epoch's start, else the next, and the position stays where it was.
 
-        A loop left early keeps its position (the next loop resumes there). A `fit` pass
+        A loop left early keeps its position (the next loop resumes there), the batch under
+        way given back where its `with` block raised (see `give_back`). A `fit` pass
         (`as_dataset`, Keras's adapter) left early does not count unless a `FitTracker` says
         which of its batches the step used, because TensorFlow prefetches batches the step never
         takes and Keras peeks at a batch to build the model: the next pass starts again where
@@ -186,6 +195,9 @@ class Consumer:
                         self.position = Position(item.epoch, item.step + 1)
                     this.handed += 1
                     item.handed_over()
+                    if not fit:
+                        self.under_way = (this, Position(item.epoch, item.step))
+                        item._lender = (weakref.WeakMethod(self.give_back), this)
                 if plan is None:
                     # A source of unknown length learns its epoch's end by reading on: it is
                     # read before the batch goes, so that the state after an epoch's last step
@@ -202,8 +214,10 @@ class Consumer:
                         if self.active is this:
                             self._end_epoch(this, end)
                     yield item
+                    self._asks_for_next(this)
                     return
                 yield item
+                self._asks_for_next(this)
                 del item  # the slot returns when the consumer drops the batch, not this frame
         finally:
             # At interpreter exit a suspended loop is finalised after modules are torn down.
@@ -218,6 +232,31 @@ class Consumer:
                         self.active = None
                         self.assembly.stop()  # staged batches are made again by the next loop
                         self.settle()
+
+    @_locked
+    def give_back(self, loop: Pass, epoch: int, step: int) -> None:
+        """The step on batch `step` of `epoch` raised, its `with` block left by an exception:
+        if it is still the batch under way of the user's `loop`, the consumer goes on from it
+        (`get_state()`, the next loop) until that loop asks for the next batch."""
+        batch = Position(epoch, step)
+        if self.under_way != (loop, batch) or loop.given_back is not None:
+            return
+        loop.given_back, self.position = self.position, batch
+        if self.active is not loop:  # its epoch was over: the pipeline runs on into the next
+            self.assembly.stop()
+            self.settle()
+
+    @_locked
+    def _asks_for_next(self, loop: Pass) -> None:
+        """The user's `loop` asks for the batch after the one under way: that one is done,
+        its step over, even where its `with` block raised (the loop went on)."""
+        if self.under_way is None or self.under_way[0] is not loop:
+            return
+        self.under_way = None
+        if loop.given_back is not None:
+            self.position, loop.given_back = loop.given_back, None
+            if self.active is not loop:
+                self.settle()
 
     @_locked
     def begin_pass(
@@ -258,6 +297,7 @@ class Consumer:
             self.assembly.stop()  # what it staged goes on from the position
         this = Pass(fit, start, counters, self.passes, taken=taken, reader=reader, aside=aside)
         self.active = this
+        self.under_way = None
         if fit and not aside:
             self.last_fit = this
             self.fits.begun(ahead)
@@ -454,6 +494,7 @@ class Consumer:
         self.active = None
         assembly.stop()
         self.position = position
+        self.under_way = None
         self.fits.interrupted_at = None
         assembly.producer.restore(self.position, state.get("source"))
         if assembly.skips is not None:

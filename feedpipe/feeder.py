@@ -173,7 +173,11 @@ class Feeder:
         return len(self._assembly.plan)
 
     def __iter__(self) -> Iterator[Any]:
-        """The batches of the next epoch (or of the rest of an epoch left early)."""
+        """The batches of the next epoch (or of the rest of an epoch left early).
+
+        A batch counts as taken once the loop takes it; a step written as `with batch:` that
+        an exception (Ctrl-C) ends gives its batch back, for `get_state()` and the next loop.
+        """
         return self._consumer.iterate(fit=False, host=False)
 
     def as_dataset(self) -> Any:

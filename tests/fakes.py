@@ -102,8 +102,9 @@ def epoch_ids(feeder) -> list[int]:
     return [i for batch in feeder for i in real_ids(batch)]
 
 
-def index_pydataset(length: int, batch_size: int):
-    """A `keras.utils.PyDataset` of `index_sample` rows, counting reads of each of its batches."""
+def index_pydataset(length: int, batch_size: int, broken=()):
+    """A `keras.utils.PyDataset` of `index_sample` rows, counting reads of each of its batches;
+    the batches numbered in `broken` raise `SourceBroke` when read."""
     import keras
 
     class IndexPyDataset(keras.utils.PyDataset):
@@ -120,6 +121,8 @@ def index_pydataset(length: int, batch_size: int):
             if not 0 <= number < len(self):
                 raise IndexError(number)
             self.batch_reads[self.epochs_ended, number] += 1
+            if number in broken:
+                raise SourceBroke(f"batch {number} is broken")
             return index_arrays(length)[0][number * batch_size : (number + 1) * batch_size], (
                 np.arange(length, dtype=np.int64)[number * batch_size : (number + 1) * batch_size]
             )

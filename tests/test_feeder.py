@@ -4,8 +4,11 @@ resume, bounded memory) and the errors a user gets for bad input."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import json
+import os
+import signal
 import threading
 import time
 import warnings
@@ -38,6 +41,7 @@ from tests.fakes import (
     replica_masks,
     sharded_range,
 )
+from tests.worker_fakes import IndexSource
 
 GLOBAL_BATCH = 8
 PYDATASET_BATCH = 3
@@ -604,6 +608,55 @@ def test_state_records_what_the_consumer_took_not_what_was_produced(devices):
         del iterator
     assert (state["epoch"], state["step"]) == (0, 2)
     assert state == json.loads(json.dumps(state))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("interrupted", [2, 5], ids=["mid-epoch", "last batch"])
+def test_ctrl_c_in_a_with_batch_step_leaves_that_batch_to_the_handlers_state_and_the_next_loop(
+    devices, workers, interrupted
+):
+    # A real SIGINT in the step on batch `interrupted` (of 6): the state saved in the handler,
+    # and the loop run again, both go on from that batch, so each sample is trained once.
+    def build(workers):
+        return fp.Feeder(IndexSource(48), 8, devices=devices, workers=workers, shuffle=True, seed=4)
+
+    with build(workers) as feeder:
+        trained = []
+        try:
+            for batch in feeder:
+                with batch:
+                    if batch.step == interrupted:
+                        os.kill(os.getpid(), signal.SIGINT)
+                        time.sleep(1.0)  # Python raises KeyboardInterrupt here, at the latest
+                    trained += real_ids(batch)
+        except KeyboardInterrupt:
+            saved = json.loads(json.dumps(feeder.get_state()))  # the user's handler
+        else:
+            pytest.fail("Ctrl-C did not interrupt the loop")
+        assert (saved["epoch"], saved["step"]) == (0, interrupted)
+        goes_on = [i for batch in feeder for i in real_ids(batch)]
+    assert sorted(trained + goes_on) == list(range(48))
+    with build(0) as restored:
+        restored.set_state(saved)
+        assert [i for batch in restored for i in real_ids(batch)] == goes_on
+
+
+def test_a_batch_whose_step_raised_counts_once_its_loop_goes_on(devices):
+    # The plain loop's rule stands for a batch whose error the loop caught and went past, and
+    # for one left by break: a batch counts once the loop has taken it.
+    with fp.Feeder(index_arrays(48), 8, devices=devices) as feeder:
+        steps = []
+        for batch in feeder:
+            with contextlib.suppress(ValueError), batch:
+                if batch.step == 1:
+                    raise ValueError("a step that failed, skipped by the loop")
+            steps.append(feeder.get_state()["step"])
+            if batch.step == 3:
+                with batch:
+                    break
+        assert steps == [1, 1, 3, 4]
+        assert feeder.get_state()["step"] == 4
+        assert [i for b in feeder for i in real_ids(b)] == list(range(32, 48))
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 import feedpipe as fp
+from feedpipe.core.skips import ErrorPolicy
 from feedpipe.core.source import (
     ArraySource,
     GeneratorSource,
@@ -18,7 +19,7 @@ from feedpipe.core.source import (
     TFDatasetSource,
     as_source,
 )
-from tests.fakes import CountingSource, index_arrays, index_pydataset, sharded_range
+from tests.fakes import CountingSource, SourceBroke, index_arrays, index_pydataset, sharded_range
 
 
 def test_spec_reads_structure_shapes_and_dtypes():
@@ -134,12 +135,39 @@ def test_pydataset_rows_are_its_batches_rows():
 def test_pydataset_source_reads_each_batch_once_for_consecutive_rows():
     dataset = index_pydataset(11, 4)
     source = PyDatasetSource(dataset)
+    source.measure()
     dataset.batch_reads.clear()
     for index in range(11):
         source.sample(index)
     assert max(dataset.batch_reads.values()) == 1
     source.on_epoch_end()
     assert dataset.epochs_ended == 1
+
+
+def test_a_pydataset_batch_read_to_learn_the_length_raises_with_a_note_saying_so():
+    for broken, why in ((0, "learn its batch size"), (2, "count its rows")):
+        with pytest.raises(SourceBroke) as info:
+            PyDatasetSource(index_pydataset(11, 4, broken={broken})).measure()
+        assert f"while reading batch {broken} of the PyDataset, to {why}" in info.value.__notes__[0]
+
+
+def test_under_skip_a_pydataset_batch_that_raises_is_passed_over_within_the_budget():
+    def measure(broken, max_skipped):
+        dataset = index_pydataset(11, 4, broken=broken)
+        return PyDatasetSource(dataset).measure(ErrorPolicy("skip", max_skipped))
+
+    assert measure({0}, 4) == (4, 11)  # its 4 rows will be skipped in each epoch
+    with pytest.raises(SourceBroke) as info:
+        measure({0}, 3)
+    assert 'errors="skip" would skip 4 samples of epoch 0 (batches 0)' in info.value.__notes__[-1]
+    with pytest.raises(SourceBroke) as info:
+        measure({0, 1}, 8)  # every batch but the last raises: none tells the batch size
+    assert "passed over PyDataset batches 0, 1, which all raised" in info.value.__notes__[-1]
+    with pytest.raises(SourceBroke) as info:
+        measure({2}, 4)  # the last batch: its rows are the length
+    assert 'which the length depends on (errors="skip" cannot pass over it)' in "\n".join(
+        info.value.__notes__
+    )
 
 
 def test_pydataset_with_uneven_inner_batches_is_refused():

@@ -243,6 +243,13 @@ def test_pydataset_batches_are_read_by_workers(devices, worker_mode):
             assert collections.Counter(ids) == collections.Counter(range(20))
 
 
+def test_with_worker_processes_the_training_process_reads_no_batch_of_a_pydataset(devices):
+    source = index_pydataset(20, 4)
+    with fp.Feeder(source, GLOBAL_BATCH, devices=devices, workers=2) as feeder:
+        assert sorted(i for b in feeder for i in real_ids(b)) == list(range(20))
+    assert not source.batch_reads  # its first and last batches too were read in a worker
+
+
 def test_tf_data_cannot_be_read_by_workers(devices):
     dataset = tf.data.Dataset.range(8).map(lambda i: tf.cast(i, tf.float32))
     with pytest.raises(ValueError, match=r"`workers`=2, but a tf.data.Dataset runs in"):

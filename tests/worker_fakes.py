@@ -364,3 +364,44 @@ class FailsOn:
         if index in self.bad:
             raise BadSample(f"sample {index} is corrupt")
         return sample
+
+
+class UnprintableError(Exception):
+    """An error whose `__str__` raises, as a user's exception class can by mistake."""
+
+    def __str__(self):
+        raise ValueError("this __str__ is broken")
+
+
+class UnpicklableUnprintableError(UnprintableError):
+    """An `UnprintableError` holding a lock, so it cannot be pickled back from a worker."""
+
+    def __init__(self):
+        super().__init__()
+        self.lock = threading.Lock()
+
+
+class FailsUnprintably(FailsOn):
+    """A transform that raises `error` (an `UnprintableError` by default) on the samples `bad`."""
+
+    def __init__(self, bad, error: type[Exception] = UnprintableError):
+        super().__init__(bad)
+        self.error = error
+
+    def __call__(self, sample):
+        try:
+            return super().__call__(sample)
+        except BadSample:
+            raise self.error() from None
+
+
+class FailsOnce(FailsOn):
+    """A transform whose samples `bad` raise on their first call only (a read that timed out
+    once): made again, they succeed."""
+
+    def __call__(self, sample):
+        index = int(sample[1])
+        if index in self.bad and self.calls.get(index, 0) >= 1:
+            self.calls[index] += 1
+            return sample
+        return super().__call__(sample)

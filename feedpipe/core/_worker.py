@@ -34,6 +34,7 @@ import cloudpickle
 import numpy as np
 
 from feedpipe.core._shm import map_shared
+from feedpipe.core.skips import shown
 from feedpipe.core.slots import HostSlot, SlotLayout
 from feedpipe.core.writer import RowStream, SampleWriter, first_look
 
@@ -45,11 +46,12 @@ _PR_SET_PDEATHSIG = 1
 class TaskRunner:
     """Runs one worker's tasks with its own copy of the source (a generator's: its shard).
 
-    Until `configure` gives it the spec, it can only look at its first sample (`("spec", id)`:
-    the spec and a digest, see `first_look`). Then:
-    `("rows", id, slot, epoch, first_row, indices, known)` fills those rows of a slot, leaving
-    out the samples in `known` and, under `errors="skip"`, those that raise (it returns the rows
-    written and the skips, each error pickled with its traceback);
+    Until `configure` gives it the spec (and what worker 0 measured of the source), it can only
+    look at its first sample (`("spec", id, policy)`: the spec, a digest, see `first_look`, and
+    what it measured of the source, see `Source.measure`). Then:
+    `("rows", id, slot, epoch, first_row, indices)` fills those rows of a slot, leaving out,
+    under `errors="skip"`, the samples that raise (it returns the rows written and the skips,
+    each error pickled with its traceback);
     `("stream", id, slot, epoch, generation)` fills a slot with the next rows of this worker's
     shard, restarting the shard for a new (generation, epoch); `("epoch_end", id, epoch)` tells
     the source an epoch ended. `run` returns the rows written (the spec, for "spec").
@@ -68,7 +70,9 @@ class TaskRunner:
         self.slots: dict[int, HostSlot] = {}
         self._stream: tuple[tuple[int, int], RowStream] | None = None
 
-    def configure(self, spec, axes, layouts: dict[bool, SlotLayout]) -> None:
+    def configure(self, spec, axes, layouts: dict[bool, SlotLayout], measured) -> None:
+        if measured is not None:
+            self.source.learn(measured)
         self.writer = SampleWriter(
             self.source, spec, self.transform, self.seed, axes, skips=self.skips
         )
@@ -84,10 +88,11 @@ class TaskRunner:
     def run(self, task: tuple):
         kind = task[0]
         if kind == "spec":
-            return first_look(self.source, self.transform, self.seed, self.status)
+            spec, digest = first_look(self.source, self.transform, self.seed, self.status, task[2])
+            return spec, digest, self.source.measure()
         if kind == "rows":
-            _, _, ident, epoch, first_row, indices, known = task
-            skipped = self.writer.fill_rows(self.slots[ident], epoch, first_row, indices, known)
+            _, _, ident, epoch, first_row, indices = task
+            skipped = self.writer.fill_rows(self.slots[ident], epoch, first_row, indices)
             return len(indices), [pack_skip(*skip) for skip in skipped]
         if kind == "stream":
             _, _, ident, epoch, generation = task
@@ -113,8 +118,8 @@ def pack_error(error: BaseException) -> bytes:
     except Exception:
         kind = type(error)
         stand_in = RuntimeError(
-            f"{kind.__module__}.{kind.__qualname__}: {error} (raised in a worker; it cannot be "
-            "pickled, so it arrives as a RuntimeError)"
+            f"{kind.__module__}.{kind.__qualname__}: {shown(error)} (raised in a worker; it "
+            "cannot be pickled, so it arrives as a RuntimeError)"
         )
         for note in getattr(error, "__notes__", []):
             stand_in.add_note(note)
@@ -129,10 +134,8 @@ def code_at(filename: str, make, args: tuple):
     return make(*args).replace(co_filename=filename)
 
 
-def pack_skip(row: int, index: int, error: BaseException | None) -> tuple:
+def pack_skip(row: int, index: int, error: BaseException) -> tuple:
     """A skipped row as a reply carries it: its error pickled, with its traceback as text."""
-    if error is None:
-        return row, index, None, ""
     return row, index, pack_error(error), "".join(traceback.format_exception(error))
 
 

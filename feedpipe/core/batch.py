@@ -8,6 +8,8 @@ as that framework's distributed step takes it.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class Batch:
     """One global batch whose rows already sit on the devices: what a framework's step takes.
@@ -25,9 +27,15 @@ class Batch:
     Every framework's batch also has `distributed()`: `(inputs, mask)` as its distributed step
     takes them (TensorFlow: per-replica values for `strategy.run`; JAX: global `jax.Array`s
     sharded over the feeder's devices).
+
+    A batch is also a context manager for the step that uses it. The feeder counts a batch as
+    taken once the loop takes it, and cannot tell a loop left by an exception from one left by
+    `break`; a `with batch:` block left by an exception (Ctrl-C in the step, an error) gives
+    the batch back: `get_state()` and the next loop go on from it, unless the loop takes the
+    next batch first.
     """
 
-    __slots__ = ("epoch", "masks", "num_valid", "replicas", "step")
+    __slots__ = ("_lender", "epoch", "masks", "num_valid", "replicas", "step")
 
     def __init__(self, replicas: tuple, masks: tuple, num_valid: int, epoch: int, step: int):
         self.replicas = replicas
@@ -35,6 +43,21 @@ class Batch:
         self.num_valid = num_valid
         self.epoch = epoch
         self.step = step
+        self._lender: Any = None
+        """Who takes the batch back if its `with` block raises: a weak reference to the
+        consumer's `give_back` and the loop that handed the batch out (None: no one, as for
+        the batches a framework's `fit` reads)."""
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        if error is None or self._lender is None:
+            return
+        give_back, loop = self._lender
+        give_back = give_back()
+        if give_back is not None:  # the feeder is still there
+            give_back(loop, self.epoch, self.step)
 
     def handed_over(self) -> None:
         """Called in the consumer's thread as the batch is handed to it: a framework whose

@@ -92,20 +92,18 @@ def _last_batch(
 
 
 def book_skips(step: Step, skipped: list[Skip], ledger: SkipLedger) -> Step:
-    """`step` with its `skipped` rows left out, each new one booked in `ledger` (which raises
-    past the budget); raises the last error where no real row of the batch is left."""
-    errors = [skip for skip in skipped if skip.error is not None]
-    for skip in errors:
+    """`step` with its `skipped` rows left out, each booked in `ledger` (which raises past the
+    budget); raises the last error where no real row of the batch is left."""
+    for skip in skipped:
         kind, message = describe(skip.error)
         ledger.record(SkippedSample(step.epoch, skip.index, step.index, kind, message), skip.error)
     step = step.skipping([skip.row for skip in skipped])
     if step.num_valid <= 0:
-        error = errors[-1].error if errors else RuntimeError("every sample was skipped before")
+        error = skipped[-1].error
         error.add_note(
             f'feedpipe: errors="skip" skipped every sample of step {step.index} of epoch '
-            f"{step.epoch} (indices {named(ledger.known(step.epoch) & set(step.rows.tolist()))}"
-            "); a batch needs one real sample to be trained on. Fix the samples or the "
-            "transform."
+            f"{step.epoch} (indices {named(skipped)}); a batch needs one real sample to be "
+            "trained on. Fix the samples or the transform."
         )
         raise error
     return step
@@ -140,10 +138,9 @@ class ThreadProducer(Producer):
                 yield from self._stream_epoch(epoch, first, supply)
 
     def _indexed_epoch(self, epoch: int, first: int, supply: SlotSupply) -> Iterator:
-        known = () if self.ledger is None else self.ledger.known(epoch)
         for step in self.sampler.steps(epoch, first):
             slot = supply.acquire()
-            skipped = self.writer.fill(slot, step, known)
+            skipped = self.writer.fill(slot, step)
             if skipped:
                 step = book_skips(step, skipped, self.ledger)
             yield step, slot
@@ -222,8 +219,6 @@ class WorkerProducer(Producer):
         self.workers = workers
         self.ledger = ledger
         """Where `errors="skip"` books the samples it skips (None: `errors="raise"`)."""
-        self._known: tuple[int, frozenset[int]] = (-1, frozenset())
-        """The epoch being planned and its samples already skipped."""
         self.size = global_batch_size
         self.sampler = sampler
         self.rule = rule
@@ -374,17 +369,7 @@ class WorkerProducer(Producer):
                 return
             filling, lo, rows = runs.popleft()
             epoch = filling.step.epoch
-            task = ("rows", filling.slot.ident, epoch, lo, rows, self._known_in(epoch, rows))
-            self._send(worker, filling, lo, task)
-
-    def _known_in(self, epoch: int, rows: np.ndarray) -> tuple[int, ...]:
-        """The samples of `rows` already skipped in `epoch`: the worker does not read them."""
-        if self.ledger is None:
-            return ()
-        if self._known[0] != epoch:
-            self._known = (epoch, self.ledger.known(epoch))
-        known = self._known[1]
-        return tuple(index for index in rows.tolist() if index in known) if known else ()
+            self._send(worker, filling, lo, ("rows", filling.slot.ident, epoch, lo, rows))
 
     # ---- generators -----------------------------------------------------------------------
 

@@ -5,9 +5,10 @@ the sample's row into a padding row of its batch (a copy of a real row, mask Fal
 zero), so no other sample moves and every replica keeps its shape, up to a budget of
 `max_skipped` samples per epoch, in the spirit of tf.data's `ignore_errors` with a bound like
 Grain's error budgets. `SkipLedger` names every skipped sample (epoch, index, step, the error's
-type and message) for `stats()` and the state, and a sample it knows of is skipped again
-without being read when its batch is made again (a loop after a `break`, a restore), so the
-stream is the same on every resume.
+type and message) for `stats()` and the state, where the skips of the batches taken count
+against a restored feeder's budget. Skips belong to the batches that hold them: a batch made
+ahead and not taken is made again from scratch by the next pipeline (after a `break`, a
+restore), its samples read again, so a state gives one stream here and in a restored feeder.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 from feedpipe.core.state import Position
@@ -55,17 +56,42 @@ def error_name(error: BaseException) -> str:
     return f"{kind.__module__}.{kind.__qualname__}"
 
 
+def shown(value: object, show: Callable[[object], str] = str) -> str:
+    """`show(value)` (`str` or `repr`), or the name of `value`'s type where that raises: a
+    user's exception whose `__str__` is broken must reach the user as itself, not as the error
+    its `__str__` raised while feedpipe described it."""
+    try:
+        return show(value)
+    except Exception:
+        return type(value).__qualname__
+
+
 def describe(error: BaseException) -> tuple[str, str]:
     """The type and first line of `error`, as a skip records them."""
-    lines = str(error).splitlines()
+    lines = shown(error).splitlines()
     return error_name(error), lines[0] if lines else ""
+
+
+def over_budget(skipping: str, policy: ErrorPolicy, budget: int) -> str:
+    """The note of an error that `errors="skip"` cannot skip: `skipping` (how many samples of
+    which epoch, and which) would exceed the epoch's `budget`."""
+    return (
+        f'feedpipe: errors="skip" would skip {skipping}, more than {policy} allows ({budget} '
+        "per epoch); fix the samples or the transform, or raise max_skipped (a count, or a "
+        "fraction of the epoch like 0.05)."
+    )
 
 
 def named(skips: Iterable[SkippedSample]) -> str:
     """Skipped samples by index, the first `SHOWN_SKIPS` of them."""
-    indices = sorted(skip.index for skip in skips)
-    shown = ", ".join(map(str, indices[:SHOWN_SKIPS]))
-    return shown + (f" and {len(indices) - SHOWN_SKIPS} more" if len(indices) > SHOWN_SKIPS else "")
+    return listed(skip.index for skip in skips)
+
+
+def listed(numbers: Iterable[int]) -> str:
+    """`numbers` in order, the first `SHOWN_SKIPS` of them, and how many more."""
+    numbers = sorted(numbers)
+    first = ", ".join(map(str, numbers[:SHOWN_SKIPS]))
+    return first + (f" and {len(numbers) - SHOWN_SKIPS} more" if len(numbers) > SHOWN_SKIPS else "")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -131,11 +157,6 @@ class SkipLedger:
         self._lock = threading.Lock()
         self._epochs: dict[int, dict[int, SkippedSample]] = {}
 
-    def known(self, epoch: int) -> frozenset[int]:
-        """The sample indices of `epoch` already skipped: they are not read again."""
-        with self._lock:
-            return frozenset(self._epochs.get(epoch, ()))
-
     def record(self, skip: SkippedSample, error: BaseException) -> None:
         """Books a newly skipped sample; raises `error`, with a note naming the budget, the
         samples skipped and the fix, if the epoch's skips would exceed the budget."""
@@ -145,13 +166,8 @@ class SkipLedger:
                 return
             if len(epoch) + 1 > self.budget:
                 skips = [*epoch.values(), skip]
-                error.add_note(
-                    f'feedpipe: errors="skip" would skip {len(skips)} samples of epoch '
-                    f"{skip.epoch} (indices {named(skips)}), more than {self.policy} allows "
-                    f"({self.budget} per epoch); fix the "
-                    "samples or the transform, or raise max_skipped (a count, or a fraction of "
-                    "the epoch like 0.05)."
-                )
+                skipping = f"{len(skips)} samples of epoch {skip.epoch} (indices {named(skips)})"
+                error.add_note(over_budget(skipping, self.policy, self.budget))
                 raise error
             epoch[skip.index] = skip
 
@@ -165,6 +181,14 @@ class SkipLedger:
     def state(self, position: Position) -> list[list]:
         """The skips of `position`'s epoch before it, JSON-safe, for the state."""
         return [list(skip) for skip in self.before(position) if skip.epoch == position.epoch]
+
+    def forget_from(self, position: Position) -> None:
+        """Forgets the skips of the batches at and after `position`: a pipeline starting there
+        makes them again and reads their samples again, as a feeder restored there does."""
+        with self._lock:
+            for epoch in self._epochs.values():
+                for index in [i for i, s in epoch.items() if (s.epoch, s.step) >= position]:
+                    del epoch[index]
 
     def restore(self, records: Iterable[Iterable]) -> None:
         """Forgets every skip and knows those of a state (see `state`)."""

@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import optree
 
+from feedpipe.core.skips import ErrorPolicy, listed, over_budget
+
 # numpy dtype kinds that cannot become numeric tensors: objects, strings, bytes, datetimes.
 _NON_TENSOR_KINDS = frozenset("OUSMm")
 
@@ -180,6 +182,15 @@ class Source:
     def on_epoch_end(self) -> None:
         """Called once an epoch's last sample has been read."""
 
+    def measure(self, policy: ErrorPolicy | None = None) -> Any:
+        """Reads what must be read before the epochs can be planned (a PyDataset's batch size
+        and length), under `policy` where given; returns it, for `learn` to tell another copy
+        of the source (None: nothing to read)."""
+        return None
+
+    def learn(self, measured: Any) -> None:
+        """Takes what `measure` read in another copy of the source (a worker's)."""
+
     def producer(self, share, devices, rule):
         """The producer of a source that makes whole batches itself; None for the others."""
         return None
@@ -265,7 +276,9 @@ class PyDatasetSource(Source):
     """Samples are the rows of a `keras.utils.PyDataset`'s batches.
 
     Its batches are read whole and kept while their rows are taken, and the sampler shuffles
-    whole batches (`block_size` rows), so each batch is read once per epoch.
+    whole batches (`block_size` rows), so each batch is read once per epoch. Its batch size and
+    length are read from its batches by `measure` (in a worker, where there are workers): the
+    last one and the first that reads of the others.
     """
 
     indexed = True
@@ -280,10 +293,64 @@ class PyDatasetSource(Source):
             )
         if self.num_batches < 1:
             raise ValueError("The dataset is empty (the PyDataset has 0 batches).")
-        self.block_size = self._rows_of(0)
-        last = self._rows_of(self.num_batches - 1)
-        self.length = self.block_size * (self.num_batches - 1) + last
+        self.rows: tuple[int, int] | None = None
+        """The rows of every batch but the last, and the rows of all, once measured."""
         self._local = threading.local()
+
+    @property
+    def block_size(self) -> int:
+        return self.measure()[0]
+
+    @property
+    def length(self) -> int:
+        return self.measure()[1]
+
+    def measure(self, policy: ErrorPolicy | None = None) -> tuple[int, int]:
+        """Reads the rows of the last batch, which the length depends on, and of the first of
+        the others that reads: under `policy`'s `errors="skip"`, batches that raise are passed
+        over, as the epochs will skip their rows, within the budget."""
+        if self.rows is None:
+            self.rows = self._measure(policy)
+        return self.rows
+
+    def learn(self, measured: tuple[int, int]) -> None:
+        self.rows = tuple(measured)
+
+    def _measure(self, policy: ErrorPolicy | None) -> tuple[int, int]:
+        skips = policy is not None and policy.skips
+        last_number = self.num_batches - 1
+        last = self._rows_of(
+            last_number,
+            "count its rows, which the length depends on"
+            + (' (errors="skip" cannot pass over it)' if skips else ""),
+        )
+        if not last_number:
+            return last, last
+        # Each batch passed over holds at least one sample the epochs will skip, so passing
+        # over more than the budget of the longest length possible is sure to exceed it.
+        limit = policy.budget(last_number + last) if skips else 0
+        failed: list[int] = []
+        for number in range(last_number):
+            try:
+                block = self._rows_of(number, "learn its batch size")
+                break
+            except Exception as error:
+                failed.append(number)
+                if len(failed) > limit or number + 1 == last_number:
+                    if skips:
+                        error.add_note(
+                            f'feedpipe: errors="skip" passed over PyDataset batches '
+                            f"{listed(failed)}, which all raised, and found none within "
+                            f"{policy} to learn its batch size from."
+                        )
+                    raise
+                latest = error
+        length = block * last_number + last
+        if failed and len(failed) * block > policy.budget(length):
+            skipping = f"{len(failed) * block} samples of epoch 0 (batches {listed(failed)})"
+            latest.add_note(over_budget(skipping, policy, policy.budget(length)))
+            raise latest
+        return block, length
 
     def __getstate__(self) -> dict:
         return {key: value for key, value in self.__dict__.items() if key != "_local"}
@@ -316,11 +383,19 @@ class PyDatasetSource(Source):
             cache[number] = (arrays, treespec)
         return cache[number]
 
-    def _rows_of(self, number: int) -> int:
-        leaves = optree.tree_leaves(self.dataset[number])
-        if not leaves:
-            raise ValueError(f"PyDataset batch {number} has no fields.")
-        return len(np.asarray(leaves[0]))
+    def _rows_of(self, number: int, why: str) -> int:
+        """The rows of batch `number`, read to `why`; an error gets a note saying so."""
+        try:
+            leaves = optree.tree_leaves(self.dataset[number])
+            if not leaves:
+                raise ValueError(f"PyDataset batch {number} has no fields.")
+            return len(np.asarray(leaves[0]))
+        except Exception as error:
+            error.add_note(
+                f"feedpipe: raised in {threading.current_thread().name} while reading batch "
+                f"{number} of the PyDataset, to {why}."
+            )
+            raise
 
     def sample(self, index: int) -> Any:
         arrays, treespec = self._batch(index // self.block_size)
@@ -332,7 +407,8 @@ class PyDatasetSource(Source):
         self.dataset.on_epoch_end()
 
     def __repr__(self) -> str:
-        return f"PyDatasetSource(batches={self.num_batches}, rows={self.length})"
+        rows = "unread" if self.rows is None else self.rows[1]
+        return f"PyDatasetSource(batches={self.num_batches}, rows={rows})"
 
 
 class GeneratorSource(Source):

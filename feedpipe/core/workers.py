@@ -8,8 +8,9 @@ sent pickled with cloudpickle (`dumps`, which keeps their file names for traceba
 carries functions and classes defined in `__main__` by value; numpy arrays inside them go out
 of band into one read-only shared buffer that every worker maps, so N workers do not hold N
 copies of an array dataset. Even sample 0, which tells the feeder what a sample looks like, is
-read by a worker: a source that crashes, hangs or opens its files on first use does so there,
-not in the training process.
+read by a worker, and so are a PyDataset's first and last batches, which tell its batch size and
+length: a source that crashes, hangs or opens its files on first use does so there, not in the
+training process.
 
 Worker threads (`worker_mode="thread"`) share the process and its GIL: they pay off only for
 code that releases the GIL (numpy, Pillow decode) and cost no start-up or pickling.
@@ -48,11 +49,13 @@ import numpy as np
 from feedpipe.core._shm import SharedBuffer, remove_orphans
 from feedpipe.core._sync import STOP_GRACE_S, WAIT_SLICE_S, Watchdog, join_within
 from feedpipe.core._worker import TaskRunner, code_at
+from feedpipe.core.skips import shown
 from feedpipe.core.slots import ALIGN_BYTES, HostSlot
 from feedpipe.core.writer import Skip
 
 SPEC_TASK = -1
-"""The id of the one task sent before any other: read sample 0 and return its spec."""
+"""The id of the one task sent before any other: measure the source, read its first sample and
+return its spec."""
 
 
 class WorkerError(RuntimeError):
@@ -101,9 +104,9 @@ def check_picklable(name: str, value: Any) -> None:
     except Exception as error:
         raise TypeError(
             f"`{name}` cannot be sent to worker processes: pickling it failed with "
-            f"{type(error).__name__}: {error}. Build it from picklable parts (open files, "
-            f"locks and connections inside the worker, on first use), or pass "
-            f'worker_mode="thread" or workers=0.'
+            f"{type(error).__name__}: {shown(error)}. Build it from picklable parts (open "
+            "files, locks and connections inside the worker, on first use), or pass "
+            'worker_mode="thread" or workers=0.'
         ) from error
 
 
@@ -140,10 +143,7 @@ def _rebuild(packed: bytes, text: str, name: str) -> BaseException:
 
 def unpack_skips(packed: list[tuple], name: str) -> list[Skip]:
     """The skips of a "rows" reply of worker `name`, their errors rebuilt (see `pack_skip`)."""
-    return [
-        Skip(row, index, None if error is None else _rebuild(error, text, name))
-        for row, index, error, text in packed
-    ]
+    return [Skip(row, index, _rebuild(error, text, name)) for row, index, error, text in packed]
 
 
 class _Pool:
@@ -193,8 +193,9 @@ class _Pool:
             raise error
         return replies
 
-    def first_spec(self) -> Any:
-        """The spec of sample 0, read (and transformed) by worker 0.
+    def first_spec(self, policy: Any) -> tuple[Any, Any]:
+        """The spec of the first sample, read (and transformed) by worker 0 under the error
+        `policy` (see `first_look`), and what it measured of the source (`Source.measure`).
 
         With generator shards, worker 1 looks at its first sample too: a `fn` that yields the
         same first sample for shards 0 and 1 ignores its shard, and every worker would deliver
@@ -202,13 +203,13 @@ class _Pool:
         """
         lookers = range(2 if self.num_shards > 1 else 1)
         for worker in lookers:
-            self.submit(worker, ("spec", SPEC_TASK))
+            self.submit(worker, ("spec", SPEC_TASK, policy))
         looks: dict[int, Reply] = {}
         while len(looks) < len(lookers):
             looks.update((reply.worker, reply) for reply in self.replies(WAIT_SLICE_S))
         if looks[0].kind == "error":
             raise looks[0].value
-        spec, digest = looks[0].value
+        spec, digest, measured = looks[0].value
         if len(looks) > 1 and looks[1].kind == "done" and looks[1].value[1] == digest:
             warnings.warn(
                 f"fn(0, {self.num_shards}) and fn(1, {self.num_shards}) of fp.from_generator "
@@ -217,12 +218,13 @@ class _Pool:
                 "`shard` (e.g. itertools.islice(samples, shard, None, num_shards)).",
                 stacklevel=3,
             )
-        return spec
+        return spec, measured
 
-    def configure(self, spec: Any, axes: list, layouts: dict) -> None:
-        """Tells every worker what samples look like and how slots are laid out."""
+    def configure(self, spec: Any, axes: list, layouts: dict, measured: Any) -> None:
+        """Tells every worker what samples look like, how slots are laid out and what worker 0
+        measured of the source."""
         for worker in range(self.count):
-            self._send(worker, ("configure", spec, axes, layouts))
+            self._send(worker, ("configure", spec, axes, layouts, measured))
 
     def _send(self, worker: int, message: tuple) -> None:
         raise NotImplementedError

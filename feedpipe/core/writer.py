@@ -11,17 +11,19 @@ TensorFlow: worker processes run it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 import optree
 
 from feedpipe.core.sampler import Step
+from feedpipe.core.skips import ErrorPolicy, listed, over_budget, shown
 from feedpipe.core.slots import HostSlot
 from feedpipe.core.source import ArraySource, SampleSpec, Source, TFDatasetSource, as_array
 
@@ -30,11 +32,11 @@ Transform = Callable[..., Any]
 
 class Skip(NamedTuple):
     """A row left unwritten under `errors="skip"`: its global row, its sample, and the error
-    the sample raised (None for a sample already known to fail, which was not read again)."""
+    the sample raised."""
 
     row: int
     index: int
-    error: BaseException | None
+    error: BaseException
 
 
 RNG = "rng"
@@ -89,9 +91,9 @@ def raise_noted(error: BaseException, doing: str, index: int, epoch: int) -> NoR
     )
     if isinstance(error, StopIteration):
         stand_in = RuntimeError(
-            f"User code raised StopIteration({', '.join(map(repr, error.args))}); an indexed "
-            "source says it has no sample `i` with IndexError, and a `transform` must return "
-            "a sample."
+            f"User code raised StopIteration({', '.join(shown(arg, repr) for arg in error.args)}"
+            "); an indexed source says it has no sample `i` with IndexError, and a `transform` "
+            "must return a sample."
         )
         stand_in.add_note(note)
         raise stand_in from error
@@ -122,23 +124,58 @@ def apply_transform(
 
 
 def first_look(
-    source: Source, transform: Transform | None, seed: int, status: np.ndarray | None = None
+    source: Source,
+    transform: Transform | None,
+    seed: int,
+    status: np.ndarray | None = None,
+    policy: ErrorPolicy | None = None,
 ) -> tuple[SampleSpec, str]:
-    """The spec of what producers will make, from sample 0 (the first of a stream) after
-    `transform`, and a digest of that sample as the source gave it (two shards of a generator
-    that begin with the same digest ignore their shard)."""
-    mark(status, 0, 0)
+    """The spec of what producers will make, from the first sample after `transform`, and a
+    digest of that sample as the source gave it (two shards of a generator that begin with the
+    same digest ignore their shard). The source is measured first (`Source.measure`).
+
+    The first sample is sample 0 (the first of a stream). Under `policy`'s `errors="skip"`, an
+    indexed source's sample that raises is passed over for the next, as its batch will skip it,
+    up to the epoch's budget of skips: past it, the error raises with a note saying so.
+    """
+    source.measure(policy)
+    tries = 1
+    if policy is not None and policy.skips and source.indexed:
+        budget = policy.budget(source.length)
+        tries = min(budget + 1, source.length)
+    for index in range(tries - 1):
+        with contextlib.suppress(Exception):
+            return _look(source, transform, seed, index, status)
     try:
-        sample = source.sample(0) if source.indexed else source.first_sample()
+        return _look(source, transform, seed, tries - 1, status)
+    except Exception as error:
+        if tries > 1 and tries == source.length:
+            error.add_note(
+                f'feedpipe: errors="skip" found no sample that reads: all {tries} raised.'
+            )
+        elif tries > 1:
+            skipping = f"{tries} samples of epoch 0 (indices {listed(range(tries))})"
+            error.add_note(over_budget(skipping, policy, budget))
+        raise
+
+
+def _look(
+    source: Source, transform: Transform | None, seed: int, index: int, status: np.ndarray | None
+) -> tuple[SampleSpec, str]:
+    """The spec of sample `index` (the first of a stream) after `transform`, and a digest of
+    the sample as the source gave it; an error gets a note naming the sample."""
+    mark(status, index, 0)
+    try:
+        sample = source.sample(index) if source.indexed else source.first_sample()
         digest = hashlib.sha1()
         for leaf in optree.tree_leaves(sample):
             digest.update(np.ascontiguousarray(as_array(leaf)).tobytes())
         if transform is not None:
-            sample = apply_transform(transform, randomness(transform), sample, seed, 0, 0)
-        return SampleSpec.of(sample), digest.hexdigest()
+            sample = apply_transform(transform, randomness(transform), sample, seed, 0, index)
+        return SampleSpec.of(sample, index=index), digest.hexdigest()
     except Exception as error:
         error.add_note(
-            "feedpipe: raised while reading sample 0 to learn the structure, shapes and "
+            f"feedpipe: raised while reading sample {index} to learn the structure, shapes and "
             "dtypes of the samples."
         )
         raise
@@ -216,11 +253,9 @@ class SampleWriter:
         epoch: int,
         first_row: int,
         indices: np.ndarray,
-        known: Collection[int] = (),
     ) -> list[Skip]:
         """Writes samples `indices` to global rows `first_row`, `first_row + 1`, ... of `slot`;
-        under `errors="skip"`, returns the rows left unwritten: samples that raised, and those
-        in `known` (already skipped), which are not read."""
+        under `errors="skip"`, returns the rows left unwritten: the samples that raised."""
         skipped: list[Skip] = []
         for outs, done, count in slot.runs(first_row, len(indices)):
             rows = indices[done : done + count]
@@ -229,9 +264,6 @@ class SampleWriter:
                 self.source.take(rows, outs)
                 continue
             for row, index in enumerate(rows.tolist()):
-                if index in known:
-                    skipped.append(Skip(first_row + done + row, index, None))
-                    continue
                 try:
                     leaves = self.read(index, epoch)
                 except Exception as error:
@@ -244,11 +276,11 @@ class SampleWriter:
         self.mark(-1, epoch)
         return skipped
 
-    def fill(self, slot: HostSlot, step: Step, known: Collection[int] = ()) -> list[Skip]:
+    def fill(self, slot: HostSlot, step: Step) -> list[Skip]:
         """Writes the rows of `step` into `slot`, covers the rows it skipped and pads the rest
         of the batch (a host's share of a batch reads its padding rows: there is no rest);
         returns the rows skipped."""
-        skipped = self.fill_rows(slot, step.epoch, 0, step.rows, known)
+        skipped = self.fill_rows(slot, step.epoch, 0, step.rows)
         cover(slot, [skip.row for skip in skipped], len(step.rows))
         slot.pad(len(step.rows))
         return skipped

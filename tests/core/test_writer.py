@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from feedpipe.core.sampler import Step
+from feedpipe.core.skips import ErrorPolicy
 from feedpipe.core.slots import HostSlot, SlotLayout
 from feedpipe.core.source import ArraySource, GeneratorSource, MapSource
 from feedpipe.core.split import ReplicaSplit
@@ -20,11 +21,14 @@ from feedpipe.core.writer import (
     RowStream,
     SampleWriter,
     first_look,
+    raise_noted,
     randomness,
     sample_seeds,
 )
 from tests.worker_fakes import (
+    BadSample,
     FailingSource,
+    FailsOn,
     IndexSource,
     SourceBroke,
     StopIterationSource,
@@ -108,6 +112,19 @@ def test_an_error_reading_sample_zero_says_it_was_learning_the_structure():
     with pytest.raises(SourceBroke) as info:
         first_look(MapSource(FailingSource(8, fail_at=0)), None, seed=0)
     assert "while reading sample 0 to learn the structure" in note(info.value)
+
+
+def test_under_skip_the_structure_is_learned_from_the_first_sample_that_reads_within_budget():
+    failing = MapSource(FailingSource(8, fail_at=0))
+    spec, _ = first_look(failing, None, seed=0, policy=ErrorPolicy("skip", 1))
+    assert [leaf.shape for leaf in spec.leaves] == [(3,), ()]
+    with pytest.raises(BadSample) as info:
+        first_look(
+            MapSource(IndexSource(8)), FailsOn({0, 1}), seed=0, policy=ErrorPolicy("skip", 1)
+        )
+    assert "sample 1 is corrupt" in str(info.value)
+    assert 'errors="skip" would skip 2 samples of epoch 0 (indices 0, 1)' in note(info.value)
+    assert "max_skipped=1 allows (1 per epoch)" in note(info.value)
 
 
 @pytest.mark.parametrize(
@@ -212,3 +229,14 @@ def test_a_streams_error_names_the_sample_it_reached():
         rows.read_into(slot_of(writer, global_batch=4, replicas=2))
     assert info.value.args == ("generator broke after 6",)
     assert "while producing sample index 6 of epoch 3" in note(info.value)
+
+
+class Unreprable:
+    def __repr__(self):
+        raise ValueError("this __repr__ is broken")
+
+
+def test_a_stop_iteration_carrying_a_value_whose_repr_raises_is_named():
+    with pytest.raises(RuntimeError, match=r"raised StopIteration\(Unreprable\)") as raised:
+        raise_noted(StopIteration(Unreprable()), "producing sample", 3, 0)
+    assert "index 3 of epoch 0" in raised.value.__notes__[0]
