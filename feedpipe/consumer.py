@@ -176,7 +176,7 @@ class Consumer:
         after = None  # the item after the one being handed over, where it was read already
         try:
             while True:
-                item, after = (self._next(pipeline) if after is None else after), None
+                item, after = (self._next(pipeline) if after is None else self._taken(after)), None
                 with self.lock:
                     if self.active is not this:
                         raise RuntimeError(SUPERSEDED)
@@ -201,8 +201,9 @@ class Consumer:
                 if plan is None:
                     # A source of unknown length learns its epoch's end by reading on: it is
                     # read before the batch goes, so that the state after an epoch's last step
-                    # says (e + 1, 0), as it does where the length is known.
-                    after = self._next(pipeline)
+                    # says (e + 1, 0), as it does where the length is known. A failure read
+                    # so is raised once this batch is done, as it would be without reading on.
+                    after = pipeline.get()
                     last = isinstance(after, EpochEnd)
                 else:
                     last = item.step + 1 == len(plan)
@@ -345,7 +346,10 @@ class Consumer:
 
     def _next(self, pipeline: Pipeline) -> Any:
         """The next item of the hand-off; a failure closes the feeder and raises its error."""
-        item = pipeline.get()
+        return self._taken(pipeline.get())
+
+    def _taken(self, item: Any) -> Any:
+        """`item` of the hand-off, taken; a failure closes the feeder and raises its error."""
         if isinstance(item, Failure):
             self.failure = item.error
             self.close()

@@ -653,7 +653,7 @@ def interrupter(keras, how: str, at: int, source: Faulty):
     return Interrupt()
 
 
-SHORT, SHORT_BATCH = 40, 16  # three steps an epoch, the last of 8 real rows
+SHORT, SHORT_BATCH = 30, 16  # two steps an epoch, the last of 14 real rows
 
 
 @pytest.mark.parametrize("how", ["callback", "source", "sigint"])

@@ -108,7 +108,7 @@ class FitTracker(keras.callbacks.Callback):
         """Refuses a fit on other data: its steps would move this feeder's position (a
         callbacks list kept for several fits takes this callback to each)."""
         data = keras_fit_input()
-        if data is not None and not self.feeder._reads_this(data):
+        if data is not None and not self.feeder._reads_this(data) and not _opaque(data):
             raise ValueError(
                 f"feeder.fit_callback() is in the callbacks of a fit on other data "
                 f"({type(data).__name__}): its steps would count as the feeder's batches. "
@@ -171,6 +171,14 @@ class FitTracker(keras.callbacks.Callback):
         """Steps this fit has trained: a step that has not returned (running, or raised)
         trained nothing, as the feeder goes on from it."""
         return self.earlier + self.finished
+
+
+def _opaque(data: Any) -> bool:
+    """Whether `data` is a TensorFlow dataset that may read a feeder where its pipeline cannot
+    be seen (a `flat_map` or `interleave` function, a distributed dataset): such a fit is not
+    refused."""
+    kind = type(data)
+    return kind.__module__.startswith("tensorflow") and "Dataset" in kind.__name__
 
 
 _RAN_OUT = "Your input ran out of data; interrupting training"
