@@ -279,6 +279,13 @@ def keras_call(adapter: Any) -> tuple[str, dict[str, Any]] | None:
     return None
 
 
+def keras_restored_epoch(model: Any) -> int | None:
+    """The epoch `keras.callbacks.BackupAndRestore` restored `model` to begin its fits at, or
+    None: it sets the model's `_initial_epoch`, which `fit` reads before its own
+    `initial_epoch`, and no public name gives it."""
+    return getattr(model, "_initial_epoch", None)
+
+
 def keras_fit_input() -> Any:
     """The `x` of the Keras `fit` running on this thread (what it trains on), or None outside
     one: a callback is told nothing of it (see `keras_call`)."""

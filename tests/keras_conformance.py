@@ -469,50 +469,55 @@ def test_model_checkpoint_saves_the_weights_it_saves_on_arrays(keras, keras_devi
             np.testing.assert_array_equal(a, b)
 
 
-def test_backup_and_restore_resumes_as_fit_on_arrays_resumes(keras, keras_devices, tmp_path):
+@pytest.mark.parametrize("crash", ["as epoch 2 begins", "in epoch 2's third step"])
+@pytest.mark.parametrize("feeder_kind", ["the same feeder", "a new feeder"])
+def test_backup_and_restore_resumes_as_fit_on_arrays_resumes(
+    keras, keras_devices, tmp_path, crash, feeder_kind
+):
+    # BackupAndRestore restores the weights of the last epoch's end and Keras begins that
+    # epoch again from its first step, even after a crash mid-epoch: so does the feeder.
     samples = Structure()
 
     class Crash(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
-            if epoch == 2:
+            self.epoch = epoch
+            if epoch == 2 and crash.startswith("as"):
                 raise RuntimeError("crash")
 
-    def resumed(folder, fit):
-        backup = keras.callbacks.BackupAndRestore(str(tmp_path / folder))
-        net = fit(epochs=4, callbacks=[backup, Crash()])
-        return fit(epochs=4, callbacks=[backup], net=net)
+        def on_train_batch_end(self, batch, logs=None):
+            if self.epoch == 2 and batch == 2:
+                raise RuntimeError("crash")
 
-    def on_arrays(epochs, callbacks, net=None):
+    def resumed(fit):
+        backup = keras.callbacks.BackupAndRestore(str(tmp_path / fit.__name__))
+        net = samples.model(keras, "adam")
+        with pytest.raises(RuntimeError, match="crash"):
+            fit(net, callbacks=[backup, Crash()])
+        fit(net, callbacks=[backup])
+        return net
+
+    def on_arrays(net, callbacks):
         x, y, _ = samples.arrays()
-        net = net or samples.model(keras)
-        try:
-            return net, net.fit(
-                x, y, batch_size=BATCH, shuffle=False, epochs=epochs, callbacks=callbacks, verbose=0
-            )
-        except RuntimeError:
-            return net
+        net.fit(x, y, batch_size=BATCH, shuffle=False, epochs=4, callbacks=callbacks, verbose=0)
 
-    states = []
+    feeders = [fp.Feeder(MapStyle(samples), BATCH, devices=keras_devices)]
 
-    def on_a_new_feeder(epochs, callbacks, net=None):
-        # A new feeder each time, as a new process would build: BackupAndRestore restores the
-        # model and Keras's epoch, and the feeder lines its epoch up with Keras's.
-        net = net or samples.model(keras)
-        with fp.Feeder(MapStyle(samples), BATCH, devices=keras_devices) as feeder:
-            try:
-                history = net.fit(
-                    feeder, epochs=epochs, verbose=0, callbacks=[feeder.fit_callback(), *callbacks]
-                )
-            except RuntimeError:
-                return net
-            states.append(feeder.get_state())
-            return net, history
+    def on_a_feeder(net, callbacks):
+        if feeder_kind == "a new feeder":  # as a new process would build it
+            feeders.append(fp.Feeder(MapStyle(samples), BATCH, devices=keras_devices))
+        feeder = feeders[-1]
+        net.fit(feeder, epochs=4, verbose=0, callbacks=[feeder.fit_callback(), *callbacks])
 
-    mine, theirs = resumed("fed", on_a_new_feeder), resumed("arrays", on_arrays)
-    assert (states[-1]["epoch"], states[-1]["step"]) == (4, 0)
-    for a, b in zip(mine[0].get_weights(), theirs[0].get_weights(), strict=True):
+    try:
+        mine, theirs = resumed(on_a_feeder), resumed(on_arrays)
+        state = feeders[-1].get_state()
+    finally:
+        for feeder in feeders:
+            feeder.close()
+    assert (state["epoch"], state["step"]) == (4, 0)
+    for a, b in zip(mine.get_weights(), theirs.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
-    assert int(mine[0].optimizer.iterations) == int(theirs[0].optimizer.iterations)
+    assert int(mine.optimizer.iterations) == int(theirs.optimizer.iterations)
 
 
 @pytest.mark.parametrize("structure", [Structure, NestedSamples], ids=lambda s: s.name)

@@ -16,6 +16,7 @@ import keras
 from feedpipe._internals import (
     keras_fit_input,
     keras_reading,
+    keras_restored_epoch,
     keras_validation_input,
     unweighted_metrics,
 )
@@ -75,7 +76,8 @@ class FitTracker(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         if self.first_epoch:
             self.first_epoch = False
-            self.feeder._consumer.fits.line_up(epoch)
+            restored = keras_restored_epoch(self.model) == epoch
+            self.feeder._consumer.fits.line_up(epoch, restored=restored)
         self.earlier += self.finished
         self.first_pass, self.steps, self.finished = self.feeder._consumer.passes, 0, 0
         params = self.params or {}

@@ -103,25 +103,26 @@ class FitLedger:
             return consumer.position  # this epoch's pass has not begun: it begins there
         return last.after(min(tracker.finished, last.handed))
 
-    def line_up(self, epoch: int) -> None:
-        """Lines Keras's first epoch of a tracked fit, `epoch` (its `initial_epoch`, or the
-        one `BackupAndRestore` restored), up with the feeder's: a feeder that has trained
-        nothing goes on from the start of that epoch, as a fit on arrays would; one at another
-        epoch is refused, naming the `initial_epoch` that goes on with it."""
-        if epoch == 0:
+    def line_up(self, epoch: int, *, restored: bool) -> None:
+        """Lines Keras's first epoch of a tracked fit, `epoch`, up with the feeder's. Where
+        `BackupAndRestore` `restored` the model to begin that epoch, Keras trains it from its
+        first step, and so does the feeder, wherever it was, as a fit on arrays would. A feeder
+        that has trained nothing goes on from the start of Keras's `initial_epoch`; one at
+        another epoch is refused, naming the `initial_epoch` that goes on with it."""
+        if epoch == 0 and not restored:
             return  # a first fit, or a fit again in the same process: Keras counts anew
         with self.consumer.lock:
             position = self.tracked()
             stream = self.consumer.assembly.stream()
-            if position == Position(0, 0):
+            if position == Position(0, 0) or restored:
                 self.consumer.set_state(stream.state(Position(epoch, 0)))
                 self.fit_start = self.consumer.position
                 return
             state = stream.state(position)
         if state["epoch"] != epoch:
             raise ValueError(
-                f"Keras begins this fit at epoch {epoch} (its initial_epoch, or the epoch "
-                f"BackupAndRestore restored), but the feeder goes on with epoch "
+                f"Keras begins this fit at epoch {epoch} (initial_epoch={epoch}), but the "
+                f"feeder goes on with epoch "
                 f"{state['epoch']} (step {state['step']}): Keras would count the feeder's "
                 f"epochs from the wrong one and train another number of them than asked. Pass "
                 f"initial_epoch={state['epoch']} (the feeder's state's 'epoch'), or restore the "
