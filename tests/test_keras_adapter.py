@@ -176,3 +176,65 @@ def test_a_dataset_fit_run_again_after_ctrl_c_names_the_interrupted_fit_and_the_
             fed.fit(feeder.as_dataset(), epochs=3, callbacks=[feeder.fit_callback()], verbose=0)
         assert "restore" not in str(refused.excinfo.value)
         assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (0, 2)
+
+
+def adam_model(steps_per_execution: int = 1) -> keras.Model:
+    keras.utils.set_random_seed(1)
+    net = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+    net.compile(
+        keras.optimizers.Adam(0.01),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        steps_per_execution=steps_per_execution,
+    )
+    return net
+
+
+@pytest.mark.usefixtures("as_dataset_path")
+@pytest.mark.parametrize("steps_per_execution", [1, 5])
+@pytest.mark.parametrize("mid_epoch", ["restored", "interrupted"])
+def test_a_fit_from_mid_epoch_applies_one_optimizer_step_per_batch(steps_per_execution, mid_epoch):
+    # Adam's steps depend on the optimizer's count of steps (`iterations`), so a step counted
+    # that trained nothing shows in the weights. 96 rows in batches of 8: no padding row, so
+    # fit(x, y) on the same rows in the same batches is the exact oracle. From step 5, calls
+    # of 5 steps end the rest of the epoch with a call of 2.
+    x, y = (a[:96] for a in data())
+    with fp.Feeder((x, y), 8) as feeder:
+        fed = adam_model(steps_per_execution)
+        if mid_epoch == "restored":
+            feeder.set_state({**feeder.get_state(), "step": 5})
+        else:
+            callbacks = [feeder.fit_callback(), CtrlCAfter(4)]
+            with pytest.raises(KeyboardInterrupt):
+                fed.fit(feeder, epochs=2, callbacks=callbacks, verbose=0)
+            assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (0, 5)
+        fed.fit(feeder, epochs=2, callbacks=[feeder.fit_callback()], verbose=0)
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (2, 0)
+    plain = adam_model(steps_per_execution)
+    if mid_epoch == "interrupted":
+        plain.fit(x[:40], y[:40], batch_size=8, shuffle=False, verbose=0)
+    plain.fit(x[40:], y[40:], batch_size=8, shuffle=False, verbose=0)
+    plain.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert int(fed.optimizer.iterations) == int(plain.optimizer.iterations)
+    for mine, theirs in zip(fed.get_weights(), plain.get_weights(), strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+
+
+@pytest.mark.parametrize("entry", ["feeder", "as_dataset"])
+def test_a_fit_on_a_generator_applies_one_optimizer_step_per_batch(entry):
+    # Keras learns a generator's epoch from its end, which its TensorFlow step finds after
+    # running the ops that need no batch: the optimizer's count of steps among them.
+    x, y = (a[:96] for a in data())
+
+    def rows(shard: int, num_shards: int):
+        for index in range(shard, len(x), num_shards):
+            yield x[index], y[index]
+
+    with fp.Feeder(fp.from_generator(rows), 8) as feeder:
+        fed = adam_model()
+        given = feeder if entry == "feeder" else feeder.as_dataset()
+        fed.fit(given, epochs=3, callbacks=[feeder.fit_callback()], verbose=0)
+    plain = adam_model()
+    plain.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+    assert int(fed.optimizer.iterations) == int(plain.optimizer.iterations) == 36
+    for mine, theirs in zip(fed.get_weights(), plain.get_weights(), strict=True):
+        np.testing.assert_array_equal(mine, theirs)

@@ -48,15 +48,32 @@ class FitTracker(keras.callbacks.Callback):
         self.epoch_steps: int | None = None
         """Steps Keras runs per epoch (None: the length is unknown); an epoch's last call may
         run fewer than `steps_per_execution`."""
+        self.pass_steps: int | None = None
+        """Batches of the pass this Keras epoch reads (None: the length is unknown): the rest
+        of the feeder's epoch, fewer than `epoch_steps` in the first epoch of a fit on the
+        feeder itself begun mid-epoch, which ends with the feeder's."""
+        self.begun = 0
+        """Steps of this Keras epoch begun before the call running."""
+        self.armed = False
+        """Keras begins a step of this tracker's fit: `on_train_batch_begin` ran, and the
+        train function has not yet been called. A fit that raised leaves the train function
+        wrapped until the next fit with a tracker: in a fit without one, it is Keras's own."""
         self.per_call = 1
         """The model's `steps_per_execution`, read once a fit: on JAX, `self.model` attaches
         the training state to the model's variables (Keras's `Callback.model` does, so that a
         callback may read them), and Keras then takes it apart again before the next step;
         read every step, that cost ~0.7 ms a step of a 3-layer MLP on 4 host devices."""
+        self.trainer: Any = None
+        """The model being fit, read once a fit (see `per_call`)."""
+        self.counted_from: int | None = None
+        """On TensorFlow, the optimizer's count of steps (`iterations`) as the fit began, read
+        once, where it is a variable (see `_uncount_step_without_batch`)."""
 
     def on_train_begin(self, logs=None):
         self.earlier, self.steps, self.finished = 0, 0, 0
-        self.per_call = int(self.model.steps_per_execution)
+        self.trainer = self.model
+        self.per_call = int(self.trainer.steps_per_execution)
+        self.counted_from = _optimizer_count(self.trainer)
         self.feeder._consumer.fits.track(self)
         self._wrap_train_function()
         _warn_unweighted_metrics(self.model, self.feeder)
@@ -67,6 +84,7 @@ class FitTracker(keras.callbacks.Callback):
         self.first_pass, self.steps, self.finished = self.feeder._consumer.passes, 0, 0
         params = self.params or {}
         self.epoch_steps = params.get("steps")
+        self.pass_steps = self.feeder._consumer.fits.steps_left()
         total = params.get("epochs", epoch + 1)
         itself = keras_reading(self.feeder) == "fit"
         self.feeder._consumer.fits.check_epochs(
@@ -75,9 +93,10 @@ class FitTracker(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         self.feeder._consumer.raise_failure()
-        self.steps = batch + self.per_call
-        if self.epoch_steps:
-            self.steps = min(self.steps, self.epoch_steps)
+        self.armed, self.begun, self.steps = True, batch, batch + self.per_call
+        limit = self.pass_steps or self.epoch_steps
+        if limit:
+            self.steps = min(self.steps, limit)
 
     def on_test_begin(self, logs=None):
         self.feeder._consumer.raise_failure()
@@ -87,9 +106,9 @@ class FitTracker(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self.feeder._consumer.fits.untrack(self)
         self._speak_again()
-        function = self.model.train_function
+        function = self.trainer.train_function
         if getattr(function, "__self__", None) is self:
-            self.model.train_function = self._original
+            self.trainer.train_function = self._original
 
     def _wrap_train_function(self) -> None:
         """Keras's train function, raising a source's error as itself: where the step reads
@@ -103,15 +122,40 @@ class FitTracker(keras.callbacks.Callback):
     def _train_function(self, *args):
         # The step's end is marked here rather than in `on_train_batch_end`: a callback with
         # that hook makes Keras run every callback's in the step's own thread, each step.
+        if not self.armed:
+            return self._original(*args)
+        self.armed = False
+        if self.pass_steps is not None and self.begun >= self.pass_steps:
+            # The pass has no batch left (its Keras epoch is longer: see `pass_steps`). Keras's
+            # TensorFlow step would learn it from the dataset's end, once its graph had run
+            # every op that needs no batch: the optimizer's `iterations` would count a step
+            # that trained nothing, and Adam's next steps would differ. Keras ends the epoch
+            # on this as on that end.
+            raise StopIteration
         try:
             logs = self._original(*args)
         except Exception as error:
+            if _ran_out(error):
+                self._uncount_step_without_batch()
             failure = self.feeder._consumer.failure
             if failure is None or failure is error:
                 raise
             raise failure from None
         self.finished = self.steps
         return logs
+
+    def _uncount_step_without_batch(self) -> None:
+        """Keras's TensorFlow step found the pass's end where its length is unknown (a
+        generator's epoch, which Keras learns so): its graph had run the ops that need no
+        batch, and the optimizer counted a step that trained nothing, one each epoch, which
+        Adam's later steps would feel. The count goes back to the steps trained where it is
+        exactly one ahead (an optimizer that skips or accumulates steps counts otherwise)."""
+        if self.counted_from is None:
+            return
+        iterations = self.trainer.optimizer.iterations
+        trained = self.counted_from + self.trained
+        if _count(iterations) == trained + 1:
+            iterations.assign(trained)
 
     def interrupted(self) -> None:
         """The fit raised (in a step, a callback, or Ctrl-C): a step that never returned
@@ -145,6 +189,23 @@ class FitTracker(keras.callbacks.Callback):
         """Steps this fit has trained: a step that has not returned (running, or raised)
         trained nothing, as the feeder goes on from it."""
         return self.earlier + self.finished
+
+
+def _optimizer_count(model: keras.Model) -> int | None:
+    """The optimizer's count of steps applied, on TensorFlow where it is a variable."""
+    if keras.backend.backend() != "tensorflow":
+        return None
+    iterations = getattr(getattr(model, "optimizer", None), "iterations", None)
+    return _count(iterations) if isinstance(iterations, keras.Variable) else None
+
+
+def _count(variable: keras.Variable) -> int:
+    return int(keras.ops.convert_to_numpy(variable))
+
+
+def _ran_out(error: BaseException) -> bool:
+    """Whether Keras's TensorFlow step raised for the end of its dataset."""
+    return isinstance(error, StopIteration) or type(error).__name__ == "OutOfRangeError"
 
 
 _RAN_OUT = "Your input ran out of data; interrupting training"

@@ -103,6 +103,14 @@ class FitLedger:
             return consumer.position  # this epoch's pass has not begun: it begins there
         return last.after(min(tracker.finished, last.handed))
 
+    def steps_left(self) -> int | None:
+        """Batches left in the epoch the tracked `fit` trains next (None where the length is
+        unknown): its next pass serves those."""
+        assembly = self.consumer.assembly
+        if assembly.plan is None:
+            return None
+        return len(assembly.plan) - assembly.stream().state(self.tracked())["step"]
+
     def refuse_as_validation(self, data: Any, reads_feeder: bool) -> None:
         """Refuses a fit whose `validation_data` reads this feeder: validation would take the
         epoch after each one trained, so training would see every other epoch."""
