@@ -358,6 +358,33 @@ def jax_train_state(model: Any) -> tuple:
     )
 
 
+def give_back_jax_train_state(model: Any, state: tuple) -> None:
+    """Makes `state` (as `jax_train_state` gives it) the one Keras's JAX `fit` puts back into
+    the model's variables when it ends (its `jax_state_sync`), also when it raises.
+
+    Keras takes the state out of the variables as an epoch's first step begins (it empties
+    them) and keeps the state each step returns in `_jax_state`, until the epoch's end; a step
+    that raised before its batch was handed over donated nothing, but in a model's first fit
+    there is no earlier state to put back, and the emptied variables would stay empty.
+    """
+    names = ("trainable", "non_trainable", "optimizer", "metrics")
+    model._jax_state = {f"{name}_variables": part for name, part in zip(names, state, strict=True)}
+    model._jax_state_synced = False
+
+
+def in_keras_fit_with(callback: Any, frame: Any) -> bool:
+    """Whether a Keras `fit` with `callback` among its callbacks is on the calling stack of
+    `frame` (it has not returned or raised): no public API says which fit is running."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "fit" and _KERAS_TRAINER.search(code.co_filename):
+            callbacks = frame.f_locals.get("callbacks")
+            if any(c is callback for c in getattr(callbacks, "callbacks", ())):
+                return True
+        frame = frame.f_back
+    return False
+
+
 def keras_loss(loss: Any, y_true: Any, y_pred: Any) -> Any:
     """The Keras loss object `compile(loss=...)` would build from `loss` (a name, a class or a
     function), for these targets and predictions."""

@@ -3,6 +3,10 @@ reads exactly what `fit(feeder.as_dataset())` reads."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import keras
 import numpy as np
 import pytest
@@ -217,6 +221,57 @@ def test_a_fit_from_mid_epoch_applies_one_optimizer_step_per_batch(steps_per_exe
     assert int(fed.optimizer.iterations) == int(plain.optimizer.iterations)
     for mine, theirs in zip(fed.get_weights(), plain.get_weights(), strict=True):
         np.testing.assert_array_equal(mine, theirs)
+
+
+class SignalInStep(keras.layers.Layer):
+    """Sends this process a real SIGINT (Ctrl-C) from inside the compiled step `at` (counted
+    from 0), which goes on running for a while: Python handles the signal as the step returns."""
+
+    def __init__(self, at: int | None):
+        super().__init__()
+        self.at, self.count = at, 0
+
+    def tick(self) -> int:
+        if self.count == self.at:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.02)
+        self.count += 1
+        return 0
+
+    def call(self, inputs):
+        with tf.control_dependencies([tf.py_function(self.tick, [], [tf.int32])]):
+            return tf.identity(inputs)
+
+
+def test_a_real_ctrl_c_in_any_step_leaves_the_state_of_the_steps_applied_and_the_fit_goes_on():
+    x, y = (a[:48] for a in data())  # 6 steps an epoch, none padded
+
+    def fit(at: int | None) -> tuple[keras.Model, tuple[int, int], int]:
+        keras.utils.set_random_seed(1)
+        net = keras.Sequential([keras.Input((8,)), SignalInStep(at), keras.layers.Dense(3)])
+        net.compile(
+            keras.optimizers.Adam(0.01),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        with fp.Feeder((x, y), 8) as feeder:
+            if at is None:
+                net.fit(feeder, epochs=2, callbacks=[feeder.fit_callback()], verbose=0)
+                return net, (2, 0), int(net.optimizer.iterations)
+            with pytest.raises(KeyboardInterrupt):
+                net.fit(feeder, epochs=2, callbacks=[feeder.fit_callback()], verbose=0)
+            state = feeder.get_state()
+            applied = int(net.optimizer.iterations)
+            net.fit(feeder, epochs=2, callbacks=[feeder.fit_callback()], verbose=0)  # again
+            return net, (state["epoch"], state["step"]), applied
+
+    whole, _, iterations = fit(None)
+    for at in range(5):  # each step of the first epoch but its last, which ends the epoch
+        net, state, applied = fit(at)
+        assert state == (0, at + 1), at  # the step the signal arrived in was applied
+        assert applied == at + 1, at
+        assert int(net.optimizer.iterations) == iterations, at
+        for mine, theirs in zip(net.get_weights(), whole.get_weights(), strict=True):
+            np.testing.assert_array_equal(mine, theirs, err_msg=f"Ctrl-C in step {at}")
 
 
 @pytest.mark.parametrize("entry", ["feeder", "as_dataset"])
