@@ -160,6 +160,15 @@ def generator_dataset(make: Any, signature: Any) -> Any:
         return tf.data.Dataset.from_generator(make, output_signature=signature)
 
 
+def op_determinism_enabled() -> bool:
+    """Whether `tf.config.experimental.enable_op_determinism()` was called: TensorFlow then
+    refuses to run ops whose result may vary, `tf.timestamp` among them, and has no public way
+    to ask."""
+    from tensorflow.python.framework import config
+
+    return config.is_op_determinism_enabled()
+
+
 def host_index(strategy: Any) -> int:
     """This process's place among the hosts of a MultiWorkerMirroredStrategy: its id in the
     cluster (the chief first, then the workers), from which the strategy numbers its replicas
