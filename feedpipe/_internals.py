@@ -160,6 +160,15 @@ def generator_dataset(make: Any, signature: Any) -> Any:
         return tf.data.Dataset.from_generator(make, output_signature=signature)
 
 
+def op_determinism_enabled() -> bool:
+    """Whether `tf.config.experimental.enable_op_determinism()` was called: TensorFlow then
+    refuses to run ops whose result may vary, `tf.timestamp` among them, and has no public way
+    to ask."""
+    from tensorflow.python.framework import config
+
+    return config.is_op_determinism_enabled()
+
+
 def host_index(strategy: Any) -> int:
     """This process's place among the hosts of a MultiWorkerMirroredStrategy: its id in the
     cluster (the chief first, then the workers), from which the strategy numbers its replicas
@@ -387,6 +396,33 @@ def jax_train_state(model: Any) -> tuple:
         optimizer_variables=True,
         metrics_variables=True,
     )
+
+
+def give_back_jax_train_state(model: Any, state: tuple) -> None:
+    """Makes `state` (as `jax_train_state` gives it) the one Keras's JAX `fit` puts back into
+    the model's variables when it ends (its `jax_state_sync`), also when it raises.
+
+    Keras takes the state out of the variables as an epoch's first step begins (it empties
+    them) and keeps the state each step returns in `_jax_state`, until the epoch's end; a step
+    that raised before its batch was handed over donated nothing, but in a model's first fit
+    there is no earlier state to put back, and the emptied variables would stay empty.
+    """
+    names = ("trainable", "non_trainable", "optimizer", "metrics")
+    model._jax_state = {f"{name}_variables": part for name, part in zip(names, state, strict=True)}
+    model._jax_state_synced = False
+
+
+def in_keras_fit_with(callback: Any, frame: Any) -> bool:
+    """Whether a Keras `fit` with `callback` among its callbacks is on the calling stack of
+    `frame` (it has not returned or raised): no public API says which fit is running."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "fit" and _KERAS_TRAINER.search(code.co_filename):
+            callbacks = frame.f_locals.get("callbacks")
+            if any(c is callback for c in getattr(callbacks, "callbacks", ())):
+                return True
+        frame = frame.f_back
+    return False
 
 
 def keras_loss(loss: Any, y_true: Any, y_pred: Any) -> Any:

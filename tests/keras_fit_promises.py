@@ -8,6 +8,8 @@ framework)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -98,6 +100,41 @@ def test_a_fit_interrupted_and_run_again_goes_on_from_what_was_trained(keras, ke
     plain = model(keras)
     plain.fit(x, y, batch_size=BATCH, shuffle=False, epochs=1, verbose=0)
     assert_same_weights(fed, plain)
+
+
+def test_ctrl_c_raises_at_once_outside_the_fit_and_the_fit_puts_its_handler_back(
+    keras, keras_devices
+):
+    # The fit callback holds a Ctrl-C that arrives in a step until the step is recorded. A fit
+    # a callback interrupts leaves its handler in place until the feeder is next read: no
+    # Ctrl-C may wait on that fit, over, meanwhile.
+    x, y = data()
+    handler = signal.getsignal(signal.SIGINT)
+
+    class CtrlC(keras.callbacks.Callback):
+        def __init__(self, real: bool):
+            super().__init__()
+            self.real = real
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1 and self.real:
+                os.kill(os.getpid(), signal.SIGINT)  # Python handles it as the call returns
+            elif batch == 1:
+                raise KeyboardInterrupt
+
+    with fp.Feeder((x, y), BATCH, devices=keras_devices) as feeder:
+        fed = model(keras)
+        fed.fit(feeder, epochs=1, callbacks=[feeder.fit_callback()], verbose=0)
+        assert signal.getsignal(signal.SIGINT) is handler
+        with pytest.raises(KeyboardInterrupt):
+            fed.fit(feeder, callbacks=[feeder.fit_callback(), CtrlC(real=False)], verbose=0)
+        with pytest.raises(KeyboardInterrupt):  # another fit, without the feeder's callback
+            fed.fit(x, y, batch_size=BATCH, callbacks=[CtrlC(real=True)], verbose=0)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        fed.fit(feeder, epochs=1, callbacks=[feeder.fit_callback()], verbose=0)
+        assert position(feeder) == (2, 0)
+        assert signal.getsignal(signal.SIGINT) is handler
 
 
 def test_a_state_saved_mid_fit_resumes_in_a_new_feeder_to_the_same_weights(keras, keras_devices):

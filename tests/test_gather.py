@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import feedpipe as fp
+from tests.processes import run_as_a_user
 
 
 def handed_over(monkeypatch) -> None:
@@ -248,3 +249,49 @@ def test_a_fit_on_arrays_reports_the_steps_and_samples_it_took_and_no_verdict_on
     assert stats.produced_samples >= epochs * length and stats.producer_busy_s > 0
     assert stats.verdict == "input wait not measured"
     assert "not input-bound" not in str(stats) and "over 0 steps" not in str(stats)
+
+
+DETERMINISTIC_FITS = """
+import keras
+import numpy as np
+import tensorflow as tf
+
+import feedpipe as fp
+
+x = np.random.default_rng(0).normal(size=(100, 8)).astype("float32")
+y = (np.arange(100) % 3).astype("int32")
+with fp.Feeder((x, y), 32) as feeder:
+    early = feeder.as_dataset()
+    tf.config.experimental.enable_op_determinism()
+    try:
+        next(iter(early))
+    except tf.errors.OpError as error:
+        assert "Make the dataset again, feeder.as_dataset()" in str(error), error
+    else:
+        raise AssertionError("a dataset made before op determinism was enabled was read")
+    assert len(list(feeder.as_dataset())) == 4
+weights = []
+for entry in ("as_dataset", "feeder", "as_dataset"):
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dropout(0.5), keras.layers.Dense(3)])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with fp.Feeder((x, y), 32, shuffle=True) as feeder:
+        assert feeder._gathers()
+        data = feeder.as_dataset() if entry == "as_dataset" else feeder
+        model.fit(data, epochs=2, verbose=0, callbacks=[feeder.fit_callback()])
+        stats = feeder.stats()
+    assert (stats.steps, stats.samples) == (8, 200), stats
+    assert stats.wall_s > 0 and stats.producer_busy_s > 0, stats
+    weights.append(model.get_weights())
+for run in weights[1:]:
+    for mine, theirs in zip(run, weights[0], strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+"""
+
+
+def test_fits_under_op_determinism_train_alike_and_are_timed():
+    """`tf.config.experimental.enable_op_determinism()`, which reproducible training needs,
+    refuses `tf.timestamp`, by which the graph times gathered batches: they are timed by
+    Python's clock instead, and a dataset made before it says to make it again. It holds for
+    the rest of the process, so the fits run in one of their own."""
+    run_as_a_user(DETERMINISTIC_FITS)

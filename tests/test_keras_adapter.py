@@ -4,6 +4,9 @@ reads exactly what `fit(feeder.as_dataset())` reads."""
 from __future__ import annotations
 
 import collections
+import os
+import signal
+import time
 
 import keras
 import numpy as np
@@ -218,3 +221,116 @@ def test_as_dataset_of_list_or_namedtuple_samples_weighs_padding_as_tuples_do(ki
     plain.fit(*data(), batch_size=32, shuffle=False, epochs=2, verbose=0)
     for mine, theirs in zip(fed.get_weights(), plain.get_weights(), strict=True):
         np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+def adam_model(steps_per_execution: int = 1) -> keras.Model:
+    keras.utils.set_random_seed(1)
+    net = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+    net.compile(
+        keras.optimizers.Adam(0.01),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        steps_per_execution=steps_per_execution,
+    )
+    return net
+
+
+@pytest.mark.usefixtures("as_dataset_path")
+@pytest.mark.parametrize("steps_per_execution", [1, 5])
+@pytest.mark.parametrize("mid_epoch", ["restored", "interrupted"])
+def test_a_fit_from_mid_epoch_applies_one_optimizer_step_per_batch(steps_per_execution, mid_epoch):
+    # Adam's steps depend on the optimizer's count of steps (`iterations`), so a step counted
+    # that trained nothing shows in the weights. 96 rows in batches of 8: no padding row, so
+    # fit(x, y) on the same rows in the same batches is the exact oracle. From step 5, calls
+    # of 5 steps end the rest of the epoch with a call of 2.
+    x, y = (a[:96] for a in data())
+    with fp.Feeder((x, y), 8) as feeder:
+        fed = adam_model(steps_per_execution)
+        if mid_epoch == "restored":
+            feeder.set_state({**feeder.get_state(), "step": 5})
+        else:
+            callbacks = [feeder.fit_callback(), CtrlCAfter(4)]
+            with pytest.raises(KeyboardInterrupt):
+                fed.fit(feeder, epochs=2, callbacks=callbacks, verbose=0)
+            assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (0, 5)
+        fed.fit(feeder, epochs=2, callbacks=[feeder.fit_callback()], verbose=0)
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (2, 0)
+    plain = adam_model(steps_per_execution)
+    if mid_epoch == "interrupted":
+        plain.fit(x[:40], y[:40], batch_size=8, shuffle=False, verbose=0)
+    plain.fit(x[40:], y[40:], batch_size=8, shuffle=False, verbose=0)
+    plain.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert int(fed.optimizer.iterations) == int(plain.optimizer.iterations)
+    for mine, theirs in zip(fed.get_weights(), plain.get_weights(), strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+
+
+class SignalInStep(keras.layers.Layer):
+    """Sends this process a real SIGINT (Ctrl-C) from inside the compiled step `at` (counted
+    from 0), which goes on running for a while: Python handles the signal as the step returns."""
+
+    def __init__(self, at: int | None):
+        super().__init__()
+        self.at, self.count = at, 0
+
+    def tick(self) -> int:
+        if self.count == self.at:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.02)
+        self.count += 1
+        return 0
+
+    def call(self, inputs):
+        with tf.control_dependencies([tf.py_function(self.tick, [], [tf.int32])]):
+            return tf.identity(inputs)
+
+
+def test_a_real_ctrl_c_in_any_step_leaves_the_state_of_the_steps_applied_and_the_fit_goes_on():
+    x, y = (a[:48] for a in data())  # 6 steps an epoch, none padded
+
+    def fit(at: int | None) -> tuple[keras.Model, tuple[int, int], int]:
+        keras.utils.set_random_seed(1)
+        net = keras.Sequential([keras.Input((8,)), SignalInStep(at), keras.layers.Dense(3)])
+        net.compile(
+            keras.optimizers.Adam(0.01),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        with fp.Feeder((x, y), 8) as feeder:
+            if at is None:
+                net.fit(feeder, epochs=2, callbacks=[feeder.fit_callback()], verbose=0)
+                return net, (2, 0), int(net.optimizer.iterations)
+            with pytest.raises(KeyboardInterrupt):
+                net.fit(feeder, epochs=2, callbacks=[feeder.fit_callback()], verbose=0)
+            state = feeder.get_state()
+            applied = int(net.optimizer.iterations)
+            net.fit(feeder, epochs=2, callbacks=[feeder.fit_callback()], verbose=0)  # again
+            return net, (state["epoch"], state["step"]), applied
+
+    whole, _, iterations = fit(None)
+    for at in range(5):  # each step of the first epoch but its last, which ends the epoch
+        net, state, applied = fit(at)
+        assert state == (0, at + 1), at  # the step the signal arrived in was applied
+        assert applied == at + 1, at
+        assert int(net.optimizer.iterations) == iterations, at
+        for mine, theirs in zip(net.get_weights(), whole.get_weights(), strict=True):
+            np.testing.assert_array_equal(mine, theirs, err_msg=f"Ctrl-C in step {at}")
+
+
+@pytest.mark.parametrize("entry", ["feeder", "as_dataset"])
+def test_a_fit_on_a_generator_applies_one_optimizer_step_per_batch(entry):
+    # Keras learns a generator's epoch from its end, which its TensorFlow step finds after
+    # running the ops that need no batch: the optimizer's count of steps among them.
+    x, y = (a[:96] for a in data())
+
+    def rows(shard: int, num_shards: int):
+        for index in range(shard, len(x), num_shards):
+            yield x[index], y[index]
+
+    with fp.Feeder(fp.from_generator(rows), 8) as feeder:
+        fed = adam_model()
+        given = feeder if entry == "feeder" else feeder.as_dataset()
+        fed.fit(given, epochs=3, callbacks=[feeder.fit_callback()], verbose=0)
+    plain = adam_model()
+    plain.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+    assert int(fed.optimizer.iterations) == int(plain.optimizer.iterations) == 36
+    for mine, theirs in zip(fed.get_weights(), plain.get_weights(), strict=True):
+        np.testing.assert_array_equal(mine, theirs)

@@ -1,19 +1,26 @@
 """Fit: what `model.fit(feeder.as_dataset())` tells the feeder, through a Keras callback.
 
 `FitTracker` (made by `feeder.fit_callback()`) gives the feeder the step count Keras gives its
-callbacks, so the feeder's state is the batches the step trained on. It reaches the feeder only
-through its consumer's ledger of fits (`feedpipe.keras.ledger`), and never imports the
-feeder's module.
+callbacks, so the feeder's state is the batches the step trained on; its `StepGuard` holds a
+Ctrl-C that arrives while a step runs until that count, and the model, are whole. It reaches the
+feeder only through its consumer's ledger of fits (`feedpipe.keras.ledger`), and never imports
+the feeder's module.
 """
 
 from __future__ import annotations
 
+import signal
+import threading
 import warnings
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import keras
 
 from feedpipe._internals import (
+    give_back_jax_train_state,
+    in_keras_fit_with,
     keras_fit_input,
     keras_reading,
     keras_restored_epoch,
@@ -33,8 +40,9 @@ class FitTracker(keras.callbacks.Callback):
     the step runs, and the checkpoints Keras users write come after it. It also refuses a fit
     whose epochs cannot be the feeder's (after a restore mid-epoch), warns when compiled
     `metrics` will count padding rows, refuses `validation_data` that reads the same feeder,
-    and raises an error of the source or `transform` from `fit` as itself (its type, message
-    and note), where TensorFlow would wrap it.
+    raises an error of the source or `transform` from `fit` as itself (its type, message
+    and note), where TensorFlow would wrap it, and stops a fit interrupted by Ctrl-C between
+    steps (see `StepGuard`), so that the same fit run again goes on from the batches trained.
     """
 
     def __init__(self, feeder: Any):
@@ -57,17 +65,40 @@ class FitTracker(keras.callbacks.Callback):
         self.epoch_steps: int | None = None
         """Steps Keras runs per epoch (None: the length is unknown); an epoch's last call may
         run fewer than `steps_per_execution`."""
+        self.pass_steps: int | None = None
+        """Batches of the pass this Keras epoch reads (None: the length is unknown): the rest
+        of the feeder's epoch, fewer than `epoch_steps` in the first epoch of a fit on the
+        feeder itself begun mid-epoch, which ends with the feeder's."""
+        self.begun = 0
+        """Steps of this Keras epoch begun before the call running."""
+        self.armed = False
+        """Keras begins a step of this tracker's fit: `on_train_batch_begin` ran, and the
+        train function has not yet been called. A fit that raised leaves the train function
+        wrapped until the next fit with a tracker: in a fit without one, it is Keras's own."""
         self.per_call = 1
         """The model's `steps_per_execution`, read once a fit: on JAX, `self.model` attaches
         the training state to the model's variables (Keras's `Callback.model` does, so that a
         callback may read them), and Keras then takes it apart again before the next step;
         read every step, that cost ~0.7 ms a step of a 3-layer MLP on 4 host devices."""
+        self.guard = StepGuard(self)
+        """Holds a Ctrl-C that arrives while a step runs, for the fit's length."""
+        self.trainer: Any = None
+        """The model being fit, read once a fit (see `per_call`)."""
+        self.jax = False
+        """Keras trains on JAX: its step donates the training state it is given."""
+        self.counted_from: int | None = None
+        """On TensorFlow, the optimizer's count of steps (`iterations`) as the fit began, read
+        once, where it is a variable (see `_uncount_step_without_batch`)."""
 
     def on_train_begin(self, logs=None):
         self._check_fit_reads_feeder()
         self.earlier, self.steps, self.finished, self.first_epoch = 0, 0, 0, True
-        self.per_call = int(self.model.steps_per_execution)
-        self.feeder._consumer.fits.track(self)
+        self.trainer = self.model
+        self.per_call = int(self.trainer.steps_per_execution)
+        self.jax = keras.backend.backend() == "jax"
+        self.counted_from = _optimizer_count(self.trainer)
+        self.feeder._consumer.fits.track(self)  # ends an interrupted fit: its guard first
+        self.guard.install()
         self._wrap_train_function()
         if keras_reading(self.feeder) != "fit":  # the feeder itself hands Keras real rows alone
             _warn_unweighted_metrics(self.model, self.feeder)
@@ -76,12 +107,13 @@ class FitTracker(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         if self.first_epoch:
             self.first_epoch = False
-            restored = keras_restored_epoch(self.model) == epoch
+            restored = keras_restored_epoch(self.trainer) == epoch
             self.feeder._consumer.fits.line_up(epoch, restored=restored)
         self.earlier += self.finished
         self.first_pass, self.steps, self.finished = self.feeder._consumer.passes, 0, 0
         params = self.params or {}
         self.epoch_steps = params.get("steps")
+        self.pass_steps = self.feeder._consumer.fits.steps_left()
         total = params.get("epochs", epoch + 1)
         itself = keras_reading(self.feeder) == "fit"
         self.feeder._consumer.fits.check_epochs(
@@ -89,12 +121,20 @@ class FitTracker(keras.callbacks.Callback):
         )
 
     def on_train_batch_begin(self, batch, logs=None):
+        self.guard.release()
         self.feeder._consumer.raise_failure()
-        self.steps = batch + self.per_call
-        if self.epoch_steps:
-            self.steps = min(self.steps, self.epoch_steps)
+        self.armed, self.begun, self.steps = True, batch, batch + self.per_call
+        limit = self.pass_steps or self.epoch_steps
+        if limit:
+            self.steps = min(self.steps, limit)
+        # Keras's JAX trainer may now empty the model's variables to take the state out.
+        self.guard.held = self.jax
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.guard.release()
 
     def on_test_begin(self, logs=None):
+        self.guard.release()
         self.feeder._consumer.raise_failure()
         data = keras_validation_input(self.model)
         self.feeder._consumer.fits.refuse_as_validation(data, self.feeder._reads_this(data))
@@ -102,9 +142,10 @@ class FitTracker(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self.feeder._consumer.fits.untrack(self)
         self._speak_again()
-        function = self.model.train_function
+        function = self.trainer.train_function
         if getattr(function, "__self__", None) is self:
-            self.model.train_function = self._original
+            self.trainer.train_function = self._original
+        self.guard.uninstall(deliver=True)
 
     def _check_fit_reads_feeder(self) -> None:
         """Refuses a fit on other data: its steps would move this feeder's position (a
@@ -131,20 +172,57 @@ class FitTracker(keras.callbacks.Callback):
     def _train_function(self, *args):
         # The step's end is marked here rather than in `on_train_batch_end`: a callback with
         # that hook makes Keras run every callback's in the step's own thread, each step.
+        if not self.armed:
+            return self._original(*args)
+        self.armed = False
+        if self.pass_steps is not None and self.begun >= self.pass_steps:
+            # The pass has no batch left (its Keras epoch is longer: see `pass_steps`). Keras's
+            # TensorFlow step would learn it from the dataset's end, once its graph had run
+            # every op that needs no batch: the optimizer's `iterations` would count a step
+            # that trained nothing, and Adam's next steps would differ. Keras ends the epoch
+            # on this as on that end.
+            raise StopIteration
+        handing = Handing(args[1], self.guard) if self.jax else None
         try:
+            if handing is None:
+                self.guard.held = True
+            else:  # the wait for the batch is not held: nothing is donated yet
+                self.guard.release()
+                args = (args[0], handing)
             logs = self._original(*args)
-        except Exception as error:
+        except BaseException as error:
+            if handing is not None and not handing.handed:
+                give_back_jax_train_state(self.trainer, args[0])
+            if _ran_out(error):
+                self._uncount_step_without_batch()
+            self.guard.release()
             failure = self.feeder._consumer.failure
-            if failure is None or failure is error:
+            if failure is None or failure is error or not isinstance(error, Exception):
                 raise
             raise failure from None
         self.finished = self.steps
+        if handing is None:  # on JAX, once Keras keeps the state returned (the next callback)
+            self.guard.release()
         return logs
+
+    def _uncount_step_without_batch(self) -> None:
+        """Keras's TensorFlow step found the pass's end where its length is unknown (a
+        generator's epoch, which Keras learns so): its graph had run the ops that need no
+        batch, and the optimizer counted a step that trained nothing, one each epoch, which
+        Adam's later steps would feel. The count goes back to the steps trained where it is
+        exactly one ahead (an optimizer that skips or accumulates steps counts otherwise)."""
+        if self.counted_from is None:
+            return
+        iterations = self.trainer.optimizer.iterations
+        trained = self.counted_from + self.trained
+        if _count(iterations) == trained + 1:
+            iterations.assign(trained)
 
     def interrupted(self) -> None:
         """The fit raised (in a step, a callback, or Ctrl-C): a step that never returned
         trained nothing, so only the finished steps count."""
         self.steps = self.finished
+        self.guard.uninstall(deliver=False)  # the fit ended already
         self._speak_again()
 
     def _quiet_end_of_unknown_epoch(self) -> None:
@@ -181,6 +259,100 @@ def _opaque(data: Any) -> bool:
     refused."""
     kind = type(data)
     return kind.__module__.startswith("tensorflow") and "Dataset" in kind.__name__
+
+
+class StepGuard:
+    """Holds a Ctrl-C (SIGINT) that arrives while a step of a tracked `fit` runs until the fit
+    can stop whole: the step's end recorded, and what it returned kept by Keras.
+
+    Python raises `KeyboardInterrupt` wherever its main thread is when it handles the signal.
+    As a compiled step returns, that is after the step applied its update and before the
+    tracker records it: the state would be a batch behind, and the same fit run again would
+    train that batch twice. On JAX it is also before Keras keeps the state the step returned,
+    in exchange for the one it donated to the step: the model's variables would be deleted
+    arrays. Held, the signal reaches the handler it replaced once the step's end is recorded,
+    and on JAX at the tracker's next callback (the next step's begin, the epoch's end,
+    validation, the fit's end), when Keras has kept the state. The wait for a batch is not held
+    (on JAX it is in the step, before the state is donated), so Ctrl-C stops a slow source at
+    once.
+    """
+
+    def __init__(self, tracker: FitTracker):
+        self.tracker = weakref.ref(tracker)
+        """The tracker of the fit whose steps are held (weakly: a handler left in place by a
+        fit that raised keeps nothing of it alive)."""
+        self.previous: Any = None
+        """The SIGINT handler this one replaced."""
+        self.held = False
+        """A step runs: a SIGINT now is held."""
+        self.pending: Any = None
+        """The frame a held SIGINT arrived in."""
+
+    def install(self) -> None:
+        """Holds SIGINT during the fit's steps, where a Python handler would raise it (signals
+        are handled in the main thread, by Python's handler or a function the user set)."""
+        previous = signal.getsignal(signal.SIGINT)
+        if threading.current_thread() is not threading.main_thread() or not callable(previous):
+            return
+        self.previous, self.held, self.pending = previous, False, None
+        signal.signal(signal.SIGINT, self._handle)
+
+    def uninstall(self, *, deliver: bool) -> None:
+        """Puts the replaced handler back (unless another was set since); with `deliver`, hands
+        it a SIGINT still held, else forgets it."""
+        if self.previous is not None and signal.getsignal(signal.SIGINT) == self._handle:
+            signal.signal(signal.SIGINT, self.previous)
+        if not deliver:
+            self.pending = None
+        self.release()
+
+    def release(self) -> None:
+        """The step's end is recorded and kept: a SIGINT held is handled now."""
+        self.held = False
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self.previous(signal.SIGINT, pending)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        # A fit that raised out of a step (an error, or a callback's KeyboardInterrupt) leaves
+        # `held` set and this handler in place until the feeder is next read: only that fit,
+        # still running, holds.
+        if self.held and in_keras_fit_with(self.tracker(), frame):
+            self.pending = frame
+            return
+        self.held = False
+        self.previous(signum, frame)
+
+
+class Handing(Iterator):
+    """Keras's batches for one call of its JAX train function, which reads them itself: once
+    one is handed over, the step will donate the training state (see `StepGuard`)."""
+
+    def __init__(self, batches: Iterator, guard: StepGuard):
+        self.batches, self.guard = batches, guard
+        self.handed = False
+
+    def __next__(self) -> Any:
+        batch = next(self.batches)
+        self.handed = self.guard.held = True
+        return batch
+
+
+def _optimizer_count(model: keras.Model) -> int | None:
+    """The optimizer's count of steps applied, on TensorFlow where it is a variable."""
+    if keras.backend.backend() != "tensorflow":
+        return None
+    iterations = getattr(getattr(model, "optimizer", None), "iterations", None)
+    return _count(iterations) if isinstance(iterations, keras.Variable) else None
+
+
+def _count(variable: keras.Variable) -> int:
+    return int(keras.ops.convert_to_numpy(variable))
+
+
+def _ran_out(error: BaseException) -> bool:
+    """Whether Keras's TensorFlow step raised for the end of its dataset."""
+    return isinstance(error, StopIteration) or type(error).__name__ == "OutOfRangeError"
 
 
 _RAN_OUT = "Your input ran out of data; interrupting training"

@@ -7,11 +7,13 @@ the thread of the `prefetch` after it, and a last, synchronous `map` runs as the
 each batch: it refuses a batch of a pass that was superseded and records which batch was taken
 (`TakenBatches`). From that record the feeder learns the consumer's position, as the batches it
 hands out tell it on its own path, and its stats: the steps and samples taken, the time from one
-taken batch to the next and the time spent gathering, all timed in the graph.
+taken batch to the next and the time spent gathering, all timed in the graph (by Python's clock
+where TensorFlow's op determinism refuses `tf.timestamp`).
 """
 
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Any
 
@@ -19,7 +21,7 @@ import numpy as np
 import optree
 import tensorflow as tf
 
-from feedpipe._internals import single_device_map
+from feedpipe._internals import op_determinism_enabled, single_device_map
 from feedpipe.core.weights import broadcastable, row_weights
 
 GATHER_MAX_BYTES = 1 << 30
@@ -52,6 +54,10 @@ class TakenBatches:
     def __init__(self):
         with tf.device("/cpu:0"):
             self._table = tf.lookup.experimental.MutableHashTable(tf.int64, tf.int64, 0)
+        self.python_clock = op_determinism_enabled()
+        """The graph reads Python's clock: with op determinism enabled
+        (`tf.config.experimental.enable_op_determinism`), TensorFlow refuses `tf.timestamp`.
+        Chosen as the dataset is made, since a choice in the graph would cost every batch."""
 
     def _read(self, key: int) -> int:
         return int(self._table.lookup(tf.constant(key, tf.int64)))
@@ -97,7 +103,7 @@ class TakenBatches:
         `message`, then records it as taken, and the time since the pass's previous batch."""
         is_open = tf.equal(self._get(_OPEN), tag // STEPS_PER_PASS)
         with tf.control_dependencies([tf.debugging.Assert(is_open, [message])]):
-            now = _microseconds()
+            now = self.microseconds()
             same_pass = tf.equal(self._get(_LAST) // STEPS_PER_PASS, tag // STEPS_PER_PASS)
             since = tf.where(same_pass, now - self._get(_LAST_AT), tf.constant(0, tf.int64))
             counted = self._add({_STEP_US: since, _INTERVALS: tf.cast(same_pass, tf.int64)})
@@ -107,13 +113,19 @@ class TakenBatches:
 
     def made(self, started: tf.Tensor, samples: tf.Tensor) -> tf.Operation:
         """In the dataset's graph: a batch of `samples` real samples gathered, begun at
-        `started` (`_microseconds()`)."""
-        return self._add({_BUSY_US: _microseconds() - started, _MADE: samples})
+        `started` (`microseconds()`)."""
+        return self._add({_BUSY_US: self.microseconds() - started, _MADE: samples})
+
+    def microseconds(self) -> tf.Tensor:
+        """In the graph: now, in microseconds since the epoch."""
+        if self.python_clock:
+            return tf.numpy_function(_python_microseconds, [], tf.int64, stateful=True)
+        return tf.cast(tf.timestamp() * 1e6, tf.int64)  # float64 seconds keep them exactly
 
 
-def _microseconds() -> tf.Tensor:
-    """In the graph: now, in microseconds (a float64 of seconds keeps them exactly)."""
-    return tf.cast(tf.timestamp() * 1e6, tf.int64)
+def _python_microseconds() -> np.int64:
+    """Now, in microseconds since the epoch, as `tf.timestamp()` reads it."""
+    return np.int64(time.time_ns() // 1000)
 
 
 def gathered_dataset(
@@ -146,6 +158,13 @@ def gathered_dataset(
                 "The fp.Feeder of this dataset was closed and collected; keep the feeder "
                 "while its dataset is read."
             )
+        if op_determinism_enabled() and not taken.python_clock:
+            raise RuntimeError(
+                "tf.config.experimental.enable_op_determinism() was called after this dataset "
+                "was made: its graph times batches with tf.timestamp, which TensorFlow then "
+                "refuses. Make the dataset again, feeder.as_dataset(), or enable op determinism "
+                "first, at the start of the program."
+            )
         this_pass, rows, valid = this._consumer.gathered_pass(steps, taken)
         planned = [np.int64(this_pass.number), np.int64(this_pass.start.step), rows, valid]
         if label_ranks:
@@ -173,7 +192,7 @@ def gathered_dataset(
     def gather(tag, rows, valid, *weights):
         if real_only:  # the real rows are the first `valid`, as a slot pads
             rows = rows[:valid]
-        started = _microseconds()
+        started = taken.microseconds()
         with tf.control_dependencies([started]):
             arrays = [tf.gather(tensor, rows) for tensor in tensors]
         with tf.control_dependencies(arrays):

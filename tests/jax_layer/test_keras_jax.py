@@ -4,6 +4,11 @@ cannot share its rows), a state that counts what the step trained on."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+
+import jax
 import numpy as np
 import pytest
 
@@ -126,3 +131,65 @@ def test_data_parallel_fit_with_a_last_batch_the_devices_cannot_share_warns_what
     plain = model(keras)  # a mean loss over the padded batch is the mean over its real rows
     plain.fit(x, y, batch_size=8, shuffle=False, epochs=1, verbose=0)
     assert_same_weights(net, plain)
+
+
+def test_a_real_ctrl_c_in_any_step_leaves_a_whole_model_and_the_same_fit_goes_on(keras, devices):
+    # Keras's JAX step donates the training state it is given and returns the next one, which
+    # Keras keeps once the step has returned: a KeyboardInterrupt raised in between would leave
+    # the model's variables deleted arrays, and the fit run again would crash on them.
+    x, y = data()  # 4 steps, the last padded
+    steps = -(-LENGTH // BATCH)
+
+    class SignalInStep(keras.layers.Layer):
+        """Has a thread send this process a real SIGINT (Ctrl-C) as the compiled step `at`
+        begins (None: never): the rest of the step runs in XLA, and Python handles the signal
+        as the step returns."""
+
+        def __init__(self, at: int | None):
+            super().__init__()
+            self.at, self.count, self.reached = at, 0, threading.Event()
+            self.sender = threading.Thread(target=self.send, name="ctrl-c", daemon=True)
+            if at is not None:
+                self.sender.start()
+
+        def send(self) -> None:
+            if self.reached.wait(timeout=60):
+                os.kill(os.getpid(), signal.SIGINT)
+
+        def tick(self) -> None:
+            if self.count == self.at:
+                self.reached.set()
+            self.count += 1
+
+        def call(self, inputs):
+            jax.debug.callback(self.tick)
+            return inputs
+
+    def fit(at: int | None):
+        keras.utils.set_random_seed(1)
+        interrupting = SignalInStep(at)
+        layers = [keras.layers.Dense(1024), keras.layers.Dense(1024), keras.layers.Dense(3)]
+        net = keras.Sequential([keras.Input((8,)), interrupting, *layers])
+        net.compile(
+            keras.optimizers.Adam(0.01),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        with fp.Feeder((x, y), BATCH, devices=devices[:1]) as feeder:
+            callbacks = [feeder.fit_callback()]
+            if at is None:
+                net.fit(feeder, epochs=1, callbacks=callbacks, verbose=0)
+                return net
+            with pytest.raises(KeyboardInterrupt):
+                net.fit(feeder, epochs=1, callbacks=callbacks, verbose=0)
+            interrupting.sender.join()
+            applied = int(net.optimizer.iterations.value)  # the model's own variable, whole
+            state = feeder.get_state()
+            assert (state["epoch"], state["step"]) in [(0, at + 1), (1, 0)], at
+            assert applied == state["epoch"] * steps + state["step"]
+            if state["epoch"] == 0:
+                net.fit(feeder, epochs=1, callbacks=callbacks, verbose=0)  # the same fit again
+        return net
+
+    whole = fit(None)
+    for at in range(steps):
+        assert_same_weights(fit(at), whole)
