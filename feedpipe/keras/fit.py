@@ -193,8 +193,7 @@ class FitTracker(keras.callbacks.Callback):
         except BaseException as error:
             if handing is not None and not handing.handed:
                 give_back_jax_train_state(self.trainer, args[0])
-            if _ran_out(error):
-                self._uncount_step_without_batch()
+            self._uncount_step_without_batch()  # the end of the pass, or a batch that failed
             self.guard.release()
             failure = self.feeder._consumer.failure
             if failure is None or failure is error or not isinstance(error, Exception):
@@ -206,11 +205,12 @@ class FitTracker(keras.callbacks.Callback):
         return logs
 
     def _uncount_step_without_batch(self) -> None:
-        """Keras's TensorFlow step found the pass's end where its length is unknown (a
-        generator's epoch, which Keras learns so): its graph had run the ops that need no
-        batch, and the optimizer counted a step that trained nothing, one each epoch, which
-        Adam's later steps would feel. The count goes back to the steps trained where it is
-        exactly one ahead (an optimizer that skips or accumulates steps counts otherwise)."""
+        """Keras's TensorFlow step raised for want of its batch: it found the pass's end where
+        its length is unknown (a generator's epoch, which Keras learns so), or reading the
+        batch failed (the source's error). Its graph had run the ops that need no batch, and
+        the optimizer counted a step that trained nothing, which Adam's later steps would
+        feel. The count goes back to the steps trained where it is exactly one ahead (an
+        optimizer that skips or accumulates steps counts otherwise)."""
         if self.counted_from is None:
             return
         iterations = self.trainer.optimizer.iterations
@@ -348,11 +348,6 @@ def _optimizer_count(model: keras.Model) -> int | None:
 
 def _count(variable: keras.Variable) -> int:
     return int(keras.ops.convert_to_numpy(variable))
-
-
-def _ran_out(error: BaseException) -> bool:
-    """Whether Keras's TensorFlow step raised for the end of its dataset."""
-    return isinstance(error, StopIteration) or type(error).__name__ == "OutOfRangeError"
 
 
 _RAN_OUT = "Your input ran out of data; interrupting training"
