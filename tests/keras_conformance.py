@@ -87,6 +87,10 @@ class Structure:
         inputs = keras.Input((FEATURES,))
         hidden = keras.layers.BatchNormalization()(keras.layers.Dense(16)(inputs))
         net = keras.Model(inputs, keras.layers.Dense(self.length)(hidden))
+        return self.compiled(keras, net, optimizer, compile_options)
+
+    def compiled(self, keras, net, optimizer: str, compile_options: dict):
+        """`net`, one output of the samples' ids, compiled to count the rows it trains on."""
         net.compile(
             _optimizer(keras, optimizer),
             keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -148,13 +152,7 @@ class DictInputs(Structure):
         a, b = keras.Input((FEATURES,), name="a"), keras.Input((3,), name="b")
         joined = keras.layers.Concatenate()([keras.layers.Dense(16)(a), b])
         net = keras.Model({"a": a, "b": b}, keras.layers.Dense(self.length)(joined))
-        net.compile(
-            _optimizer(keras, optimizer),
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            weighted_metrics=[rows_trained(keras, self.length)],
-            **compile_options,
-        )
-        return net
+        return self.compiled(keras, net, optimizer, compile_options)
 
 
 class NestedSamples(DictInputs):

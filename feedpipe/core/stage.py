@@ -92,23 +92,30 @@ def refuse_unstageable(spec: SampleSpec, framework: str, device: Any, place: Cal
     """Refuses, at construction, a field whose dtype `place` (one array onto `device`) cannot
     handle, naming the field and the fix, instead of failing at the first batch. A device that
     takes no array at all (float32 included) is refused as the device, not as a dtype."""
-    try:
-        place(np.zeros(1, np.float32))
-    except Exception as error:
+    why = _refusal_of(place, np.float32)
+    if why is not None:
         raise ValueError(
-            f"{framework} cannot place any array on {device} ({type(error).__name__}: "
-            f"{str(error).splitlines()[0][:120]}); the device is at fault, not a field's dtype: "
-            "pass devices this process has, or leave `devices` unset."
-        ) from error
+            f"{framework} cannot place any array on {device} ({why[0]}); the device is at "
+            "fault, not a field's dtype: pass devices this process has, or leave `devices` "
+            "unset."
+        ) from why[1]
     for leaf in spec.leaves:
-        try:
-            place(np.zeros(1, leaf.dtype))
-        except Exception as error:
+        why = _refusal_of(place, leaf.dtype)
+        if why is not None:
             raise TypeError(
                 f"Field {leaf.name} has dtype {leaf.dtype}, which {framework} cannot stage on "
-                f"{device} ({type(error).__name__}: {str(error).splitlines()[0][:120]}); cast "
-                "it in `transform` or beforehand, e.g. to float16, bfloat16 or int8."
-            ) from error
+                f"{device} ({why[0]}); cast it in `transform` or beforehand, e.g. to float16, "
+                "bfloat16 or int8."
+            ) from why[1]
+
+
+def _refusal_of(place: Callable, dtype: Any) -> tuple[str, Exception] | None:
+    """Why `place` refuses an array of `dtype` (the error, and its first line), or None."""
+    try:
+        place(np.zeros(1, dtype))
+    except Exception as error:
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:120]}", error
+    return None
 
 
 class Narrowing:
