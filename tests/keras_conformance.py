@@ -784,3 +784,28 @@ def test_a_loss_summed_over_the_batch_trains_what_fit_on_arrays_trains(keras, ke
     samples = SumLoss()
     fed = fit_feeder(keras, keras_devices, samples, optimizer="adam")[:2]
     assert_same_fit(fed, fit_arrays(keras, samples, optimizer="adam"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("at", [1, 2], ids=["the epoch's last step", "mid-epoch"])
+def test_a_ctrl_c_saved_in_its_handler_resumes_in_a_new_process_as_never_interrupted(
+    keras, keras_devices, tmp_path, at
+):
+    from tests.processes import REPO_ROOT, log_tail, run_at_once
+
+    script = str(REPO_ROOT / "tests" / "keras_resume_worker.py")
+    env = {"KERAS_BACKEND": keras.backend.backend()}
+    runs = {"full": ["full", str(tmp_path)], "interrupt": ["interrupt", str(tmp_path), str(at)]}
+    codes = run_at_once(script, runs, tmp_path, 300, envs=dict.fromkeys(runs, env))
+    for name, code in codes.items():
+        assert code == 0, log_tail(tmp_path, name)
+    state = json.loads((tmp_path / "state.json").read_text())
+    assert 0 < state["epoch"] * 2 + state["step"] < 4, state
+    codes = run_at_once(
+        script, {"resume": ["resume", str(tmp_path)]}, tmp_path, 300, envs={"resume": env}
+    )
+    assert codes["resume"] == 0, log_tail(tmp_path, "resume")
+    full, resumed = np.load(tmp_path / "full.npz"), np.load(tmp_path / "resume.npz")
+    assert set(full.files) == set(resumed.files)
+    for name in full.files:
+        np.testing.assert_array_equal(resumed[name], full[name], err_msg=name)
