@@ -11,8 +11,8 @@ the structure of its first batch), with a warning that says what differs; `predi
 `evaluate` refuse them. `class_weight` adds its weights as Keras adds them to arrays
 (`feedpipe.keras.arguments`). `predict` and `evaluate` read a whole epoch aside: the feeder's
 position, and so its state, stays where training left it. The rule is written here once;
-each framework gives its array operations (`DeviceRows`). TensorFlow's trainer reads
-`feeder.as_dataset()`'s batches instead (`feedpipe.tf.feeder`).
+each framework gives its array operations (`DeviceRows`). TensorFlow's trainer reads a
+`tf.data.Dataset` of the same batches instead (`feedpipe.tf.feeder`).
 """
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ _MAY_KEEP = "a skipped sample can leave a batch whose real rows the devices cann
 
 def _may_keep_padding(rows: DeviceRows, errors: str) -> bool:
     """Whether a batch of the pass may have to keep its padding: the epoch's last cannot go as
-    its real rows alone, or a skipped sample can leave a batch that cannot (one real row fewer
-    than a full batch divides among no more devices than one does)."""
+    its real rows alone, or, where `errors="skip"` leaves a batch any count of real rows, some
+    count cannot (a single row cannot wherever several devices or hosts share each batch)."""
     return rows.uneven(None) is not None or (errors == "skip" and rows.uneven(1) is not None)
 
 
@@ -123,8 +123,8 @@ def _padded_warning(reason: str, how: str | None) -> str:
         "its padding rows weighted zero and its real rows weighted global_batch_size / "
         "num_valid, so a mean loss is the mean over its real rows; but BatchNormalization's "
         "batch statistics count the padding rows, a loss with reduction='sum' and History's "
-        "loss weigh that batch as a full one, and weighted_metrics count its real rows "
-        "global_batch_size / num_valid times each"
+        "loss weigh that batch as a full one, weighted_metrics count its real rows "
+        "global_batch_size / num_valid times each, and compiled metrics count its padding rows"
         if how is not None
         else "with nothing to weigh its padding rows by (the samples are not (x, y) or "
         "(x, y, sample_weight)), so they train as samples"
