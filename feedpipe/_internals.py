@@ -273,18 +273,12 @@ def keras_call(adapter: Any) -> tuple[str, dict[str, Any]] | None:
     asked for its batches from inside the method). A validation's arguments are the fit's
     `validation_*` ones, which Keras has already unpacked: none are given for it.
     """
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name in ("fit", "evaluate", "predict") and _KERAS_TRAINER.search(
-            code.co_filename
-        ):
-            given = frame.f_locals
-            if code.co_name == "fit" and given.get("x") is not adapter:
-                return "evaluate", {}  # the validation data of the fit
-            names = ("y", "sample_weight", "class_weight")
-            return code.co_name, {name: given[name] for name in names if name in given}
-        frame = frame.f_back
+    for frame in _keras_trainer_frames(sys._getframe(1), ("fit", "evaluate", "predict")):
+        given, method = frame.f_locals, frame.f_code.co_name
+        if method == "fit" and given.get("x") is not adapter:
+            return "evaluate", {}  # the validation data of the fit
+        names = ("y", "sample_weight", "class_weight")
+        return method, {name: given[name] for name in names if name in given}
     return None
 
 
@@ -298,13 +292,20 @@ def keras_restored_epoch(model: Any) -> int | None:
 def keras_fit_input() -> Any:
     """The `x` of the Keras `fit` running on this thread (what it trains on), or None outside
     one: a callback is told nothing of it (see `keras_call`)."""
-    frame = sys._getframe(1)
+    for frame in _keras_trainer_frames(sys._getframe(1), ("fit",)):
+        return frame.f_locals.get("x")
+    return None
+
+
+def _keras_trainer_frames(frame: Any, methods: tuple[str, ...]) -> Iterator[Any]:
+    """The frames of Keras's backend trainer methods named `methods` on the calling stack of
+    `frame`, nearest first: where Keras keeps what it tells neither a data adapter nor a
+    callback (what `fit` was given, its epoch iterator, its callbacks)."""
     while frame is not None:
         code = frame.f_code
-        if code.co_name == "fit" and _KERAS_TRAINER.search(code.co_filename):
-            return frame.f_locals.get("x")
+        if code.co_name in methods and _KERAS_TRAINER.search(code.co_filename):
+            yield frame
         frame = frame.f_back
-    return None
 
 
 def keras_jax_batches(*data: Any, **options: Any) -> Iterator[Any]:
@@ -354,16 +355,12 @@ def read_keras_fit_input_through(wrap: Callable[[Iterator], Iterator]) -> bool:
     the calling stack as `keras_reading` finds the trainer, which makes each epoch's iterator
     with its `_get_iterator()`. The epoch iterator ends with the fit, and the wrapping with it.
     """
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "fit" and _KERAS_TRAINER.search(code.co_filename):
-            epochs = frame.f_locals.get("epoch_iterator")
-            if epochs is None or not hasattr(epochs, "_get_iterator"):
-                return False
-            epochs._get_iterator = lambda make=epochs._get_iterator: wrap(iter(make()))
-            return True
-        frame = frame.f_back
+    for frame in _keras_trainer_frames(sys._getframe(1), ("fit",)):
+        epochs = frame.f_locals.get("epoch_iterator")
+        if epochs is None or not hasattr(epochs, "_get_iterator"):
+            return False
+        epochs._get_iterator = lambda make=epochs._get_iterator: wrap(iter(make()))
+        return True
     return False
 
 
@@ -415,13 +412,10 @@ def give_back_jax_train_state(model: Any, state: tuple) -> None:
 def in_keras_fit_with(callback: Any, frame: Any) -> bool:
     """Whether a Keras `fit` with `callback` among its callbacks is on the calling stack of
     `frame` (it has not returned or raised): no public API says which fit is running."""
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "fit" and _KERAS_TRAINER.search(code.co_filename):
-            callbacks = frame.f_locals.get("callbacks")
-            if any(c is callback for c in getattr(callbacks, "callbacks", ())):
-                return True
-        frame = frame.f_back
+    for fit in _keras_trainer_frames(frame, ("fit",)):
+        callbacks = fit.f_locals.get("callbacks")
+        if any(c is callback for c in getattr(callbacks, "callbacks", ())):
+            return True
     return False
 
 
