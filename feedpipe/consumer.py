@@ -445,13 +445,15 @@ class Consumer:
         self.position = Position(batch.epoch, batch.step)
         self.settle()
 
-    def steps_left(self) -> int | None:
-        """Batches left in the current epoch (None where the length is unknown): a feeder left
-        or restored mid-epoch serves the rest of that epoch in a fit's first pass."""
+    def steps_left(self, position: Position | None = None) -> int | None:
+        """Batches left in the epoch of `position` (the consumer's by default; None where the
+        length is unknown): a feeder left or restored mid-epoch serves the rest of that epoch
+        in a fit's first pass."""
         plan = self.assembly.plan
         if plan is None:
             return None
-        return len(plan) - self.assembly.stream().state(self.position)["step"]
+        position = self.position if position is None else position
+        return len(plan) - self.assembly.stream().state(position)["step"]
 
     def consumed(self) -> Position:
         """The batches the consumer has used, as a position."""

@@ -132,10 +132,7 @@ class FitLedger:
     def steps_left(self) -> int | None:
         """Batches left in the epoch the tracked `fit` trains next (None where the length is
         unknown): its next pass serves those."""
-        assembly = self.consumer.assembly
-        if assembly.plan is None:
-            return None
-        return len(assembly.plan) - assembly.stream().state(self.tracked())["step"]
+        return self.consumer.steps_left(self.tracked())
 
     def refuse_as_validation(self, data: Any, reads_feeder: bool) -> None:
         """Refuses a fit whose `validation_data` reads this feeder: validation would take the
