@@ -73,30 +73,40 @@ def _check_class_weight(treespec: Any, class_weight: Any) -> None:
         )
 
 
-def class_weights(labels: Any, class_weight: dict) -> Any:
+class ClassWeights:
     """Each row's weight by its class, as Keras weighs arrays
     (`data_adapter_utils.class_weight_to_sample_weights`): a one-hot row's class is its
     argmax, any other's its rounded value, and a class not in `class_weight` weighs 1. In
-    Keras's ops, so the weights are made where the labels are, on any backend."""
-    from keras import backend, ops
+    Keras's ops, so the weights are made where the labels are, on any backend; the table of
+    weights is made once, not once a batch."""
 
-    table = [float(class_weight.get(c, 1.0)) for c in range(max(max(class_weight), 0) + 1)]
-    y = labels
-    if len(y.shape) > 1:
-        y = ops.argmax(y, axis=-1) if y.shape[-1] != 1 else ops.squeeze(y, axis=-1)
-    classes = ops.cast(ops.round(ops.cast(y, "float32")), "int32")
-    known = ops.logical_and(classes >= 0, classes < len(table))
-    looked_up = ops.take(ops.array(table, backend.floatx()), ops.clip(classes, 0, len(table) - 1))
-    return ops.where(known, looked_up, ops.ones_like(looked_up))
+    def __init__(self, class_weight: dict):
+        from keras import backend, ops
 
+        weights = [float(class_weight.get(c, 1.0)) for c in range(max(max(class_weight), 0) + 1)]
+        self.table = ops.array(weights, backend.floatx())
+        self.classes = len(weights)
 
-def with_class_weights(inputs: Any, class_weight: dict) -> tuple:
-    """`(x, y)` with each row weighted by its class, or `(x, y, w)` (a padded batch's zero
-    weights on padding) with `w` multiplied by it."""
-    from keras import ops
+    def of(self, labels: Any) -> Any:
+        """The weight of each row of `labels`."""
+        from keras import ops
 
-    by_class = class_weights(inputs[1], class_weight)
-    if len(inputs) == 3:
-        w = inputs[2]
-        return inputs[0], inputs[1], w * ops.reshape(by_class, (-1,) + (1,) * (len(w.shape) - 1))
-    return inputs[0], inputs[1], by_class
+        y = labels
+        if len(y.shape) > 1:
+            y = ops.argmax(y, axis=-1) if y.shape[-1] != 1 else ops.squeeze(y, axis=-1)
+        classes = ops.cast(ops.round(ops.cast(y, "float32")), "int32")
+        known = ops.logical_and(classes >= 0, classes < self.classes)
+        looked_up = ops.take(self.table, ops.clip(classes, 0, self.classes - 1))
+        return ops.where(known, looked_up, ops.ones_like(looked_up))
+
+    def weigh(self, inputs: Any) -> tuple:
+        """`(x, y)` with each row weighted by its class, or `(x, y, w)` (a padded batch's zero
+        weights on padding) with `w` multiplied by it."""
+        from keras import ops
+
+        by_class = self.of(inputs[1])
+        if len(inputs) == 3:
+            w = inputs[2]
+            by_class = ops.reshape(by_class, (-1,) + (1,) * (len(w.shape) - 1))
+            return inputs[0], inputs[1], w * by_class
+        return inputs[0], inputs[1], by_class

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import optree
 
 from feedpipe.core.weights import weighting
-from feedpipe.keras.arguments import with_class_weights
+from feedpipe.keras.arguments import ClassWeights
 
 
 class DeviceRows(Protocol):
@@ -71,6 +71,7 @@ def keras_batches(
     """Per pattern, keyed by its mask (kept, so that the key stays its own): the sample weights
     added to `(x, y)`, or the row weights that scale an `(x, y, w)` source's own."""
     warned = False
+    by_class = None if class_weight is None else ClassWeights(class_weight)
     feeder._consumer.end_open_pass()
     for batch in feeder._consumer.iterate(fit=True, host=False, aside=aside):
         inputs, mask = batch.distributed()
@@ -93,8 +94,8 @@ def keras_batches(
                 inputs = (*inputs, weights)
             else:
                 inputs = (inputs[0], inputs[1], rows.scaled(inputs[2], weights))
-        if class_weight is not None:
-            inputs = with_class_weights(inputs, class_weight)
+        if by_class is not None:
+            inputs = by_class.weigh(inputs)
         yield inputs
 
 

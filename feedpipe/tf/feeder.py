@@ -22,7 +22,7 @@ from feedpipe.consumer import SUPERSEDED
 from feedpipe.core.source import ArraySource
 from feedpipe.core.stage import HostBatch
 from feedpipe.core.weights import row_weights, weighting, with_weights
-from feedpipe.keras.arguments import with_class_weights
+from feedpipe.keras.arguments import ClassWeights
 from feedpipe.tf.gather import GATHER_MAX_BYTES, gathered_dataset, weight_spec
 from feedpipe.tf.layer import TensorFlowLayer
 
@@ -112,13 +112,10 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
             )
         rows = self.split.per_replica if hosts else self.options.global_batch_size
         rows = None if real_only else rows
-        signature = _tuples(
-            self.spec.unflatten(
-                [
-                    tf.TensorSpec((rows, *leaf.shape), tf.as_dtype(leaf.dtype))
-                    for leaf in self.spec.leaves
-                ]
-            )
+        unflatten = _as_tuples(self.spec).unflatten  # made once: it runs for every batch
+        leaves = self.spec.leaves
+        signature = unflatten(
+            [tf.TensorSpec((rows, *leaf.shape), tf.as_dtype(leaf.dtype)) for leaf in leaves]
         )
         o = self.options
         how = None if real_only else weighting(self.spec, o.remainder, o.errors)
@@ -143,12 +140,16 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
                     fit=True, host=True, steps=steps, reader=reader, aside=aside
                 )
                 for batch in batches:
-                    yield _real(this, batch) if real_only else _weighted(this, batch, how)
+                    yield (
+                        _real(batch, unflatten)
+                        if real_only
+                        else _weighted(this, batch, how, unflatten)
+                    )
                 return
             per_replica = this.split.per_replica
             while True:  # every epoch, one replica's rows at a time, as the strategy takes them
                 for batch in this._consumer.iterate(fit=True, host=True, reader=reader):
-                    sample = _weighted(this, batch, how)
+                    sample = _weighted(this, batch, how, unflatten)
                     for lo in range(0, len(batch.arrays[0]), per_replica):
                         yield optree.tree_map(lambda a, lo=lo: a[lo : lo + per_replica], sample)
 
@@ -245,16 +246,18 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
         self.set_state(json.loads(string_value))
 
 
-def _tuples(sample: Any) -> Any:
-    """`sample` with its lists made tuples: a `tf.data.Dataset`'s elements cannot hold lists,
-    and Keras takes a list `[x, y]` as the tuple `(x, y)`."""
-    if isinstance(sample, list):
-        return tuple(_tuples(item) for item in sample)
-    if isinstance(sample, tuple) and not hasattr(sample, "_fields"):
-        return tuple(_tuples(item) for item in sample)
-    if isinstance(sample, dict):
-        return {key: _tuples(item) for key, item in sample.items()}
-    return sample
+def _as_tuples(spec: Any) -> optree.PyTreeSpec:
+    """The structure of `spec`'s samples with their lists made tuples: a `tf.data.Dataset`'s
+    elements cannot hold lists, and Keras takes a list `[x, y]` as the tuple `(x, y)`."""
+
+    def tuples(node: Any) -> Any:
+        if isinstance(node, list) or (isinstance(node, tuple) and not hasattr(node, "_fields")):
+            return tuple(tuples(item) for item in node)
+        if isinstance(node, dict):
+            return {key: tuples(item) for key, item in node.items()}
+        return node
+
+    return optree.tree_structure(tuples(spec.unflatten(list(range(len(spec.leaves))))))
 
 
 def _class_weighted(dataset: tf.data.Dataset, class_weight: dict | None) -> tf.data.Dataset:
@@ -262,23 +265,22 @@ def _class_weighted(dataset: tf.data.Dataset, class_weight: dict | None) -> tf.d
     given (see `feedpipe.keras.batches`)."""
     if class_weight is None:
         return dataset
+    by_class = ClassWeights(class_weight)
     # `map` hands a tuple's fields over one by one, and a namedtuple whole.
-    return dataset.map(
-        lambda *fields: with_class_weights(fields[0] if len(fields) == 1 else fields, class_weight)
-    )
+    return dataset.map(lambda *fields: by_class.weigh(fields[0] if len(fields) == 1 else fields))
 
 
-def _real(feeder: Feeder, batch: HostBatch) -> Any:
-    """The batch's sample, its real rows only."""
+def _real(batch: HostBatch, unflatten: Any) -> Any:
+    """The batch's sample (made by `unflatten`), its real rows only."""
     if batch.num_valid == len(batch.arrays[0]):
-        return _tuples(feeder.spec.unflatten(batch.arrays))
+        return unflatten(batch.arrays)
     real = slice(batch.num_valid) if batch.real is None else batch.real
-    return _tuples(feeder.spec.unflatten([array[real] for array in batch.arrays]))
+    return unflatten([array[real] for array in batch.arrays])
 
 
-def _weighted(feeder: Feeder, batch: HostBatch, how: str | None) -> Any:
-    """The batch's sample, its padding weighted as `how` says."""
-    sample = _tuples(feeder.spec.unflatten(batch.arrays))
+def _weighted(feeder: Feeder, batch: HostBatch, how: str | None, unflatten: Any) -> Any:
+    """The batch's sample (made by `unflatten`), its padding weighted as `how` says."""
+    sample = unflatten(batch.arrays)
     if how is None:
         return sample
     real = slice(batch.num_valid) if batch.real is None else batch.real
