@@ -275,19 +275,19 @@ class Stager:
         views = self.layout.views(leased)
         pattern = self.masks(step)
         copies = None
-        if self.streams is not None:
+        if self.streams is not None:  # each mask copied on its device's stream too
             placed, masks, copies = self._copy_on_own_streams(views, pattern)
-        elif self.layer.accelerated:
-            started = time.perf_counter()
-            placed = [
-                [from_numpy(region).to(device) for region in regions]
-                for device, regions in zip(self.layer.devices, views, strict=True)
-            ]
-            self.stats.copied(self.layout.batch_bytes, time.perf_counter() - started)
-            masks = tuple(mask.clone() for mask in pattern)
         else:
-            placed = [[from_numpy(region) for region in regions] for regions in views]
             masks = tuple(mask.clone() for mask in pattern)
+            if self.layer.accelerated:
+                started = time.perf_counter()
+                placed = [
+                    [from_numpy(region).to(device) for region in regions]
+                    for device, regions in zip(self.layer.devices, views, strict=True)
+                ]
+                self.stats.copied(self.layout.batch_bytes, time.perf_counter() - started)
+            else:
+                placed = [[from_numpy(region) for region in regions] for regions in views]
         replicas = tuple(unflatten(tensors) for tensors in placed)
         return Batch(replicas, masks, step.num_valid, step.epoch, step.index, copies)
 
