@@ -315,12 +315,17 @@ def fit_feeder(
     return net, history, state
 
 
+def steps_applied(net) -> int:
+    """The optimizer's `iterations` (a mirrored variable under a strategy, too)."""
+    return int(np.asarray(net.optimizer.iterations))
+
+
 def assert_same_fit(fed, expected) -> None:
     """Weights bit for bit, the same optimizer steps, History and rows trained."""
     (net, history), (theirs, their_history) = fed, expected
     for mine, other in zip(net.get_weights(), theirs.get_weights(), strict=True):
         np.testing.assert_array_equal(mine, other)
-    assert int(net.optimizer.iterations) == int(theirs.optimizer.iterations)
+    assert steps_applied(net) == steps_applied(theirs)
     assert history.history.keys() == their_history.history.keys()
     for key, values in history.history.items():
         np.testing.assert_allclose(values, their_history.history[key], rtol=1e-6, err_msg=key)
@@ -534,10 +539,12 @@ def test_predict_and_evaluate_give_what_they_give_on_arrays_and_leave_the_state(
         loop = iter(feeder)  # mid-epoch: predict reads the next epoch whole, aside
         next(loop)
         loop.close()
-        state = feeder.get_state()
+        state, trained = feeder.get_state(), feeder.stats()
         predicted = net.predict(feeder, verbose=0)
         evaluated = net.evaluate(feeder, verbose=0, return_dict=True)
         assert feeder.get_state() == state
+        read = feeder.stats()  # read aside: the training's figures stay as they were
+        assert (read.steps, read.samples) == (trained.steps, trained.samples)
         steps = [b.step for b in feeder]
         assert steps[0] == state["step"], "the loop goes on where it was"
     expected = net.predict(x, batch_size=BATCH, verbose=0)

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 
+import feedpipe as fp
 from tests.keras_conformance import *  # noqa: F403 (every conformance case runs here)
+from tests.keras_conformance import (
+    BATCH,
+    DictInputs,
+    MapStyle,
+    Structure,
+    assert_same_fit,
+    fit_arrays,
+)
 
 
 @pytest.fixture
@@ -21,3 +30,16 @@ def keras():
 def keras_devices():
     """None: the feeder's default, the device Keras trains on without a strategy."""
     return None
+
+
+@pytest.mark.parametrize("structure", [Structure, DictInputs], ids=lambda s: s.name)
+def test_under_a_mirrored_strategy_fit_trains_what_fit_on_arrays_trains(keras, strategy, structure):
+    # Four replicas: the last batch's 4 real rows go one to each, as Keras splits fit(x, y)'s.
+    samples = structure()
+    with strategy.scope():
+        net = samples.model(keras, "adam")
+    with fp.Feeder(MapStyle(samples), BATCH, strategy=strategy) as feeder:
+        history = net.fit(feeder, epochs=2, callbacks=[feeder.fit_callback()], verbose=0)
+    with strategy.scope():
+        expected = fit_arrays(keras, samples, optimizer="adam")
+    assert_same_fit((net, history), expected)
