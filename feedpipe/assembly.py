@@ -11,12 +11,14 @@ the devices. It owns the host slot pools. It keeps no position: what the consume
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import optree
 
 from feedpipe.core.agreement import check_hosts_agree
+from feedpipe.core.cost import SampleCost, Setting, probe
 from feedpipe.core.description import (
     FeederDescription,
     describe_fields,
@@ -35,7 +37,7 @@ from feedpipe.core.stage import HostStager, Layer
 from feedpipe.core.state import Position, Stream
 from feedpipe.core.stats import StatsRecorder
 from feedpipe.core.writer import SampleWriter, first_look
-from feedpipe.options import FeedOptions
+from feedpipe.options import AUTO, FeedOptions
 
 
 class Assembly:
@@ -64,6 +66,8 @@ class Assembly:
         self.pipeline: Pipeline | None = None
         self.workers = None
         self.producer = None
+        self.chosen: ChosenWorkers | None = None
+        """What `workers="auto"` picked and why (None where the workers were given)."""
         self.pools: dict[bool, SlotPool] = {}
         """The host slot pools: batches staged on the devices (False) or kept on the host for
         a framework's own input pipeline (True)."""
@@ -84,6 +88,11 @@ class Assembly:
         """The source as feedpipe reads it (`feedpipe.core.source`)."""
         rule = self.rule = Remainder(o.remainder, o.global_batch_size)
         own_producer = self.source.producer(self.share, self.layer.devices, rule)
+        self.own_producer, self.service = own_producer, service
+        self.transform, self.transpose = transform, transpose
+        if o.workers == AUTO:
+            self.chosen = self._choose_workers()
+            o = self.options = dataclasses.replace(o, **self.chosen.setting.options)
         self._refuse_mismatches(own_producer, transform, transpose)
         self.rows_as_given = (
             own_producer is None
@@ -97,6 +106,60 @@ class Assembly:
         self.shared = o.workers > 0 and o.worker_mode == "process"
         """Whether the slots are shared memory that worker processes write into."""
         return own_producer
+
+    def _choose_workers(self) -> ChosenWorkers:
+        """`workers="auto"`: the setting `feedpipe.core.cost` ranks first for what a sample
+        costs here, measured on the source itself; the one background thread where the source
+        leaves nothing to choose."""
+        kept = self._nothing_to_choose()
+        if kept is not None:
+            setting = Setting("thread", 0, float("nan"))
+            return ChosenWorkers(setting, f"{setting}: {kept}", None)
+        cost = self.sample_cost()
+        settings = cost.settings(at_least_one=self.options.timeout_s is not None)
+        setting, unpicklable = settings[0], ""
+        if setting.mode == "process" and (
+            problem := _unpicklable(source=self.source, transform=self.transform)
+        ):
+            setting = next(s for s in settings if s.mode == "thread")
+            unpicklable = f"; processes would be faster, but {problem}"
+        return ChosenWorkers(
+            setting,
+            f"{setting}, predicted to make {setting.rate:,.0f} samples/s: {cost.describe()}"
+            f"{unpicklable}",
+            cost,
+        )
+
+    def _nothing_to_choose(self) -> str | None:
+        """Why the workers of this source are not the feeder's to choose; None where they
+        are: an indexed source with work per sample."""
+        source = self.source
+        if self.own_producer is not None:
+            return "a DaliSource makes its batches in DALI's own threads (num_threads)"
+        if self.service is not None:
+            return "the per-sample work runs on tf.data service workers"
+        if not source.indexed:
+            return (
+                f"a {type(source).__name__}'s order depends on how many shards read it, so it "
+                "is not changed behind the user's back: pass workers=N to read it in N shards"
+            )
+        if isinstance(source, ArraySource) and self.transform is None and self.transpose is None:
+            return (
+                "arrays without a transform are gathered with one vectorised copy a field, "
+                "fastest in one thread"
+            )
+        return None
+
+    def sample_cost(self) -> SampleCost | None:
+        """What one sample costs to make, probed on the source with its `transform` (see
+        `feedpipe.core.cost.probe`); None where `_nothing_to_choose` says why not."""
+        if self._nothing_to_choose() is not None:
+            return None
+        o = self.options
+        spec, _ = first_look(self.source, self.transform, o.seed, policy=o.error_policy)
+        axes = transposition(self.transpose, spec)
+        writer = SampleWriter(self.source, spec, self.transform, o.seed, axes)
+        return probe(lambda index: writer.read(index, 0), range(self.source.length))
 
     def _plan_epochs(self) -> None:
         """Plans the epochs of the source, measured (see `Source.measure`)."""
@@ -380,6 +443,7 @@ class Assembly:
             host=share.host,
             workers=o.workers,
             worker_mode=o.worker_mode,
+            workers_chosen=None if self.chosen is None else self.chosen.why,
             depth=o.depth,
             remainder=o.remainder,
             shuffle=o.shuffle,
@@ -406,6 +470,29 @@ class Assembly:
             self.producer.close()
         self.pools.clear()  # staged batches still held keep their own slots alive
         self.layer.close()  # and their own device blocks
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChosenWorkers:
+    """What `workers="auto"` picked, why, and the cost it measured (None where it measured
+    nothing)."""
+
+    setting: Setting
+    why: str
+    cost: SampleCost | None
+
+
+def _unpicklable(**values: Any) -> str:
+    """Why one of `values` cannot go to a worker process; "" where all of them can."""
+    from feedpipe.core import workers as pool
+
+    for name, value in values.items():
+        try:
+            pool.check_picklable(name, value)
+        except TypeError as error:
+            cause = error.__cause__ or error
+            return f"the {name} cannot be pickled ({type(cause).__name__}: {cause})"
+    return ""
 
 
 def transposition(transpose: Any, spec: SampleSpec) -> list[tuple[int, ...] | None]:

@@ -17,6 +17,7 @@ from typing import Any
 from feedpipe._frameworks import feeder_class
 from feedpipe.assembly import Assembly
 from feedpipe.consumer import Consumer
+from feedpipe.core.cost import SampleCost
 from feedpipe.core.description import FeederDescription
 from feedpipe.core.source import SampleSpec
 from feedpipe.core.stage import Layer
@@ -48,7 +49,8 @@ class Feeder:
             weighted zero for Keras), "drop" (left out, with a warning) or "error".
         shuffle: Shuffle each epoch's order from (seed, epoch).
         seed: Seeds the order and each sample's `transform` rng.
-        workers: 0 makes batches in one background thread; N > 0 in N workers.
+        workers: 0 makes batches in one background thread; N > 0 in N workers; "auto"
+            measures what a sample costs and picks the kind and count (`describe()` says).
         depth: Batches staged on each device ahead of the step (2 hides one transfer).
         transform: A per-sample callable run by the producers, `transform(sample)` or
             `transform(sample, rng)` (or `(sample, seed)` for tf.data service).
@@ -85,7 +87,7 @@ class Feeder:
         remainder: str = "pad",
         shuffle: bool = False,
         seed: int = 0,
-        workers: int = 0,
+        workers: int | str = 0,
         depth: int = 2,
         transform: Callable[..., Any] | None = None,
         *,
@@ -97,6 +99,8 @@ class Feeder:
         service: str | None = None,
         framework: str | None = None,
     ):
+        self._arguments = {name: value for name, value in locals().items() if name != "self"}
+        """What the feeder was built from, so that `like` can build another."""
         self._consumer: Consumer | None = None
         self.options = FeedOptions(
             global_batch_size,
@@ -215,6 +219,20 @@ class Feeder:
         attribute that tools check; `to_dict()` gives the JSON. It says what the feeder was
         built as, never how it is doing (that is `stats()`)."""
         return self._assembly.describe()
+
+    def sample_cost(self) -> SampleCost | None:
+        """What one sample costs to make, measured now for about a third of a second on the
+        source itself (its `transform` included): the wall and CPU time of a sample, and how
+        fast a few threads make them, which tells waiting, GIL-bound Python and GIL-free
+        native code apart (`feedpipe.core.cost`). None where nothing runs per sample (arrays
+        without a transform) or the source is not indexed."""
+        return self._assembly.sample_cost()
+
+    def like(self, **changes: Any) -> Feeder:
+        """A new feeder built from this one's arguments, with `changes`:
+        `feeder.like(workers=8, worker_mode="thread")` tries another setting on the same
+        source (`fp.diagnose` tries its first remedy so). It starts at the beginning."""
+        return Feeder(**{**self._arguments, **changes})
 
     def get_state(self) -> dict:
         """The consumer's position, as a small JSON-serialisable dict.

@@ -10,6 +10,8 @@ from feedpipe.core.remainder import check_remainder
 from feedpipe.core.skips import ErrorPolicy, check_error_policy
 
 WORKER_MODES = ("process", "thread")
+AUTO = "auto"
+"""`workers="auto"`: the feeder measures what a sample costs and picks the workers itself."""
 
 SEED_LIMIT = 2**63
 """Seeds stay below it: a `transform(sample, seed)` gets the seed in an int64 array, as
@@ -46,9 +48,11 @@ class FeedOptions:
     """Shuffle each epoch's order from (seed, epoch). Default off: the order users expect."""
     seed: int = 0
     """Seeds the order and each sample's `transform` rng, so runs are reproducible."""
-    workers: int = 0
-    """0 produces in one background thread; N > 0 in N workers. Default 0: arrays without a
-    `transform` are gathered fastest in one thread; Python per-sample code wants workers."""
+    workers: int | str = 0
+    """0 produces in one background thread; N > 0 in N workers; "auto" measures what a sample
+    costs when the feeder is built and picks the kind and count of workers (see
+    `feedpipe.core.cost`; `Feeder.describe().workers_chosen` says what and why). Default 0:
+    arrays without a `transform` are gathered fastest in one thread."""
     depth: int = 2
     """Batches staged per device ahead of the step. Default 2 hides one transfer behind one
     step while the next is being made."""
@@ -87,14 +91,15 @@ class FeedOptions:
         if not isinstance(self.shuffle, bool):
             raise TypeError(f"`shuffle`={self.shuffle!r} must be True or False.")
         keep(self, "seed", check_seed(self.seed))
-        workers = check_int(
-            "workers",
-            self.workers,
-            "use 0 for one background thread, or the number of worker processes (for example "
-            "os.cpu_count())",
-            minimum=0,
-        )
-        keep(self, "workers", workers)
+        if not (isinstance(self.workers, str) and self.workers == AUTO):
+            workers = check_int(
+                "workers",
+                self.workers,
+                "use 0 for one background thread, the number of workers (for example "
+                'os.cpu_count()), or "auto" to let the feeder measure and pick',
+                minimum=0,
+            )
+            keep(self, "workers", workers)
         depth = check_int("depth", self.depth, "use depth=2 to hide one step's transfer")
         keep(self, "depth", depth)
         check_error_policy(self.errors, self.max_skipped)

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from feedpipe.diagnostics._contention import delay_from_other_load_s, snapshot
+from feedpipe.core._contention import delay_from_other_load_s, snapshot
 from tests.test_monitor import competing_cpu_load
 
 SPAN_S = 0.6

@@ -160,7 +160,10 @@ def test_remedies_are_ranked_by_the_rate_each_could_reach():
     # Producer 10 batches/s, step 100/s, together 9/s: the producer is the bottleneck.
     measured = diagnosis_of(0.1, 0.01, 0.111, 0.101)
     remedies = rank_remedies(measured, object(), cores=2, memcpy_s=1e-4, memory_bytes=2**34)
-    expected = [r.expected_steps_per_s for r in remedies]
+    # Caching holds only where the samples are the same every epoch: it ranks below every
+    # change that holds anyway, whatever its rate; each group by the rate it could reach.
+    assert remedies[-1].action.startswith("cache") and remedies[-1].expected_steps_per_s == 100
+    expected = [r.expected_steps_per_s for r in remedies[:-1]]
     assert expected == sorted(expected, reverse=True)
     assert all(r.gain == pytest.approx(r.expected_steps_per_s * 0.111) for r in remedies)
     parallel = next(r for r in remedies if "workers=2" in r.action)

@@ -111,6 +111,9 @@ class FeederDescription:
     """Worker processes or threads making samples; 0: one background thread."""
     worker_mode: str
     """"process" or "thread"."""
+    workers_chosen: str | None
+    """Where `workers="auto"` picked them: the setting, its predicted rate and what a
+    sample was measured to cost (see `feedpipe.core.cost`); None where they were given."""
     depth: int
     """Batches staged on each device ahead of the step."""
     remainder: str

@@ -20,8 +20,8 @@ from typing import Any, Protocol
 import optree
 
 from feedpipe._frameworks import import_keras
+from feedpipe.core._contention import OtherLoadSpan
 from feedpipe.core.stats import verdict
-from feedpipe.diagnostics._contention import OtherLoadSpan
 
 HEADSPACE_MIN_S = 0.25
 """The step alone is timed for at least this long, so that the machine's load over a quarter
@@ -46,7 +46,7 @@ class StepAlone:
     """Seconds per step, one entry per call."""
     other_load_s: float = 0.0
     """Seconds per step its threads waited for a CPU that other processes held (see
-    `feedpipe.diagnostics._contention`)."""
+    `feedpipe.core._contention`)."""
 
 
 def bracket(

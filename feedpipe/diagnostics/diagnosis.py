@@ -13,13 +13,15 @@ import dataclasses
 import importlib
 import importlib.util
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+from feedpipe.core.cost import cores
 from feedpipe.diagnostics.measure import (
     DEFAULT_STEPS,
     DEFAULT_WARMUP,
-    cores,
+    endless,
     is_keras_model,
     measure,
     memcpy_s,
@@ -27,6 +29,7 @@ from feedpipe.diagnostics.measure import (
 )
 from feedpipe.diagnostics.remedies import rank_remedies
 from feedpipe.diagnostics.verdict import SCHEMA_VERSION, Diagnosis, Remedy, StepTiming
+from feedpipe.feeder import Feeder
 
 __all__ = [
     "DEFAULT_STEPS",
@@ -66,23 +69,42 @@ def diagnose(
         warmup: untimed steps before the first and the together measurement.
         progress: show a labelled progress line on stderr.
 
+    The first remedy, where it is a setting of a Feeder input (its workers, their kind, its
+    depth), is then tried: a feeder built with it makes `warmup` + `steps` batches alone, and
+    `Remedy.tried_steps_per_s` holds the rate, beside the prediction.
+
     Returns:
         The `Diagnosis`; `print(diagnosis)` gives the verdict, the rates and the remedies, and
         `feedpipe.diagnostics.report.write_report(diagnosis, directory)` draws it as an HTML page.
     """
     measured = measure(source, step, steps=steps, warmup=warmup, progress=progress)
     diagnosis = measured.diagnosis
-    return dataclasses.replace(
+    remedies = rank_remedies(
         diagnosis,
-        remedies=rank_remedies(
-            diagnosis,
-            source,
-            cores=cores(),
-            memcpy_s=memcpy_s(diagnosis.batch_bytes),
-            memory_bytes=memory_bytes(),
-            image_like=measured.image_like,
-        ),
+        source,
+        cores=cores(),
+        memcpy_s=memcpy_s(diagnosis.batch_bytes),
+        memory_bytes=memory_bytes(),
+        image_like=measured.image_like,
     )
+    if remedies and remedies[0].options is not None and isinstance(source, Feeder):
+        tried = try_remedy(source, remedies[0].options, warmup=warmup, steps=steps)
+        remedies = (dataclasses.replace(remedies[0], tried_steps_per_s=tried), *remedies[1:])
+    return dataclasses.replace(diagnosis, remedies=remedies)
+
+
+def try_remedy(feeder: Feeder, options: dict, *, warmup: int, steps: int) -> float:
+    """Batches/s the input makes alone, built as `feeder` with `options`: the first remedy's
+    prediction checked on the machine, as the producer-alone measurement runs (`warmup`
+    batches untimed, then `steps`, epochs repeated as needed)."""
+    with feeder.like(**options) as trial:
+        batches = endless(trial)
+        for _ in range(warmup):
+            next(batches)
+        began = time.perf_counter()
+        for _ in range(steps):
+            next(batches)
+        return steps / (time.perf_counter() - began)
 
 
 def load_target(target: str) -> tuple[Any, Any]:

@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 import optree
 
+from feedpipe.core._contention import OtherLoadSpan
 from feedpipe.core.batch import Batch
 from feedpipe.core.checks import check_int
-from feedpipe.diagnostics._contention import OtherLoadSpan
 from feedpipe.diagnostics._headspace import StepAlone, backend_steps, bracket, finish
 from feedpipe.diagnostics.verdict import Diagnosis, StepTiming
 from feedpipe.feeder import Feeder
@@ -83,7 +83,9 @@ def measure(source: Any, step: Any, *, steps: int, warmup: int, progress: bool) 
             image_like = _image_like(first)
             del first
             consumer = run.consumer_alone(steps, bar)
+            began, cpu_began = time.perf_counter(), time.process_time()
             producer = run.producer_alone(steps, bar)
+            cpu_share = (time.process_time() - cpu_began) / (time.perf_counter() - began)
             together = run.together(warmup, steps, bar)
             again = run.consumer_again(steps, bar)
             arrays, beside = run.keras_arrays(warmup, steps, bar)
@@ -95,6 +97,10 @@ def measure(source: Any, step: Any, *, steps: int, warmup: int, progress: bool) 
             ) from error
         finally:
             run.restore()
+        if feeder is not None:
+            bar.start("what a sample costs (the source alone, in 1 and in 4 threads)", 1)
+            sample_cost = feeder.sample_cost()
+            bar.step()
     alone_range = None
     if again is not None:
         alone_s, low_s, high_s = bracket(
@@ -115,6 +121,8 @@ def measure(source: Any, step: Any, *, steps: int, warmup: int, progress: bool) 
         keras_arrays_step_s=tuple(arrays),
         feeder_beside_step_s=tuple(beside),
         feeder=None if feeder is None else feeder.describe(),
+        sample_cost=None if feeder is None else sample_cost,
+        producer_cpu_share=cpu_share,
     )
     return Measurement(diagnosis, image_like)
 
@@ -136,7 +144,7 @@ def _input_kind(source: Any) -> str:
     return type(source).__name__
 
 
-def _endless(source: Any) -> Iterator:
+def endless(source: Any) -> Iterator:
     """The input's batches, starting a new pass whenever one ends, until a pass is empty."""
     while True:
         empty = True
@@ -251,7 +259,7 @@ class _CallableRun:
 
     def __init__(self, source: Any, step: Callable[[Any], Any]):
         self.source, self.step = source, step
-        self.batches = _endless(source)
+        self.batches = endless(source)
         self.kept = None
 
     def _staged(self) -> int | None:
@@ -351,7 +359,7 @@ class _KerasRun(_CallableRun):
         self.kept = None
         self.together_other_load_s = 0.0
         """Per step, the delay other processes caused the together measurement's timed steps
-        (see `feedpipe.diagnostics._contention`)."""
+        (see `feedpipe.core._contention`)."""
 
     def warm_up(self, count: int, progress: _Progress) -> Any:
         progress.start("warm-up", count)
@@ -447,11 +455,6 @@ def split_waits(together: list[StepTiming], alone_s: float) -> list[StepTiming]:
 
 
 # ---- the machine, for the remedies' estimates -----------------------------------------------
-
-
-def cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def memcpy_s(nbytes: int) -> float:

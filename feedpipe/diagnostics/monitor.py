@@ -23,7 +23,7 @@ speed: the measurements on both sides of an epoch and their noise bound B over i
 bound the fraction, and a bound that spans more than one of the TensorFlow profiler's bands
 (see `feedpipe.core.stats`) is judged "cannot tell" rather than guessed. Load that rises and falls
 within the epoch escapes both measurements; the delay it caused the process's threads there
-(`feedpipe.diagnostics._contention`) widens the bound by what it adds over theirs.
+(`feedpipe.core._contention`) widens the bound by what it adds over theirs.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any
 
 from feedpipe._frameworks import import_keras
 from feedpipe._internals import scalar_summary_metadata
+from feedpipe.core._contention import OtherLoadSpan
 from feedpipe.core.checks import check_int
 from feedpipe.core.stats import MODERATE_FRACTION, verdict
-from feedpipe.diagnostics._contention import OtherLoadSpan
 from feedpipe.diagnostics._headspace import (
     CANNOT_TELL,
     KerasSteps,
@@ -88,7 +88,7 @@ class EpochStarvation:
     epoch's. Far from `step_alone_low_s`: the machine's load changed the step's speed."""
     other_load_s: float = 0.0
     """Seconds per step the process's threads waited in the epoch for a CPU that other
-    processes held (see `feedpipe.diagnostics._contention`); 0 where the system does not
+    processes held (see `feedpipe.core._contention`); 0 where the system does not
     count it."""
     producer_samples_per_s: float | None = None
     """What the monitored `Feeder`'s producer alone sustains (see `FeedStats`); None

@@ -9,9 +9,11 @@ that a test can set them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
+from feedpipe.core.cost import SampleCost, Setting
 from feedpipe.core.description import FeederDescription
 from feedpipe.core.stats import verdict
 from feedpipe.diagnostics._headspace import CANNOT_TELL
@@ -29,8 +31,26 @@ a smaller edge is within what a busy machine moves between two steps."""
 GAIN_MARGIN = 1.02
 """A remedy is listed only where it could beat the rate reached together by 2 %."""
 
-Found = list[tuple[str, str, float]]
-"""Remedies as (action, why, expected steps/s), before ranking."""
+HEADROOM = 1.25
+"""Workers are sized to make this many times the samples the step takes: the model leaves out
+the feeder's own per-sample work (writing rows, handing over), which a real run pays."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Found:
+    """A remedy before ranking."""
+
+    action: str
+    why: str
+    expected: float
+    """Steps/s it could reach."""
+    options: dict | None = None
+    tier: int = 0
+    """How it ranks before its rate: 0 works here as it is, 1 holds only where the samples
+    are the same every epoch (caching), 2 needs more than this machine (`ELSEWHERE`)."""
+
+
+IF_STATIC, ELSEWHERE = 1, 2
 
 
 def rank_remedies(
@@ -45,11 +65,14 @@ def rank_remedies(
     """Remedies for what `diagnosis` measured, best first, each with the rate it could reach.
 
     Estimates, from the three rates: staging deeper or ahead can reach the slower side alone;
-    parallel production scales the producer with the free cores up to the step's rate;
-    tf.data service, where even every core here falls short, reaches the step's rate with as
-    many worker cores as the measured per-sample cost needs;
+    parallel production is sized by what a sample costs (`feedpipe.core.cost`): threads for
+    time spent waiting, processes for Python that holds the GIL, cores only for CPU time;
+    tf.data service, where every setting here falls short, reaches the step's rate with as
+    many worker cores as the sample's CPU time needs;
     caching removes the producer's per-sample work (one gather per batch remains); fewer host
-    copies save the copies a Python pipeline makes beyond the one into a slot.
+    copies save the copies a Python pipeline makes beyond the one into a slot. Caching, which
+    holds only where the samples are the same every epoch, ranks below every change that
+    holds anyway, and a change that needs more than this machine below both.
     """
     judged = _judged_remedy(diagnosis)
     if judged is not None:
@@ -67,11 +90,20 @@ def rank_remedies(
             else [_handoff_remedy(diagnosis, handoff)]
         ),
     ]
-    found = [item for item in found if item[2] > achieved * GAIN_MARGIN] or _none_found(diagnosis)
-    found.sort(key=lambda item: -item[2])
+    found = [item for item in found if item.expected > achieved * GAIN_MARGIN] or _none_found(
+        diagnosis
+    )
+    found.sort(key=lambda item: (item.tier, -item.expected))
     return tuple(
-        Remedy(action, why, expected, expected / achieved if achieved > 0 else math.inf)
-        for action, why, expected in found
+        Remedy(
+            item.action,
+            item.why,
+            item.expected,
+            item.expected / achieved if achieved > 0 else math.inf,
+            item.options,
+            elsewhere=item.tier == ELSEWHERE,
+        )
+        for item in found
     )
 
 
@@ -118,7 +150,7 @@ def _overlaps(diagnosis: Diagnosis) -> bool:
     return diagnosis.together_steps_per_s >= OVERLAP_SLACK * _overlap_bound(diagnosis)
 
 
-def _overlap_remedies(diagnosis: Diagnosis, described: FeederDescription | None) -> Found:
+def _overlap_remedies(diagnosis: Diagnosis, described: FeederDescription | None) -> list[Found]:
     """Staging ahead, where production and the step do not overlap."""
     if _overlaps(diagnosis):
         return []
@@ -128,7 +160,7 @@ def _overlap_remedies(diagnosis: Diagnosis, described: FeederDescription | None)
         f"({bound:,.1f} steps/s): production and the step do not fully overlap"
     )
     if described is None:
-        return [("stage batches ahead on the devices: fp.Feeder(...)", why, bound)]
+        return [Found("stage batches ahead on the devices: fp.Feeder(...)", why, bound)]
     staged = _staged(diagnosis)
     fast_enough = diagnosis.producer_steps_per_s >= diagnosis.consumer_steps_per_s
     if fast_enough and staged and min(staged) == 0:
@@ -136,16 +168,19 @@ def _overlap_remedies(diagnosis: Diagnosis, described: FeederDescription | None)
         depth = described.depth
         empty = sum(count == 0 for count in staged) / len(staged)
         return [
-            (
+            Found(
                 f"deeper staging: depth={2 * depth} (now {depth})",
                 why + f"; the step found no batch staged at {empty:.0%} of its steps",
                 bound,
+                {"depth": 2 * depth},
             )
         ]
     return []
 
 
-def _keras_arrays_remedies(diagnosis: Diagnosis, described: FeederDescription | None) -> Found:
+def _keras_arrays_remedies(
+    diagnosis: Diagnosis, described: FeederDescription | None
+) -> list[Found]:
     """Keras's own array input, where it was measured faster than the feeder side by side."""
     if not diagnosis.keras_arrays_step_s or described is None:
         return []
@@ -154,7 +189,7 @@ def _keras_arrays_remedies(diagnosis: Diagnosis, described: FeederDescription | 
     if direct <= DIRECT_MARGIN * beside:
         return []
     return [
-        (
+        Found(
             f"model.fit(x, y, batch_size={described.global_batch_size}) on the arrays "
             "directly, without fp.Feeder (if they need no per-sample `transform`)",
             f"measured here, step by step in turn: Keras's own array input ran "
@@ -186,8 +221,8 @@ def _handoff_bound(diagnosis: Diagnosis, feeder: Feeder | None) -> str | None:
     )
 
 
-def _handoff_remedy(diagnosis: Diagnosis, why: str) -> tuple[str, str, float]:
-    return (
+def _handoff_remedy(diagnosis: Diagnosis, why: str) -> Found:
+    return Found(
         "fp.train(model, feeder, ...) instead of model.fit(feeder.as_dataset()): the "
         "feeder's own loop takes batches already on the devices, with no hand-off",
         why,
@@ -202,7 +237,7 @@ def _production_remedies(
     memcpy_s: float,
     memory_bytes: int,
     image_like: bool,
-) -> Found:
+) -> list[Found]:
     """Faster production, where the input alone is slower than the step: in parallel, on
     the service, cached, with fewer copies, or decoded by DALI."""
     producer, consumer = diagnosis.producer_steps_per_s, diagnosis.consumer_steps_per_s
@@ -220,17 +255,18 @@ def _production_remedies(
         size = "" if epoch_bytes is None else f" ({epoch_bytes / 2**20:,.0f} MiB an epoch)"
         gather_s = 2 * memcpy_s
         found.append(
-            (
+            Found(
                 "cache the decoded samples in memory (numpy arrays as the source)",
                 why + f"; if the samples are the same every epoch{size}, only a gather per "
                 "batch remains from the second epoch on",
                 min(consumer, 1 / gather_s if gather_s > 0 else consumer),
+                tier=IF_STATIC,
             )
         )
     extra_copies_s = 2 * memcpy_s
     if described is None and 1 / producer > extra_copies_s:
         found.append(
-            (
+            Found(
                 "fewer host copies: fp.Feeder writes each sample once, into its replica's slot",
                 why + f"; a batch's memcpy costs {memcpy_s * 1e3:.2f} ms here, and a Python "
                 "pipeline usually copies it about three times",
@@ -239,7 +275,7 @@ def _production_remedies(
         )
     if image_like and own_threads is None:
         found.append(
-            (
+            Found(
                 "decode and augment the images with DALI (feedpipe.dali; pip install "
                 "feedpipe[dali]), on the GPU where there is one",
                 why + "; the batches hold uint8 images",
@@ -251,65 +287,82 @@ def _production_remedies(
 
 def _parallel_remedies(
     diagnosis: Diagnosis, described: FeederDescription | None, cores: int, why: str
-) -> Found:
-    """More of what makes the samples: DALI threads, workers, tf.data service workers, or a
-    feeder's workers for an input that has none."""
+) -> list[Found]:
+    """More of what makes the samples, sized by what a sample costs: DALI threads, the
+    feeder's workers (threads or processes), tf.data service workers, or a feeder's workers
+    for an input that has none."""
     producer, consumer = diagnosis.producer_steps_per_s, diagnosis.consumer_steps_per_s
     if described is None:
-        return [
-            (
-                f"move the per-sample work into a map-style source or `transform` and run it "
-                f"in fp.Feeder(..., workers={cores})",
-                why + f"; {cores} cores can run it in parallel, free of the GIL",
-                min(consumer, producer * cores),
-            )
-        ]
+        return _feeder_remedies(diagnosis, cores, why)
     own_threads = described.source.threads
     if own_threads is not None:  # a DaliSource: DALI's threads do the work
         if own_threads >= cores:
             return []
         return [
-            (
+            Found(
                 f"more DALI threads: DaliSource(..., num_threads={cores}) (now {own_threads})",
                 why + f"; {cores} cores can run the pipeline's operators in parallel",
                 min(consumer, producer * cores / own_threads),
             )
         ]
+    if described.service is not None:
+        return [_service_remedy(diagnosis, described, None, why)]
+    if described.source.kind == "tf.data":  # its own threads: num_parallel_calls
+        return []
+    cost = diagnosis.sample_cost or _cost_from_rates(diagnosis, described, cores)
+    mode, workers = described.worker_mode, described.workers
+    now = Setting(mode, workers, cost.rate(mode, workers))
+    samples = described.host_batch_size
     found = []
-    used = max(described.workers, 1)
-    if used < cores and described.service is None:
+    for setting in cost.settings(target=HEADROOM * consumer * samples):
+        if setting.rate <= GAIN_MARGIN * now.rate:  # no faster than the setting now
+            continue
+        expected = min(consumer, producer * setting.rate / now.rate)
         found.append(
-            (
-                f"more workers: workers={cores} (now {described.workers})",
-                why + f"; {cores} cores can run the per-sample work in parallel",
-                min(consumer, producer * cores / used),
+            Found(
+                f"more workers: {setting} (now {now})",
+                f"{why}; {cost.describe()}, so {_sized(setting, cost)}",
+                expected,
+                setting.options,
             )
         )
-    # tf.data service feeds TensorFlow's layer alone.
-    offload = (
-        _service_remedy(diagnosis, described, cores)
-        if described.framework == "tensorflow"
-        else None
-    )
-    if offload is not None:
-        action, beyond = offload
-        found.append((action, f"{why}; {beyond}", consumer))
+    best = max((item.expected for item in found), default=producer)
+    if best < consumer and described.framework == "tensorflow":
+        found.append(_service_remedy(diagnosis, described, cost, why))
+    elif best < consumer:
+        found.append(_more_machines(diagnosis, described, cost, why))
     return found
 
 
-def _service_remedy(
-    diagnosis: Diagnosis, described: FeederDescription, cores: int
-) -> tuple[str, str] | None:
-    """`(action, why)` naming tf.data service, where the step outruns the input and this
-    host's cores, all of them, would not make the step's rate; None elsewhere.
+def _sized(setting: Setting, cost: SampleCost) -> str:
+    """Why `setting` is the one of its mode: what limits it."""
+    kind = "threads" if setting.mode == "thread" else "processes"
+    return f"{setting.workers} {kind} are predicted to make {setting.rate:,.0f} samples/s" + (
+        f" (threads share one GIL, held up to {cost.gil_s * 1e3:,.3f} ms a sample)"
+        if setting.mode == "thread"
+        else f" ({cost.free_cores:.1f} cores free for {cost.cpu_s * 1e3:,.3f} ms of CPU a sample)"
+    )
 
-    The per-sample cost is measured: the cores that made the producer's rate (its workers, one
-    for a thread, at most every core) spent `cores busy / (producer rate x samples per step)`
-    seconds of one core on each sample. Assuming the work scales with cores, as the workers
-    remedy does, the step's rate needs that cost times its samples per second in service
-    worker cores; a feeder already on the service needs its worker cores scaled by the step's
-    rate over the producer's. Either way each sample crosses the network once, at the step's
-    rate.
+
+def _cost_from_rates(diagnosis: Diagnosis, described: FeederDescription, cores: int) -> SampleCost:
+    """A sample's cost where it was not probed (a stream, or no probe): each of the producer's
+    workers made one sample per its share of the producer's time, all of it CPU holding the
+    GIL unless threads were seen to outrun one core."""
+    used = max(described.workers, 1)
+    made = diagnosis.producer_steps_per_s * described.host_batch_size
+    wall_s = used / made if made > 0 else math.inf
+    threads = described.worker_mode == "thread" and described.workers > 1
+    gil_s = wall_s / used if threads else wall_s
+    return SampleCost(wall_s, wall_s, gil_s, made if threads else 1 / wall_s, 0, float(cores))
+
+
+def _service_remedy(
+    diagnosis: Diagnosis, described: FeederDescription, cost: SampleCost | None, why: str
+) -> Found:
+    """tf.data service, where the step outruns every setting of this machine: worker cores
+    sized by the sample's CPU time (its waiting needs none), or, for a feeder already on the
+    service, its worker cores scaled by the step's rate over the producer's. Each sample then
+    crosses the network once, at the step's rate.
     """
     producer, consumer = diagnosis.producer_steps_per_s, diagnosis.consumer_steps_per_s
     samples = described.host_batch_size
@@ -318,22 +371,18 @@ def _service_remedy(
         f"each sample then crosses the network once: {network / 2**20:,.1f} MiB/s "
         f"({network * 8e-9:,.2f} Gbit/s)"
     )
-    if described.service is not None:
+    if cost is None:
         scale = math.ceil(consumer / producer * 10) / 10
-        return (
+        return Found(
             f"more tf.data service workers: {scale:.1f}x the worker cores now (feedpipe "
             f"service worker --dispatcher {described.service.removeprefix('grpc://')})",
-            f"the service's workers make {producer * samples:,.1f} samples/s; if they, not the "
-            f"network, are the limit and the work scales with cores, {scale:.1f}x their cores "
-            f"reach the step; {crossing}",
+            f"{why}; the service's workers make {producer * samples:,.1f} samples/s; if they, "
+            f"not the network, are the limit and the work scales with cores, {scale:.1f}x "
+            f"their cores reach the step; {crossing}",
+            consumer,
+            tier=ELSEWHERE,
         )
-    if described.source.kind == "tf.data":  # its own threads: the cores busy unknown
-        return None
-    busy = min(max(described.workers, 1), cores)
-    if producer * cores / busy >= consumer:
-        return None
-    core_s = busy / (producer * samples)
-    needed = math.ceil(round(consumer * samples * core_s, 9))
+    needed = math.ceil(round(consumer * samples * cost.cpu_s, 9))
     if described.source.kind == "arrays":
         what, costs = "offload the per-sample work", ""
     else:
@@ -342,18 +391,65 @@ def _service_remedy(
             "file paths) and offload it"
         )
         costs = " and costs no more in TensorFlow ops"
-    return (
+    return Found(
         f"{what} to tf.data service: fp.Feeder(arrays, ..., transform=<TensorFlow ops>, "
         f'service="grpc://host:port") with {needed} worker cores in all (feedpipe service '
         "worker --dispatcher host:port)",
-        f"all {cores} cores here would make {producer * cores / busy:,.1f} batches/s at most "
-        f"({producer * samples:,.1f} samples/s from {busy} of them: {core_s * 1e3:,.2f} ms of "
-        f"one core a sample); if the work scales with cores{costs}, {consumer:,.1f} steps/s of "
-        f"{samples} samples need {needed} worker cores; {crossing}",
+        f"{why}; no setting here reaches the step: {cost.cpu_s * 1e3:,.2f} ms of one core a "
+        f"sample on {cost.free_cores:.1f} free cores; if the work scales with cores{costs}, "
+        f"{consumer:,.1f} steps/s of {samples} samples need {needed} worker cores; {crossing}",
+        consumer,
+        tier=ELSEWHERE,
     )
 
 
-def _none_found(diagnosis: Diagnosis) -> Found:
+def _more_machines(
+    diagnosis: Diagnosis, described: FeederDescription, cost: SampleCost, why: str
+) -> Found:
+    """Where no setting here reaches the step and TensorFlow is not the framework: what the
+    step's rate would take, and what offers it."""
+    consumer = diagnosis.consumer_steps_per_s
+    needed = math.ceil(round(consumer * described.host_batch_size * cost.cpu_s, 9))
+    return Found(
+        f"more CPU than this machine has: {needed} cores for the per-sample work",
+        f"{why}; no setting here reaches the step: {cost.cpu_s * 1e3:,.2f} ms of one core a "
+        f"sample on {cost.free_cores:.1f} free cores. tf.data service (feedpipe's `service=`) "
+        f"runs it on other machines, but needs TensorFlow on the trainer too ({described.framework}"
+        " feeds this step): install it beside, or make each sample cheaper (decode less, "
+        "cache what repeats)",
+        consumer,
+        tier=ELSEWHERE,
+    )
+
+
+def _feeder_remedies(diagnosis: Diagnosis, cores: int, why: str) -> list[Found]:
+    """For an input that is not a Feeder: its per-sample work in a feeder's workers, threads
+    where the input waited (this process's CPU stayed low while it ran alone), processes
+    else."""
+    producer, consumer = diagnosis.producer_steps_per_s, diagnosis.consumer_steps_per_s
+    share = diagnosis.producer_cpu_share
+    if share is not None and share < 0.3:
+        threads = next((n for n in (2, 4, 8, 16, 32) if producer * n >= consumer), 32)
+        return [
+            Found(
+                f"move the per-sample work into a map-style source or `transform` and read "
+                f'it in fp.Feeder(..., workers={threads}, worker_mode="thread")',
+                why + f"; this process used {share:.2f} of a core while the input ran alone: "
+                f"it waits rather than computes, and {threads} threads wait in parallel",
+                min(consumer, producer * threads),
+            )
+        ]
+    return [
+        Found(
+            f"move the per-sample work into a map-style source or `transform` and run it "
+            f"in fp.Feeder(..., workers={cores})",
+            why + f"; {cores} cores can run it in parallel, free of the GIL",
+            min(consumer, producer * cores),
+        )
+    ]
+
+
+def _none_found(diagnosis: Diagnosis) -> list[Found]:
     """What to say where no remedy is predicted to beat the rate reached."""
     producer, consumer = diagnosis.producer_steps_per_s, diagnosis.consumer_steps_per_s
     achieved = diagnosis.together_steps_per_s
@@ -365,7 +461,7 @@ def _none_found(diagnosis: Diagnosis) -> Found:
             else ""
         )
         return [
-            (
+            Found(
                 "none predicted to help: the input and the step slow each other down",
                 f"each alone is faster than together ({producer:,.1f} and {consumer:,.1f} "
                 f"against {achieved:,.1f} steps/s){ready}: run at once, they share the CPU's "
@@ -375,7 +471,7 @@ def _none_found(diagnosis: Diagnosis) -> Found:
         ]
     # Input-bound, yet no remedy is predicted to beat the rate reached.
     return [
-        (
+        Found(
             "none predicted to help: measure again with more --steps",
             f"the step waits {diagnosis.input_bound_fraction:.1%} of the time, yet together "
             f"reaches {diagnosis.overlap_efficiency:.2f} of the slower side alone and no "

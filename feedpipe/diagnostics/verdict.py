@@ -13,14 +13,16 @@ import dataclasses
 import math
 import statistics
 
+from feedpipe.core.cost import SampleCost
 from feedpipe.core.description import FeederDescription
 from feedpipe.core.stats import verdict
 from feedpipe.diagnostics._headspace import CANNOT_TELL, bounded_verdict
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """The version of `Diagnosis.to_dict()`'s layout (and so of `feedpipe diagnose --json`): 2
 added the step alone's bound, the measurement's time and this number; 3 added `feeder`, what
-`Feeder.describe()` says of a Feeder input."""
+`Feeder.describe()` says of a Feeder input; 4 added `sample_cost`, `producer_cpu_share` and
+each remedy's `options` and `tried_steps_per_s`."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -48,6 +50,15 @@ class Remedy:
     """The rate the change could reach: an estimate from the three measurements."""
     gain: float
     """`expected_steps_per_s` over the rate measured together."""
+    options: dict | None = None
+    """The `fp.Feeder` arguments that make the change, where it is one of the feeder's
+    settings (so that it can be tried)."""
+    tried_steps_per_s: float | None = None
+    """Batches/s the input made alone with `options`, tried briefly after ranking (the first
+    remedy only; None where it was not tried)."""
+    elsewhere: bool = False
+    """Whether the change needs more than this machine (tf.data service's workers): it then
+    ranks below every change that works here."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +99,13 @@ class Diagnosis:
     bound on its rate, so the comparison favours it)."""
     feeder: FeederDescription | None = None
     """What the input is, where it is a Feeder (`Feeder.describe()`); None otherwise."""
+    sample_cost: SampleCost | None = None
+    """What one sample costs to make, probed on a Feeder's own indexed source (see
+    `feedpipe.core.cost`): waiting, GIL-bound or GIL-free; None for other inputs."""
+    producer_cpu_share: float | None = None
+    """This process's CPU time over the wall time of the producer-alone measurement (2.0:
+    two cores busy): near 0, the input waits rather than computes here (its worker
+    processes' CPU is not counted)."""
 
     @property
     def producer_steps_per_s(self) -> float:
@@ -172,6 +190,14 @@ class Diagnosis:
             "keras_arrays_step_s": list(self.keras_arrays_step_s),
             "feeder_beside_step_s": list(self.feeder_beside_step_s),
             "feeder": None if self.feeder is None else self.feeder.to_dict(),
+            "sample_cost": None
+            if self.sample_cost is None
+            else {
+                **dataclasses.asdict(self.sample_cost),
+                "waiting": self.sample_cost.waiting,
+                "kind": self.sample_cost.kind,
+            },
+            "producer_cpu_share": self.producer_cpu_share,
         }
 
     def __str__(self) -> str:
@@ -200,6 +226,13 @@ class Diagnosis:
             f"(overlap efficiency {self.overlap_efficiency:.2f}, real/synthetic "
             f"{self.real_over_synthetic:.2f})",
         ]
+        if self.sample_cost is not None:
+            lines.append(f"  the source       {self.sample_cost.describe()}")
+        elif self.producer_cpu_share is not None:
+            lines.append(
+                f"  producer CPU     {self.producer_cpu_share:10.2f} cores of this process while "
+                "it ran alone"
+            )
         if self.keras_arrays_step_s:
             lines.append(
                 f"  model.fit(x, y)  {rate(self.keras_arrays_step_s):10.1f} steps/s  (Keras's "
@@ -215,9 +248,15 @@ class Diagnosis:
             )
         lines.append("remedies, by the rate each could reach:")
         for rank, remedy in enumerate(self.remedies, 1):
+            tried = ""
+            if remedy.tried_steps_per_s is not None:
+                tried = (
+                    f"\n     tried here: the input alone then made "
+                    f"{remedy.tried_steps_per_s:,.1f} batches/s"
+                )
             lines.append(
                 f"  {rank}. {remedy.action}: up to {remedy.expected_steps_per_s:,.1f} steps/s "
-                f"({remedy.gain:.2f}x)\n     {remedy.why}"
+                f"({remedy.gain:.2f}x)\n     {remedy.why}{tried}"
             )
         return "\n".join(lines)
 

@@ -1,0 +1,228 @@
+"""What a sample costs to make, and the rate each way of making samples in parallel can reach.
+
+A source may wait (a disk, a remote store, a sleep), run Python that holds the GIL, or run
+native code that releases it, and each is fed by a different remedy: threads for waiting,
+processes for GIL-bound Python, either for native code, and cores only for CPU. Sizing them all
+in cores, as if every source computed, gives advice off by the ratio of waiting to working.
+
+`probe` measures one sample's wall time in one thread and the CPU time it costs this process
+(every thread of it: native code may run a pool of its own), then the
+rate of `PROBE_THREADS` threads reading at once, which bounds the part of that CPU time that
+holds the GIL. `SampleCost.rate` predicts the samples/s of any setting from those three
+figures and the machine's cores; `settings` ranks the settings worth trying. The diagnosis
+(`feedpipe.diagnostics.remedies`) and `workers="auto"` (`feedpipe.assembly`) both size their
+workers here, so their advice and their choice cannot disagree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+from feedpipe.core._contention import snapshot
+
+PROBE_THREADS = 4
+"""Threads reading at once in the probe: enough to tell GIL-bound work (their rate stays at
+one core's) from work that waits or releases the GIL (it grows with them)."""
+PROBE_S = 0.15
+"""Seconds each half of the probe reads for, at least: long enough that a sample's cost is an
+average over many, short enough to run before a feeder's first batch."""
+COUNTS = (1, 2, 4, 8, 16, 32)
+"""The worker counts considered: a doubling grid, as a sweep would try."""
+NEAR_BEST = 0.95
+"""A setting within this fraction of the best rate counts as reaching it: the fewest workers
+that do are picked (each costs memory, and a process its start-up)."""
+WAITING, GIL_BOUND, GIL_FREE, MIXED = "waiting", "GIL-bound Python", "GIL-free native code", "mixed"
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SampleCost:
+    """What one sample costs its maker, as `probe` measured it."""
+
+    wall_s: float
+    """Seconds per sample, read in one thread."""
+    cpu_s: float
+    """CPU seconds per sample, in any thread of this process: the rest of `wall_s` is
+    waiting."""
+    gil_s: float
+    """At most this many seconds of a sample hold the GIL: the reading thread's own CPU time,
+    or less where `PROBE_THREADS` threads outran it."""
+    threads_rate: float
+    """Samples/s of `PROBE_THREADS` threads reading at once."""
+    samples: int
+    """Samples the probe read."""
+    free_cores: float
+    """The cores other processes left free while the probe ran: the machine's cores less
+    their CPU use, so that a loaded machine is not promised its idle rate."""
+
+    @property
+    def waiting(self) -> float:
+        """The share of a sample's time spent waiting (I/O, sleep, a remote call)."""
+        return min(1.0, max(0.0, 1.0 - self.cpu_s / self.wall_s)) if self.wall_s > 0 else 0.0
+
+    @property
+    def parallel_cpu(self) -> float:
+        """Cores' worth of sample CPU the probe's threads ran at once: about 1 where the GIL
+        serialises the work, up to min(threads, cores) where it is released."""
+        return self.threads_rate * self.cpu_s
+
+    @property
+    def kind(self) -> str:
+        """`WAITING`, `GIL_BOUND`, `GIL_FREE` or `MIXED`: what the sample's time goes to."""
+        if self.waiting >= 0.7:
+            return WAITING
+        if self.waiting <= 0.3:
+            if self.parallel_cpu <= 1.3:
+                return GIL_BOUND
+            if self.parallel_cpu >= 0.7 * min(PROBE_THREADS, self.free_cores):
+                return GIL_FREE
+        return MIXED
+
+    def describe(self) -> str:
+        """One clause: the figures, and what they make of the source."""
+        return (
+            f"a sample takes {self.wall_s * 1e3:,.3f} ms, {self.cpu_s * 1e3:,.3f} ms of it CPU "
+            f"({self.waiting:.0%} waiting); {PROBE_THREADS} threads made "
+            f"{self.threads_rate:,.0f} samples/s, {self.parallel_cpu:.1f} cores' worth, with "
+            f"{self.free_cores:.1f} cores free: {self.kind}"
+        )
+
+    def rate(self, mode: str, workers: int, cores: float | None = None) -> float:
+        """Samples/s that `workers` of `mode` ("thread" or "process"; 0: the feeder's one
+        background thread) can make on `cores` cores (default: `free_cores`).
+
+        Each worker makes one sample per `wall_s`; all of them together use at most `cores`
+        of CPU, a process at most one core; threads also share one GIL.
+        """
+        if workers == 0:
+            return 1.0 / _positive(self.wall_s)
+        cores = self.free_cores if cores is None else cores
+        cpu_cores = cores if mode == "thread" else min(workers, cores)
+        rate = min(workers / _positive(self.wall_s), cpu_cores / _positive(self.cpu_s))
+        return min(rate, 1.0 / _positive(self.gil_s)) if mode == "thread" else rate
+
+    def settings(self, target: float = math.inf, at_least_one: bool = False) -> list[Setting]:
+        """The settings worth trying, best first: for each mode, the fewest workers that reach
+        `target` samples/s or come within `NEAR_BEST` of the best that mode can; then the
+        feeder's one thread (unless `at_least_one`). Equal rates rank threads first: they
+        start at once and pickle nothing."""
+        found = []
+        for mode in ("thread", "process"):
+            counts = COUNTS if mode == "thread" else _process_counts(self.free_cores)
+            best = max(self.rate(mode, n) for n in counts)
+            goal = min(target, NEAR_BEST * best)
+            workers = next(n for n in counts if self.rate(mode, n) >= goal)
+            found.append(Setting(mode, workers, min(target, self.rate(mode, workers))))
+        if not at_least_one:
+            found.append(Setting("thread", 0, min(target, self.rate("thread", 0))))
+        found.sort(key=lambda s: (-round(s.rate, 6), s.mode != "thread", s.workers))
+        return found
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Setting:
+    """A way to make the samples, and the samples/s predicted for it."""
+
+    mode: str
+    """"thread" or "process"."""
+    workers: int
+    """0: the feeder's one background thread."""
+    rate: float
+
+    @property
+    def options(self) -> dict:
+        """The `fp.Feeder` arguments that make it."""
+        return (
+            {"workers": 0}
+            if not self.workers
+            else {"workers": self.workers, "worker_mode": self.mode}
+        )
+
+    def __str__(self) -> str:
+        if not self.workers:
+            return "workers=0"
+        return f'workers={self.workers}, worker_mode="{self.mode}"'
+
+
+def probe(
+    read: Callable[[int], object], indices: Iterable[int], budget_s: float = PROBE_S
+) -> SampleCost:
+    """Reads samples by `read(index)` for `indices` (cycled), first in one thread, then in
+    `PROBE_THREADS` threads at once, each part for at least `budget_s`; returns their cost.
+
+    A sample that raises counts as read: its error is the pipeline's to report, where the
+    sample is really made.
+    """
+    pending = itertools.cycle(indices)
+    lock = threading.Lock()
+
+    def next_index() -> int:
+        with lock:
+            return next(pending)
+
+    def one(index: int) -> None:
+        with contextlib.suppress(Exception):
+            read(index)
+
+    machine = snapshot()
+    began, count = time.perf_counter(), 0
+    cpu_began, thread_began = time.process_time(), time.thread_time()
+    while count < 2 or time.perf_counter() - began < budget_s:
+        one(next_index())
+        count += 1
+    wall_s = (time.perf_counter() - began) / count
+    cpu_s = (time.process_time() - cpu_began) / count
+    thread_cpu_s = (time.thread_time() - thread_began) / count
+
+    deadline = time.perf_counter() + budget_s
+    counts = [0] * PROBE_THREADS
+
+    def reader(slot: int) -> None:
+        while counts[slot] < 1 or time.perf_counter() < deadline:
+            one(next_index())
+            counts[slot] += 1
+
+    threads = [
+        threading.Thread(target=reader, args=(i,), daemon=True) for i in range(PROBE_THREADS)
+    ]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    threads_rate = sum(counts) / (time.perf_counter() - started)
+    gil_s = min(thread_cpu_s, 1.0 / threads_rate)
+    return SampleCost(
+        wall_s, cpu_s, gil_s, threads_rate, count + sum(counts), _free_cores(machine, began)
+    )
+
+
+def _free_cores(machine: object, began: float) -> float:
+    """The cores other processes left free since `machine` (a `snapshot()`, taken at
+    `began`): at least one, at most all of them."""
+    now = snapshot()
+    others_s = (now.machine_busy_s - machine.machine_busy_s) - (now.own_cpu_s - machine.own_cpu_s)
+    elapsed = time.perf_counter() - began
+    return min(float(cores()), max(1.0, cores() - max(0.0, others_s) / elapsed))
+
+
+def _process_counts(free_cores: float) -> list[int]:
+    """Process counts worth trying: the grid and the free cores, up to four a core (beyond
+    it, a waiting source is served by threads)."""
+    limit = 4 * max(1, math.floor(free_cores))
+    return sorted({n for n in COUNTS if n <= limit} | {max(1, math.floor(free_cores))})
+
+
+def _positive(seconds: float) -> float:
+    return max(seconds, 1e-9)
