@@ -1,4 +1,5 @@
-"""Map-style sources for `kernels_bench.workers` whose per-sample work is pure Python code.
+"""Map-style sources for `kernels_bench.workers`, `kernels_bench.auto_workers` and
+`kernels_bench.diagnosis_matrix`: each sample costs a known time of one kind of work.
 
 This module imports only numpy and the standard library: worker processes unpickle these
 sources by module reference (`kernels_bench.gil_source.GilSource`) and must never import
@@ -10,6 +11,10 @@ process and every peer does exactly the same work per sample.
   throughout: threads of one process cannot run it in parallel.
 * `GilFreeSource`: about 1 ms per sample of `hashlib.sha256` over one buffer, which releases
   the GIL while it hashes: threads can run it in parallel.
+* `SleepSource`: a wait of `sample_s` per sample and almost no CPU, as a slow disk or a remote
+  store costs: threads wait in parallel, far beyond the cores.
+* `NumpySource`: about `sample_s` of numpy (`np.sort` of one buffer), which releases the GIL.
+* `MixedSource`: half a wait, half GIL-holding Python.
 
 Both return `(x, y)`: `x` float32 (32, 32, 3) filled deterministically from the index, `y` an
 int64 label. `make_batch` is the serial loop every peer without its own batching runs: 64
@@ -136,6 +141,106 @@ class GilFreeSource:
             "calibrated_sample_s": self.calibrated_s,
             "length": self.length,
         }
+
+
+class SleepSource:
+    """`length` samples, each a wait of `sample_s` (`time.sleep`): time, not CPU."""
+
+    kind = "waiting (time.sleep)"
+
+    def __init__(self, length: int, sample_s: float = 0.001):
+        self.length = length
+        self.sample_s = sample_s
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, np.int64]:
+        time.sleep(self.sample_s)
+        return make_sample(int(index))
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "sample_s": self.sample_s, "length": self.length}
+
+
+class NumpySource:
+    """`length` samples, each costing about `sample_s` of `np.sort` over one float64 buffer
+    (numpy releases the GIL while it sorts)."""
+
+    kind = "GIL-free numpy (np.sort of one buffer)"
+
+    def __init__(self, length: int, sample_s: float = 0.001):
+        self.length = length
+        self.size = 4096
+        for _ in range(2):  # a first guess from a probe, then refined at about the target
+            per_item_s = _typical(self._sort, self._values(self.size)) / self.size
+            self.size = max(1024, round(sample_s / per_item_s))
+        self._buffer: np.ndarray | None = None
+        self.calibrated_s = _typical(self._sort, self.buffer)
+
+    @staticmethod
+    def _values(size: int) -> np.ndarray:
+        return np.random.default_rng(0).random(size)
+
+    @staticmethod
+    def _sort(values: np.ndarray) -> np.ndarray:
+        return np.sort(values, kind="stable")
+
+    @property
+    def buffer(self) -> np.ndarray:
+        """The values sorted per sample, made on first use in each process (not pickled)."""
+        if self._buffer is None:
+            self._buffer = self._values(self.size)
+        return self._buffer
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_buffer": None}
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, np.int64]:
+        self._sort(self.buffer)
+        return make_sample(int(index))
+
+    def as_dict(self) -> dict:
+        return {
+            "kind": self.kind,
+            "values": self.size,
+            "calibrated_sample_s": self.calibrated_s,
+            "length": self.length,
+        }
+
+
+class MixedSource:
+    """`length` samples, each half a wait and half GIL-holding Python, `sample_s` in all."""
+
+    kind = "mixed (half time.sleep, half a pure-Python loop)"
+
+    def __init__(self, length: int, sample_s: float = 0.001):
+        self.waiting = SleepSource(length, sample_s / 2)
+        self.working = GilSource(length, sample_s / 2)
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, np.int64]:
+        time.sleep(self.waiting.sample_s)
+        spin(self.working.iterations)
+        return make_sample(int(index))
+
+    def as_dict(self) -> dict:
+        return {
+            "kind": self.kind,
+            "wait_s": self.waiting.sample_s,
+            "iterations": self.working.iterations,
+            "length": self.length,
+        }
+
+
+KINDS = {"sleep": SleepSource, "gil": GilSource, "numpy": NumpySource, "mixed": MixedSource}
+"""The four kinds of source a diagnosis must tell apart, by the names the benchmarks use."""
 
 
 def make_batch(source, number: int) -> tuple[np.ndarray, np.ndarray]:
