@@ -295,6 +295,20 @@ def test_help_on_the_feeder_shows_pytorchs_checkpoint_methods(devices):
         assert again.get_state() == state
 
 
+def test_the_readmes_api_at_a_glance_names_every_parameter_of_the_feeder():
+    import inspect
+    import re
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    glance = readme.split("## The API at a glance", 1)[1].split("```python", 1)[1]
+    glance = glance.split("```", 1)[0]
+    call = glance.split("feeder = fp.Feeder(", 1)[1].split("\n)", 1)[0]
+    named = set(re.findall(r"^    (\w+)[=,]", call, re.MULTILINE))
+    named |= set(re.findall(r"^    \w+=[^,]+, (\w+)=", call, re.MULTILINE))  # shuffle, seed
+    missing = [name for name in inspect.signature(fp.Feeder).parameters if name not in named]
+    assert missing == [], f"README's API at a glance leaves out {missing}"
+
+
 def test_the_layout_page_names_every_module_and_the_readme_links_it():
     package = Path(fp.__file__).parent
     root = package.parent
