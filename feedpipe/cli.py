@@ -171,13 +171,29 @@ def _add_diagnose(subcommands: argparse._SubParsersAction) -> None:
         help="untimed steps first (default 5)",
     )
     parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
-    parser.add_argument("--report", metavar="DIR", help="write an HTML report with plots to DIR")
+    parser.add_argument(
+        "--report",
+        metavar="DIR",
+        help='write an HTML report with plots to DIR (matplotlib: pip install "feedpipe[report]")',
+    )
     parser.set_defaults(run=_run_diagnose)
 
 
 def _run_diagnose(args: argparse.Namespace) -> int:
     import json
 
+    if args.report:
+        from feedpipe.diagnostics.report import require_matplotlib
+
+        try:
+            require_matplotlib()
+        except ImportError as error:
+            print(
+                f"feedpipe diagnose: error: --report {error} Or leave --report out: the "
+                "verdict and the remedies need no matplotlib.",
+                file=sys.stderr,
+            )
+            return 2
     _start_tensorflow()
     from feedpipe.diagnostics.diagnosis import TargetError, diagnose, load_target
 

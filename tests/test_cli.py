@@ -37,6 +37,22 @@ def test_a_log_level_the_user_chose_is_kept_and_nothing_is_left_out(monkeypatch)
     assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "0" and not left_out
 
 
+def never_loaded():
+    raise AssertionError("the target was loaded, to be measured, before --report was checked")
+
+
+def test_a_report_without_matplotlib_is_refused_before_measuring(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails, as uninstalled
+    started = []
+    monkeypatch.setattr(cli, "_start_tensorflow", lambda: started.append(True))
+    argv = ["diagnose", "tests.test_cli:never_loaded", "--report", str(tmp_path / "out")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("feedpipe diagnose: error: --report needs matplotlib")
+    assert 'pip install "feedpipe[report]"' in err and "leave --report out" in err
+    assert not started and not (tmp_path / "out").exists()
+
+
 def tiny_target():
     """A module:function target: batches from memory and a step that does nothing."""
     import numpy as np
