@@ -222,6 +222,9 @@ def _run_diagnose(args: argparse.Namespace) -> int:
 
 
 def _add_service(subcommands: argparse._SubParsersAction) -> None:
+    from feedpipe.service.servers import EXPOSED, SAFE_SETUP
+
+    exposed = f"{EXPOSED}; {SAFE_SETUP} (docs/multi-host.md)."
     parser = subcommands.add_parser(
         "service",
         help="run per-sample TensorFlow work on other machines' CPUs (tf.data service servers)",
@@ -232,14 +235,14 @@ def _add_service(subcommands: argparse._SubParsersAction) -> None:
             "and serves until SIGTERM or Ctrl-C (exit 0). Trainers reach the service at the "
             "dispatcher's grpc://HOST:PORT. TensorFlow keeps a lost worker's tasks in its jobs, "
             "so those jobs end only once a worker serves at its address again: restart a lost "
-            "worker with the same --port and --worker-address."
+            f"worker with the same --port and --worker-address. {exposed}"
         ),
     )
     roles = parser.add_subparsers(title="servers", metavar="SERVER", required=True)
     dispatcher = roles.add_parser(
         "dispatcher",
         help="hands out the work: the one server that trainers and workers connect to",
-        description="Runs a tf.data service dispatcher (TensorFlow's DispatchServer).",
+        description=f"Runs a tf.data service dispatcher (TensorFlow's DispatchServer). {exposed}",
     )
     dispatcher.add_argument(
         "--port",
@@ -259,7 +262,7 @@ def _add_service(subcommands: argparse._SubParsersAction) -> None:
     worker = roles.add_parser(
         "worker",
         help="runs the per-sample work on this machine's CPUs, for a dispatcher",
-        description="Runs a tf.data service worker (TensorFlow's WorkerServer).",
+        description=f"Runs a tf.data service worker (TensorFlow's WorkerServer). {exposed}",
     )
     worker.add_argument(
         "--dispatcher", metavar="HOST:PORT", required=True, help="the dispatcher's address"
