@@ -1,5 +1,6 @@
 """`model.fit(feeder)` with Keras 3 on PyTorch: batches already on the device Keras trains on.
 
+    pip install -e ".[keras-torch]"   # PyTorch and Keras 3 ([torch] installs no Keras)
     KERAS_BACKEND=torch python examples/keras_torch.py
 
 Under Keras's torch backend a feeder built without `devices` stages on this process's device
@@ -17,7 +18,16 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
-import keras
+try:
+    import keras
+except ModuleNotFoundError as error:
+    if error.name != "keras":
+        raise
+    raise SystemExit(
+        "examples/keras_torch.py trains with Keras 3 on PyTorch, and Keras is not installed "
+        "(the [torch] extra installs PyTorch alone); install both: "
+        'pip install "feedpipe[keras-torch]" (from a clone: pip install -e ".[keras-torch]").'
+    ) from error
 import numpy as np
 
 import feedpipe as fp

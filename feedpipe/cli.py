@@ -171,13 +171,29 @@ def _add_diagnose(subcommands: argparse._SubParsersAction) -> None:
         help="untimed steps first (default 5)",
     )
     parser.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
-    parser.add_argument("--report", metavar="DIR", help="write an HTML report with plots to DIR")
+    parser.add_argument(
+        "--report",
+        metavar="DIR",
+        help='write an HTML report with plots to DIR (matplotlib: pip install "feedpipe[report]")',
+    )
     parser.set_defaults(run=_run_diagnose)
 
 
 def _run_diagnose(args: argparse.Namespace) -> int:
     import json
 
+    if args.report:
+        from feedpipe.diagnostics.report import require_matplotlib
+
+        try:
+            require_matplotlib()
+        except ImportError as error:
+            print(
+                f"feedpipe diagnose: error: --report {error} Or leave --report out: the "
+                "verdict and the remedies need no matplotlib.",
+                file=sys.stderr,
+            )
+            return 2
     _start_tensorflow()
     from feedpipe.diagnostics.diagnosis import TargetError, diagnose, load_target
 
@@ -206,6 +222,9 @@ def _run_diagnose(args: argparse.Namespace) -> int:
 
 
 def _add_service(subcommands: argparse._SubParsersAction) -> None:
+    from feedpipe.service.servers import EXPOSED, SAFE_SETUP
+
+    exposed = f"{EXPOSED}; {SAFE_SETUP} (docs/multi-host.md)."
     parser = subcommands.add_parser(
         "service",
         help="run per-sample TensorFlow work on other machines' CPUs (tf.data service servers)",
@@ -216,14 +235,14 @@ def _add_service(subcommands: argparse._SubParsersAction) -> None:
             "and serves until SIGTERM or Ctrl-C (exit 0). Trainers reach the service at the "
             "dispatcher's grpc://HOST:PORT. TensorFlow keeps a lost worker's tasks in its jobs, "
             "so those jobs end only once a worker serves at its address again: restart a lost "
-            "worker with the same --port and --worker-address."
+            f"worker with the same --port and --worker-address. {exposed}"
         ),
     )
     roles = parser.add_subparsers(title="servers", metavar="SERVER", required=True)
     dispatcher = roles.add_parser(
         "dispatcher",
         help="hands out the work: the one server that trainers and workers connect to",
-        description="Runs a tf.data service dispatcher (TensorFlow's DispatchServer).",
+        description=f"Runs a tf.data service dispatcher (TensorFlow's DispatchServer). {exposed}",
     )
     dispatcher.add_argument(
         "--port",
@@ -243,7 +262,7 @@ def _add_service(subcommands: argparse._SubParsersAction) -> None:
     worker = roles.add_parser(
         "worker",
         help="runs the per-sample work on this machine's CPUs, for a dispatcher",
-        description="Runs a tf.data service worker (TensorFlow's WorkerServer).",
+        description=f"Runs a tf.data service worker (TensorFlow's WorkerServer). {exposed}",
     )
     worker.add_argument(
         "--dispatcher", metavar="HOST:PORT", required=True, help="the dispatcher's address"

@@ -2,15 +2,16 @@
 
 `fp.Feeder(...)` builds the subclass of the framework that `devices` or `strategy` name
 (`feedpipe.tf.feeder`, `feedpipe.jax.feeder`, `feedpipe.torch.feeder`), which supplies the
-`Layer` that stages on its devices and its own ways in (`as_dataset`, a sharded global batch,
-`state_dict`). Everything else lives in a room of its own: the options (`feedpipe.options`),
-the pipeline they build (`feedpipe.assembly`), the consumer's position and state
+`Layer` that stages on its devices and its own ways in (`as_dataset`, a sharded global
+batch). Everything else lives in a room of its own: the options (`feedpipe.options`), the
+pipeline they build (`feedpipe.assembly`), the consumer's position and state
 (`feedpipe.consumer`) and what a Keras fit has trained on (`feedpipe.keras.ledger`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -69,9 +70,11 @@ class Feeder:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Feeder:
         if cls is Feeder:
-            devices = kwargs.get("devices", args[2] if len(args) > 2 else None)
-            strategy = kwargs.get("strategy", args[3] if len(args) > 3 else None)
-            cls = feeder_class(kwargs.get("framework"), devices, strategy)
+            try:
+                given = cls.__signature__.bind_partial(*args, **kwargs).arguments
+            except TypeError:
+                given = {}  # __init__ raises Python's own error for these arguments
+            cls = feeder_class(given.get("framework"), given.get("devices"), given.get("strategy"))
         return super().__new__(cls)
 
     def _layer(self, devices: Any, strategy: Any, global_batch_size: int) -> Layer:
@@ -251,6 +254,15 @@ class Feeder:
         """
         self._consumer.set_state(state)
 
+    def state_dict(self) -> dict:
+        """`get_state()` under PyTorch's name, so `torch.save` keeps the feeder's position
+        beside the model's and the optimizer's `state_dict()` (any framework's feeder)."""
+        return self.get_state()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """`set_state()` under PyTorch's name: goes on exactly where `state_dict` was taken."""
+        self.set_state(state_dict)
+
     @contextlib.contextmanager
     def set_aside(self) -> Iterator[None]:
         """A block whose reads train nothing (`fp.diagnose` measures in one): they read whole
@@ -288,3 +300,9 @@ class Feeder:
             )
             + ")"
         )
+
+
+# `__new__` takes (*args, **kwargs) to build the framework's subclass; IDEs, notebooks and
+# help() show `__init__`'s parameters instead, the one place they and their defaults are written.
+_init = inspect.signature(Feeder.__init__, eval_str=True)
+Feeder.__signature__ = _init.replace(parameters=list(_init.parameters.values())[1:])

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +36,76 @@ def test_a_log_level_the_user_chose_is_kept_and_nothing_is_left_out(monkeypatch)
     monkeypatch.setattr(cli, "_start_up_lines_left_out", lambda: left_out.append(True))
     cli._start_tensorflow()
     assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "0" and not left_out
+
+
+def never_loaded():
+    raise AssertionError("the target was loaded, to be measured, before --report was checked")
+
+
+def test_a_report_without_matplotlib_is_refused_before_measuring(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails, as uninstalled
+    started = []
+    monkeypatch.setattr(cli, "_start_tensorflow", lambda: started.append(True))
+    argv = ["diagnose", "tests.test_cli:never_loaded", "--report", str(tmp_path / "out")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("feedpipe diagnose: error: --report needs matplotlib")
+    assert 'pip install "feedpipe[report]"' in err and "leave --report out" in err
+    assert not started and not (tmp_path / "out").exists()
+
+
+def test_the_service_help_says_who_can_reach_the_servers_and_the_safe_setup(capsys):
+    for argv in (["service", "--help"], ["service", "dispatcher", "--help"]):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+        assert "every interface with no authentication" in shown, argv
+        assert "run TensorFlow ops on the workers" in shown, argv
+        for safe in ("private network", "firewall", "loopback alone"):
+            assert safe in shown, argv
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "multi-host.md").read_text()
+    docs = " ".join(docs.split())
+    assert "with no authentication" in docs and "reading and writing their files" in docs
+    assert "private network" in docs and "firewall" in docs and "loopback alone" in docs
+
+
+class FakeServer:
+    target = "grpc://localhost:43210"
+
+    def __init__(self, config):
+        self.config = config
+
+    def stop(self):
+        pass
+
+
+@pytest.mark.parametrize("server", ["dispatcher", "worker"])
+def test_a_starting_server_says_in_one_line_who_can_reach_it(server, monkeypatch, capsys):
+    """Without TensorFlow's servers: a fake `tensorflow` module starts at once, and serving
+    returns at once."""
+    from types import SimpleNamespace
+
+    from feedpipe.service import servers
+
+    fake = SimpleNamespace(
+        DispatcherConfig=dict, DispatchServer=FakeServer, WorkerConfig=dict, WorkerServer=FakeServer
+    )
+    tensorflow = SimpleNamespace(data=SimpleNamespace(experimental=SimpleNamespace(service=fake)))
+    monkeypatch.setitem(sys.modules, "tensorflow", tensorflow)
+    monkeypatch.setattr(servers, "_serve", lambda server, stop: None)
+    monkeypatch.setattr(servers, "_wait_for_dispatcher", lambda *args: True)
+    if server == "dispatcher":
+        servers.serve_dispatcher(0)
+        port = 43210
+    else:
+        servers.serve_worker("localhost:5050", 43211, "localhost:%port%")
+        port = 43211
+    out, err = capsys.readouterr()
+    assert "serving" in out and f":{port}" in out  # the line a launcher waits for, unchanged
+    [line] = err.splitlines()
+    assert line.startswith(f"feedpipe service {server}: warning: port {port} listens on every ")
+    assert "no authentication" in line and "TensorFlow ops" in line and "files" in line
+    assert "private network" in line and "firewall" in line and "docs/multi-host.md" in line
 
 
 def tiny_target():

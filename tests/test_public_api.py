@@ -263,6 +263,52 @@ def test_help_on_the_feeder_documents_every_parameter_and_the_keras_entry_point(
     assert {"as_dataset", "fit_callback", "get_state", "set_state", "stats", "describe"} <= methods
 
 
+def test_ides_and_help_show_the_feeders_real_parameters():
+    """`fp.Feeder(...)` returns its framework's subclass through `__new__(*args, **kwargs)`;
+    `inspect.signature` (IDEs, notebooks) and `help()` still show `__init__`'s parameters."""
+    import inspect
+    import pydoc
+
+    signature = inspect.signature(fp.Feeder)
+    assert list(signature.parameters)[:3] == ["source", "global_batch_size", "devices"]
+    assert signature.parameters["depth"].default == 2
+    assert signature.parameters["errors"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert "self" not in signature.parameters
+    shown = pydoc.render_doc(fp.Feeder, renderer=pydoc.plaintext)
+    assert "Feeder(source: Any, global_batch_size: int, devices: Any = None" in shown
+
+
+def test_help_on_the_feeder_shows_pytorchs_checkpoint_methods(devices):
+    """The README's PyTorch quick start saves `feeder.state_dict()`: help(fp.Feeder) documents
+    it, and it works on whichever framework's feeder `fp.Feeder(...)` returns."""
+    import pydoc
+
+    shown = pydoc.render_doc(fp.Feeder, renderer=pydoc.plaintext)
+    assert " |  state_dict(self)" in shown and " |  load_state_dict(self, state_dict" in shown
+    assert "PyTorch's name" in shown
+    with fp.Feeder(index_arrays(16), 4, devices=devices[:1]) as feeder:
+        next(iter(feeder))
+        state = feeder.state_dict()
+        assert state == feeder.get_state()
+    with fp.Feeder(index_arrays(16), 4, devices=devices[:1]) as again:
+        again.load_state_dict(state)
+        assert again.get_state() == state
+
+
+def test_the_readmes_api_at_a_glance_names_every_parameter_of_the_feeder():
+    import inspect
+    import re
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    glance = readme.split("## The API at a glance", 1)[1].split("```python", 1)[1]
+    glance = glance.split("```", 1)[0]
+    call = glance.split("feeder = fp.Feeder(", 1)[1].split("\n)", 1)[0]
+    named = set(re.findall(r"^    (\w+)[=,]", call, re.MULTILINE))
+    named |= set(re.findall(r"^    \w+=[^,]+, (\w+)=", call, re.MULTILINE))  # shuffle, seed
+    missing = [name for name in inspect.signature(fp.Feeder).parameters if name not in named]
+    assert missing == [], f"README's API at a glance leaves out {missing}"
+
+
 def test_the_layout_page_names_every_module_and_the_readme_links_it():
     package = Path(fp.__file__).parent
     root = package.parent

@@ -9,7 +9,13 @@ import time
 import pytest
 
 import feedpipe as fp
-from feedpipe.core.stats import HIGH_FRACTION, MODERATE_FRACTION, StatsRecorder, verdict
+from feedpipe.core.stats import (
+    HIGH_FRACTION,
+    MODERATE_FRACTION,
+    STARTUP_STEPS,
+    StatsRecorder,
+    verdict,
+)
 from tests.fakes import SlowSource, index_arrays
 
 
@@ -102,6 +108,51 @@ def test_recorder_keeps_the_first_wait_of_a_stream_out_of_the_steady_state():
     assert stats.consumer_wait_s == pytest.approx(0.1)
     assert stats.wall_s == pytest.approx(0.1 + 0.5 + 0.4)
     assert stats.mean_occupancy == pytest.approx(2.0)
+
+
+def epochs_of_a_jitted_step(recorder: StatsRecorder, epochs: int) -> list[fp.FeedStats]:
+    """A loop per epoch of 8 batches of 8 samples: each batch arrives 0.01 s after it is asked
+    for, the step takes 0.1 s, and the first two steps 1.0 s more each (they compile)."""
+    snapshots, now = [], 0.0
+    recorder.stream_started()
+    for epoch in range(epochs):
+        for step in range(8):
+            recorder.taken(asked=now, got=now + 0.01, occupancy=1, samples=8)
+            now += 0.01 + 0.1 + (1.0 if epoch == 0 and step < 2 else 0.0)
+        recorder.loop_ended(now)
+        snapshots.append(recorder.snapshot())
+    return snapshots
+
+
+def test_the_steady_rate_leaves_the_start_up_out_and_holds_across_epochs():
+    first, *later = epochs_of_a_jitted_step(StatsRecorder(depth=2), epochs=3)
+    assert first.steady_steps == 0 and first.steady_samples_per_s == 0.0
+    assert first.samples_per_s < later[0].samples_per_s < later[1].samples_per_s, "diluted"
+    for stats in later:
+        assert stats.steps - stats.steady_steps == STARTUP_STEPS == 10
+        assert stats.steady_samples_per_s == pytest.approx(8 / 0.11)
+        assert stats.consumer_samples_per_s == pytest.approx(8 / 0.1)
+    assert later[-1].startup_s == pytest.approx(9 * 0.01 + 10 * 0.1 + 2 * 1.0)
+
+
+def test_the_text_says_which_rate_is_steady_and_what_start_up_took():
+    first, _, last = epochs_of_a_jitted_step(StatsRecorder(depth=2), epochs=3)
+    assert "22 samples/s delivered, all in start-up (the first 10 steps" in str(first)
+    text = str(last)
+    assert "73 samples/s delivered after start-up (the last 14 steps), 41/s over every" in text
+    assert "(start-up: the first 10 took 3.09 s)" in text and "step alone 80/s" in text
+
+
+def test_a_loop_whose_first_step_is_slow_shows_a_steady_rate_apart(devices):
+    with fp.Feeder(index_arrays(40), 4, devices=devices[:1]) as feeder:
+        for epoch in range(3):
+            for step, _ in enumerate(feeder):
+                time.sleep(0.5 if epoch == step == 0 else 0.01)  # the first step compiles
+        stats = feeder.stats()
+    assert (stats.steps, stats.steady_steps, stats.steady_samples) == (30, 20, 80)
+    assert stats.startup_s >= 0.5
+    assert stats.steady_samples_per_s > 1.5 * stats.samples_per_s, stats
+    assert "after start-up (the last 20 steps)" in str(stats)
 
 
 def assert_sane(stats: fp.FeedStats, depth: int) -> None:

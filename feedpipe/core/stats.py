@@ -21,6 +21,11 @@ HIGH_FRACTION = 0.20
 
 NOTHING_MEASURED = "no steps measured yet"
 """What `FeedStats.verdict` says before any batch was taken: there is nothing to judge."""
+STARTUP_STEPS = 10
+"""The feeder's first timed steps, kept out of the steady-state figures as start-up: a jitted
+step compiles in its first calls (twice in `examples/jax_custom_loop.py`, whose second call
+takes the first's outputs, placed otherwise), Keras traces its step function on the first; 10
+leaves room for those and is a sliver of any epoch worth measuring."""
 WAIT_NOT_MEASURED = "input wait not measured"
 """What `FeedStats.verdict` says where every step's batch was gathered in TensorFlow's own
 threads (`as_dataset()` over arrays): the steps are counted, their waits cannot be timed."""
@@ -40,7 +45,9 @@ class FeedStats:
     """A snapshot of how well the feeder keeps the step fed, since it was built.
 
     The first wait of every freshly started stream (filling the pipeline) is reported as
-    `startup_wait_s` and left out of the other figures, which describe the steady state.
+    `startup_wait_s` and left out of the waits and occupancy. The feeder's first
+    `STARTUP_STEPS` timed steps, where a step compiles, stay in `samples_per_s`, which so rises
+    epoch by epoch as the compile is diluted; the `steady_*` figures leave them out.
     """
 
     steps: int
@@ -117,6 +124,16 @@ class FeedStats:
     """Time the staging thread waited for the device to finish a step before reusing a device
     block: the consumer had queued more steps than the device had run. Above 0: the step sets
     the pace, not the input."""
+    steady_steps: int = 0
+    """Timed steps after the feeder's first `STARTUP_STEPS` (start-up, where a jitted step
+    compiles): the steady state's steps."""
+    steady_samples: int = 0
+    """Real samples in those steps."""
+    steady_s: float = 0.0
+    """Consumer time across those steps, waits included (the part of `wall_s` after
+    start-up, untimed steps aside)."""
+    steady_wait_s: float = 0.0
+    """The part of `steady_s` the step waited for its staged batch."""
     skipped: tuple[SkippedSample, ...] = ()
     """The samples `errors="skip"` left out of the batches taken, in order, each with its
     epoch, index, step and the type and message of its error (since the feeder was built, or
@@ -163,8 +180,21 @@ class FeedStats:
 
     @property
     def samples_per_s(self) -> float:
-        """Real samples delivered per second of consumer wall time."""
+        """Real samples delivered per second of consumer wall time, over every step: start-up
+        (a compile) included, so it rises epoch by epoch; see `steady_samples_per_s`."""
         return self.samples / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def steady_samples_per_s(self) -> float:
+        """Real samples delivered per second after start-up (the `steady_steps`); 0 until the
+        feeder's first `STARTUP_STEPS` timed steps are over."""
+        return self.steady_samples / self.steady_s if self.steady_s > 0 else 0.0
+
+    @property
+    def startup_s(self) -> float:
+        """Consumer time across the start-up steps, the feeder's first `STARTUP_STEPS` timed
+        ones (each stream's first wait aside: `startup_wait_s`)."""
+        return max(self.wall_s - self.untimed_s - self.steady_s, 0.0)
 
     @property
     def producer_samples_per_s(self) -> float:
@@ -175,7 +205,11 @@ class FeedStats:
     @property
     def consumer_samples_per_s(self) -> float:
         """What the step alone could sustain: samples per second of time not spent waiting
-        (where no wait was timed, the samples delivered per second)."""
+        (where no wait was timed, the samples delivered per second), after start-up once the
+        steady state began, as `producer_samples_per_s` leaves each stream's first batch out."""
+        if self.steady_steps:
+            busy = self.steady_s - self.steady_wait_s
+            return self.steady_samples / busy if busy > 0 else 0.0
         busy = self.wall_s - self.consumer_wait_s
         return self.samples / busy if busy > 0 else 0.0
 
@@ -201,10 +235,22 @@ class FeedStats:
             service = f" ({share:.0%} of it waiting for tf.data service{lagging})"
         return (
             f"{self.verdict}: input-bound fraction {self.input_bound_fraction:.1%} over "
-            f"{self.timed_steps} steps{untimed}; {self.samples_per_s:,.0f} samples/s "
-            f"delivered, producer alone {self.producer_samples_per_s:,.0f}/s{service}, step alone "
+            f"{self.timed_steps} steps{untimed}; {self._delivered()}, producer alone "
+            f"{self.producer_samples_per_s:,.0f}/s{service}, step alone "
             f"{self.consumer_samples_per_s:,.0f}/s; mean occupancy "
             f"{self.mean_occupancy:.2f} of {self.depth}{self._copies()}{self._skips()}"
+        )
+
+    def _delivered(self) -> str:
+        if not self.steady_steps:
+            return (
+                f"{self.samples_per_s:,.0f} samples/s delivered, all in start-up (the first "
+                f"{STARTUP_STEPS} steps, where a step compiles)"
+            )
+        return (
+            f"{self.steady_samples_per_s:,.0f} samples/s delivered after start-up (the last "
+            f"{self.steady_steps} steps), {self.samples_per_s:,.0f}/s over every step "
+            f"(start-up: the first {STARTUP_STEPS} took {self.startup_s:.2f} s)"
         )
 
     def _skips(self) -> str:
@@ -236,6 +282,11 @@ _CONSUMER_COUNTERS = (
     "_last_taken",
     "untimed_steps",
     "untimed_s",
+    "steady_steps",
+    "steady_samples",
+    "steady_s",
+    "steady_wait_s",
+    "_steady_step",
 )
 
 
@@ -270,6 +321,12 @@ class StatsRecorder:
         self.fence_wait_s = 0.0
         self.untimed_steps = 0
         self.untimed_s = 0.0
+        self.steady_steps = 0
+        self.steady_samples = 0
+        self.steady_s = 0.0
+        self.steady_wait_s = 0.0
+        self._steady_step = False
+        """Whether the step running now came after start-up: its time is the steady state's."""
 
     def gathered(
         self, *, steps: int, samples: int, wall_s: float, busy_s: float, produced: int
@@ -293,7 +350,11 @@ class StatsRecorder:
     def taken(self, *, asked: float, got: float, occupancy: int, samples: int):
         """Records one batch taken by the consumer: asked for at `asked`, received at `got`."""
         if self._last_taken is not None:
-            self.step_s += asked - self._last_taken
+            self._step_ended(asked - self._last_taken)
+        self._steady_step = self.steps - self.untimed_steps >= STARTUP_STEPS
+        if self._steady_step:
+            self.steady_steps += 1
+            self.steady_samples += samples
         startup, self._first_of_stream = self._first_of_stream, False
         if startup:
             self.startup_wait_s += got - asked
@@ -301,6 +362,9 @@ class StatsRecorder:
             self.consumer_wait_s += got - asked
             self.occupancy_sum += occupancy
             self.occupancy_count += 1
+            if self._steady_step:
+                self.steady_wait_s += got - asked
+                self.steady_s += got - asked
         self.steps += 1
         self.samples += samples
         self._last_taken = got
@@ -340,8 +404,14 @@ class StatsRecorder:
     def loop_ended(self, now: float | None = None) -> None:
         """Closes the last step of a loop; time outside loops is not step time."""
         if self._last_taken is not None:
-            self.step_s += (now or time.perf_counter()) - self._last_taken
+            self._step_ended((now or time.perf_counter()) - self._last_taken)
         self._last_taken = None
+
+    def _step_ended(self, seconds: float) -> None:
+        self.step_s += seconds
+        if self._steady_step:
+            self.steady_s += seconds
+        self._steady_step = False
 
     def snapshot(
         self,
@@ -380,4 +450,8 @@ class StatsRecorder:
             fence_wait_s=self.fence_wait_s,
             untimed_steps=self.untimed_steps,
             untimed_s=self.untimed_s,
+            steady_steps=self.steady_steps,
+            steady_samples=self.steady_samples,
+            steady_s=self.steady_s,
+            steady_wait_s=self.steady_wait_s,
         )

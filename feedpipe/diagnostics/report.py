@@ -40,13 +40,21 @@ GLOSSARY = {
 """One line per figure on the page: what it means and how to read it."""
 
 
-def _pyplot():
+def require_matplotlib():
+    """matplotlib, or an ImportError naming the `[report]` extra; `feedpipe diagnose --report`
+    asks first, so that a missing matplotlib is told before a minute of measuring."""
     try:
         import matplotlib
     except ImportError as error:
         raise ImportError(
-            "Writing a report needs matplotlib; install it with `pip install feedpipe[report]`."
+            f"needs matplotlib to draw its plots, and it cannot be imported here ({error}); "
+            'install it: pip install "feedpipe[report]".'
         ) from error
+    return matplotlib
+
+
+def _pyplot():
+    matplotlib = require_matplotlib()
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 

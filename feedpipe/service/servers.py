@@ -17,6 +17,10 @@ Three checks are made here because TensorFlow does not make them in a way a user
 
 Each raises `LaunchError`, whose message names the argument, the value and the fix.
 TensorFlow is imported on the first start, not with this module.
+
+TensorFlow's servers listen on every interface with no authentication, and TensorFlow offers
+no way to bind one interface; so each server also says, on stderr as it starts, who can reach
+it and the safe setup (`exposure`), as the command's help and docs/multi-host.md do.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import functools
 import re
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -46,6 +51,21 @@ SIGNAL_CHECK_S = 0.5
 main one (Linux gives it to the main thread first)."""
 FREE_PORT_TRIES = 5
 """Free ports picked for a worker asked for port 0, should another process take one first."""
+EXPOSED = (
+    "TensorFlow's servers listen on every interface with no authentication: whoever reaches "
+    "the dispatcher can run TensorFlow ops on the workers, reading and writing their files"
+)
+"""Who can reach the service, as the command's help says it."""
+SAFE_SETUP = (
+    "keep the service on a private network, or behind a firewall that admits only the "
+    "trainers and the workers (on one machine, loopback alone)"
+)
+"""Where the service is safe to run, as the help and each starting server say it."""
+_REACH = {
+    "dispatcher": "can run TensorFlow ops on the workers, reading and writing their files",
+    "worker": "can read the elements it serves, and whoever reaches its dispatcher runs "
+    "TensorFlow ops here, reading and writing files",
+}
 
 
 class _Server(Protocol):
@@ -98,6 +118,7 @@ def serve_dispatcher(port: int, work_dir: str | None = None, fault_tolerant: boo
             f"{PROTOCOL}://localhost:{bound} (from other machines "
             f"{PROTOCOL}://{socket.gethostname()}:{bound}){state}"
         )
+        print(exposure("dispatcher", bound), file=sys.stderr, flush=True)
         _serve(server, stop)
 
 
@@ -160,7 +181,18 @@ def serve_worker(
             f"feedpipe service worker: serving tf.data service work at {address} "
             f"(port {bound}) for the dispatcher at {host}:{dispatcher_port}"
         )
+        print(exposure("worker", bound), file=sys.stderr, flush=True)
         _serve(server, stop)
+
+
+def exposure(server: str, port: int) -> str:
+    """The line a starting `server` ("dispatcher" or "worker") writes on `port`: who can reach
+    it, and the safe setup, since TensorFlow neither authenticates nor binds one interface."""
+    return (
+        f"feedpipe service {server}: warning: port {port} listens on every interface with no "
+        f"authentication; whoever reaches it {_REACH[server]}; {SAFE_SETUP} "
+        "(docs/multi-host.md)."
+    )
 
 
 def _parse_address(

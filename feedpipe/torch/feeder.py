@@ -2,8 +2,8 @@
 
 `fp.Feeder(...)` is this class where `devices` are `torch.device`s, `framework="torch"`, or
 PyTorch is the framework in use (see `feedpipe._frameworks`). Its state follows PyTorch's
-checkpoint convention as well: `state_dict()` / `load_state_dict()`, a small plain dict that
-`torch.save` keeps beside the model's and optimizer's.
+checkpoint convention as every feeder's does: `state_dict()` / `load_state_dict()`
+(`feedpipe.feeder`), a small plain dict that `torch.save` keeps beside the model's and optimizer's.
 """
 
 from __future__ import annotations
@@ -25,11 +25,3 @@ class Feeder(core.Feeder):
     def _keras_batches(self, reading: str | None, class_weight: dict | None) -> Iterator[Any]:
         """What Keras's torch trainer reads from this feeder (`feedpipe.torch.keras`)."""
         return keras_batches(self, reading=reading, class_weight=class_weight)
-
-    def state_dict(self) -> dict:
-        """The consumer's position, as PyTorch's checkpoints take it: `get_state()`."""
-        return self.get_state()
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Goes on exactly where `state_dict` was taken: `set_state()`."""
-        self.set_state(state_dict)

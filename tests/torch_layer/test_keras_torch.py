@@ -124,6 +124,31 @@ def test_the_example_fits_on_the_feeder_and_predicts_every_held_out_sample(keras
     assert printed.count("StarvationMonitor epoch") == 3
 
 
+def test_the_example_without_keras_names_the_install_that_brings_it(monkeypatch):
+    monkeypatch.setenv("KERAS_BACKEND", "torch")
+    monkeypatch.setitem(sys.modules, "keras", None)  # import keras fails as where it is absent
+    with pytest.raises(SystemExit, match=r'pip install "feedpipe\[keras-torch\]"'):
+        runpy.run_path(str(REPO_ROOT / "examples" / "keras_torch.py"), run_name="__main__")
+
+
+def test_the_keras_torch_extra_brings_keras_and_the_readme_gives_it_to_keras_on_torch():
+    """`[torch]` installs PyTorch alone; the README's Keras-on-torch section sends its readers
+    to `[keras-torch]`, which adds Keras, and the torch tests install it too."""
+    import tomllib
+
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    extras = extras["optional-dependencies"]
+    assert "feedpipe[torch]" in extras["keras-torch"]
+    assert any(r.startswith("keras>=3") for r in extras["keras-torch"])
+    assert not any(r.startswith("keras") for r in extras["torch"])
+    assert "feedpipe[keras-torch]" in extras["test-torch"]
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme.split("## Quick start on PyTorch", 1)[1].split("\n## ", 1)[0]
+    keras_part = section[section.index("With Keras on torch") :]
+    assert "[keras-torch]" in keras_part
+    assert 'pip install -e ".[keras-torch]"' in readme.split("## Install", 1)[1]
+
+
 FIT_PREDICT_MONITOR_DIAGNOSE = """
 import json, sys
 import keras
