@@ -12,12 +12,15 @@ the devices. It owns the host slot pools. It keeps no position: what the consume
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
 import optree
 
 from feedpipe.core.agreement import check_hosts_agree
+from feedpipe.core.auto import AutoProducer
 from feedpipe.core.cost import SampleCost, Setting, probe
 from feedpipe.core.description import (
     FeederDescription,
@@ -66,8 +69,10 @@ class Assembly:
         self.pipeline: Pipeline | None = None
         self.workers = None
         self.producer = None
-        self.chosen: ChosenWorkers | None = None
-        """What `workers="auto"` picked and why (None where the workers were given)."""
+        self.auto = False
+        """Whether `workers="auto"` picks the workers (`feedpipe.core.auto`)."""
+        self.kept: str | None = None
+        """Why `workers="auto"` kept the one background thread, where it had nothing to pick."""
         self.pools: dict[bool, SlotPool] = {}
         """The host slot pools: batches staged on the devices (False) or kept on the host for
         a framework's own input pipeline (True)."""
@@ -91,8 +96,9 @@ class Assembly:
         self.own_producer, self.service = own_producer, service
         self.transform, self.transpose = transform, transpose
         if o.workers == AUTO:
-            self.chosen = self._choose_workers()
-            o = self.options = dataclasses.replace(o, **self.chosen.setting.options)
+            self.kept = self._nothing_to_choose()
+            self.auto = self.kept is None
+            o = self.options = dataclasses.replace(o, workers=0)
         self._refuse_mismatches(own_producer, transform, transpose)
         self.rows_as_given = (
             own_producer is None
@@ -103,32 +109,14 @@ class Assembly:
         )
         """Each batch is the source's rows as they are, made in this process: nothing runs
         per sample, so a framework may gather the rows itself (`Consumer.gathered_pass`)."""
-        self.shared = o.workers > 0 and o.worker_mode == "process"
-        """Whether the slots are shared memory that worker processes write into."""
-        return own_producer
-
-    def _choose_workers(self) -> ChosenWorkers:
-        """`workers="auto"`: the setting `feedpipe.core.cost` ranks first for what a sample
-        costs here, measured on the source itself; the one background thread where the source
-        leaves nothing to choose."""
-        kept = self._nothing_to_choose()
-        if kept is not None:
-            setting = Setting("thread", 0, float("nan"))
-            return ChosenWorkers(setting, f"{setting}: {kept}", None)
-        cost = self.sample_cost()
-        settings = cost.settings(at_least_one=self.options.timeout_s is not None)
-        setting, unpicklable = settings[0], ""
-        if setting.mode == "process" and (
-            problem := _unpicklable(source=self.source, transform=self.transform)
-        ):
-            setting = next(s for s in settings if s.mode == "thread")
-            unpicklable = f"; processes would be faster, but {problem}"
-        return ChosenWorkers(
-            setting,
-            f"{setting}, predicted to make {setting.rate:,.0f} samples/s: {cost.describe()}"
-            f"{unpicklable}",
-            cost,
+        self.refused = _unpicklable(source=self.source, transform=transform) if self.auto else ""
+        """Why `workers="auto"` may not start processes ("" where it may)."""
+        self.shared = (o.workers > 0 and o.worker_mode == "process") or (
+            self.auto and not self.refused
         )
+        """Whether the slots are shared memory that worker processes write into (or may:
+        `workers="auto"` may pick processes)."""
+        return own_producer
 
     def _nothing_to_choose(self) -> str | None:
         """Why the workers of this source are not the feeder's to choose; None where they
@@ -244,7 +232,7 @@ class Assembly:
         if service is not None:
             address, work = self._service_work(service, transform, transpose)
         if o.workers:
-            self.workers = self._start_workers(transform)
+            self.workers = self._start_workers(transform, o.workers, o.worker_mode)
             # Read in a worker, with what the plan needs: a crash or a hang there is theirs.
             sample_spec, measured = self.workers.first_spec(o.error_policy)
             self.source.learn(measured)
@@ -276,22 +264,40 @@ class Assembly:
                 )
             self.producer = ServiceProducer(work, address, self.sampler)
         elif o.workers:
-            layouts = {c: SlotLayout(self.spec, self.split, contiguous=c) for c in (False, True)}
-            self.workers.configure(sample_spec, axes, layouts, measured)
-            self.producer = WorkerProducer(
-                self.workers, self.source, rows, self.sampler, self.rule, self.skips
-            )
+            self.producer = self._configured(self.workers, sample_spec, axes, measured)
         else:
             writer = SampleWriter(
                 self.source, sample_spec, transform, o.seed, axes, skips=self.skips is not None
             )
             self.producer = ThreadProducer(writer, rows, self.sampler, self.rule, self.skips)
+            if self.auto:
+                start = functools.partial(self._worker_producer, sample_spec, axes)
+                self.producer = AutoProducer(self.producer, start, self.refused)
         check_host_memory(
             SlotLayout(self.spec, self.split),
             self.slot_capacity() if self.producer.slots_in_flight else 0,
             shared=self.shared,
             hosts=self.share.num_hosts,
         )
+
+    def _configured(self, workers: Any, sample_spec: SampleSpec, axes: list, measured: Any):
+        """The producer of a pool started by `_start_workers`, once it knows the samples."""
+        layouts = {c: SlotLayout(self.spec, self.split, contiguous=c) for c in (False, True)}
+        workers.configure(sample_spec, axes, layouts, measured)
+        rows = self.split.global_batch_size
+        return WorkerProducer(workers, self.source, rows, self.sampler, self.rule, self.skips)
+
+    def _worker_producer(self, sample_spec: SampleSpec, axes: list, setting: Setting):
+        """The producer of `setting`'s pool, started for `workers="auto"` (in its background
+        thread: a process pool takes a while to spawn)."""
+        o = self.options
+        workers = self._start_workers(self.transform, setting.workers, setting.mode)
+        try:
+            _, measured = workers.first_spec(o.error_policy)
+            return self._configured(workers, sample_spec, axes, measured)
+        except BaseException:
+            workers.close()
+            raise
 
     def _service_work(self, service: str, transform: Any, transpose: Any) -> tuple[str, Any]:
         """The dispatcher's address and the per-sample work it will run, both checked (see
@@ -306,7 +312,7 @@ class Assembly:
         address = check_address(service)
         return address, ServiceWork(self.source, transform, self.options.seed)
 
-    def _start_workers(self, transform: Any) -> Any:
+    def _start_workers(self, transform: Any, count: int, mode: str) -> Any:
         from feedpipe.core import workers as pool
 
         o = self.options
@@ -316,7 +322,7 @@ class Assembly:
                 "and cannot be read by workers; use workers=0 (and num_parallel_calls in "
                 "dataset.map for parallel work)."
             )
-        if self.shared:
+        if mode == "process":
             pool.check_picklable("source", self.source)
             pool.check_picklable("transform", transform)
         setup = {
@@ -326,8 +332,8 @@ class Assembly:
             "num_shards": self.num_shards(),
             "skips": o.error_policy.skips,
         }
-        kind = pool.ProcessWorkers if self.shared else pool.ThreadWorkers
-        return kind(o.workers, setup, o.timeout_s)
+        kind = pool.ProcessWorkers if mode == "process" else pool.ThreadWorkers
+        return kind(count, setup, o.timeout_s)
 
     # ---- the order, and what every host must agree on ------------------------------------
 
@@ -405,7 +411,8 @@ class Assembly:
             pipeline.close()
 
     def slot_stats(self) -> dict:
-        """The slot figures of `FeedStats`: one-off slots, slots made, whether page-locked."""
+        """The slot figures of `FeedStats` (one-off slots, slots made, whether page-locked),
+        and what `workers="auto"` picked."""
         pools = self.pools.values()
         device_pool = self.pools.get(False)
         locked = reason = None
@@ -417,7 +424,22 @@ class Assembly:
             "page_locked": locked,
             "page_lock_reason": reason,
             "staged": 0 if self.pipeline is None else self.pipeline.handoff.staged,
+            "workers_picked": (
+                self.producer.picked if isinstance(self.producer, AutoProducer) else None
+            ),
         }
+
+    def picked(self) -> Setting:
+        """The setting making the batches now (which `workers="auto"` may change)."""
+        if isinstance(self.producer, AutoProducer):
+            return self.producer.setting
+        return Setting(self.options.worker_mode, self.options.workers, math.nan)
+
+    def workers_chosen(self) -> str | None:
+        """What `workers="auto"` picked and why; None where the workers were given."""
+        if isinstance(self.producer, AutoProducer):
+            return self.producer.why
+        return None if self.kept is None else f"workers=0: {self.kept}"
 
     def describe(self) -> FeederDescription:
         """What the pipeline is (see `Feeder.describe`)."""
@@ -441,9 +463,9 @@ class Assembly:
             accelerated=accelerated,
             hosts=share.num_hosts,
             host=share.host,
-            workers=o.workers,
-            worker_mode=o.worker_mode,
-            workers_chosen=None if self.chosen is None else self.chosen.why,
+            workers=self.picked().workers,
+            worker_mode=self.picked().mode,
+            workers_chosen=self.workers_chosen(),
             depth=o.depth,
             remainder=o.remainder,
             shuffle=o.shuffle,
@@ -470,16 +492,6 @@ class Assembly:
             self.producer.close()
         self.pools.clear()  # staged batches still held keep their own slots alive
         self.layer.close()  # and their own device blocks
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ChosenWorkers:
-    """What `workers="auto"` picked, why, and the cost it measured (None where it measured
-    nothing)."""
-
-    setting: Setting
-    why: str
-    cost: SampleCost | None
 
 
 def _unpicklable(**values: Any) -> str:

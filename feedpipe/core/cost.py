@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from feedpipe.core._contention import snapshot
+from feedpipe.core._contention import CpuSnapshot, snapshot
 
 PROBE_THREADS = 4
 """Threads reading at once in the probe: enough to tell GIL-bound work (their rate stays at
@@ -39,6 +39,7 @@ NEAR_BEST = 0.95
 """A setting within this fraction of the best rate counts as reaching it: the fewest workers
 that do are picked (each costs memory, and a process its start-up)."""
 WAITING, GIL_BOUND, GIL_FREE, MIXED = "waiting", "GIL-bound Python", "GIL-free native code", "mixed"
+COMPUTING = "computing"
 
 
 def cores() -> int:
@@ -58,8 +59,10 @@ class SampleCost:
     gil_s: float
     """At most this many seconds of a sample hold the GIL: the reading thread's own CPU time,
     or less where `PROBE_THREADS` threads outran it."""
+    threads: int
+    """Threads that read at once for `threads_rate` (0: not measured)."""
     threads_rate: float
-    """Samples/s of `PROBE_THREADS` threads reading at once."""
+    """Samples/s of `threads` threads reading at once (nan where not measured)."""
     samples: int
     """Samples the probe read."""
     free_cores: float
@@ -73,29 +76,37 @@ class SampleCost:
 
     @property
     def parallel_cpu(self) -> float:
-        """Cores' worth of sample CPU the probe's threads ran at once: about 1 where the GIL
+        """Cores' worth of sample CPU the threads ran at once: about 1 where the GIL
         serialises the work, up to min(threads, cores) where it is released."""
         return self.threads_rate * self.cpu_s
 
     @property
     def kind(self) -> str:
-        """`WAITING`, `GIL_BOUND`, `GIL_FREE` or `MIXED`: what the sample's time goes to."""
+        """`WAITING`, `GIL_BOUND`, `GIL_FREE`, `MIXED`, or `COMPUTING` where no threads were
+        measured to tell whether the GIL is held: what the sample's time goes to."""
         if self.waiting >= 0.7:
             return WAITING
         if self.waiting <= 0.3:
+            if not self.threads:
+                return COMPUTING
             if self.parallel_cpu <= 1.3:
                 return GIL_BOUND
-            if self.parallel_cpu >= 0.7 * min(PROBE_THREADS, self.free_cores):
+            if self.parallel_cpu >= 0.7 * min(self.threads, self.free_cores):
                 return GIL_FREE
         return MIXED
 
     def describe(self) -> str:
         """One clause: the figures, and what they make of the source."""
+        threads = (
+            f"{self.threads} threads made {self.threads_rate:,.0f} samples/s, "
+            f"{self.parallel_cpu:.1f} cores' worth, with "
+            if self.threads
+            else "with "
+        )
         return (
             f"a sample takes {self.wall_s * 1e3:,.3f} ms, {self.cpu_s * 1e3:,.3f} ms of it CPU "
-            f"({self.waiting:.0%} waiting); {PROBE_THREADS} threads made "
-            f"{self.threads_rate:,.0f} samples/s, {self.parallel_cpu:.1f} cores' worth, with "
-            f"{self.free_cores:.1f} cores free: {self.kind}"
+            f"({self.waiting:.0%} waiting); {threads}{self.free_cores:.1f} cores free: "
+            f"{self.kind}"
         )
 
     def rate(self, mode: str, workers: int, cores: float | None = None) -> float:
@@ -204,11 +215,17 @@ def probe(
     threads_rate = sum(counts) / (time.perf_counter() - started)
     gil_s = min(thread_cpu_s, 1.0 / threads_rate)
     return SampleCost(
-        wall_s, cpu_s, gil_s, threads_rate, count + sum(counts), _free_cores(machine, began)
+        wall_s,
+        cpu_s,
+        gil_s,
+        PROBE_THREADS,
+        threads_rate,
+        count + sum(counts),
+        free_cores_since(machine, began),
     )
 
 
-def _free_cores(machine: object, began: float) -> float:
+def free_cores_since(machine: CpuSnapshot, began: float) -> float:
     """The cores other processes left free since `machine` (a `snapshot()`, taken at
     `began`): at least one, at most all of them."""
     now = snapshot()

@@ -254,6 +254,12 @@ class WorkerProducer(Producer):
                     filling.give_back(filling.slot)
             self._held.clear()
 
+    def settle(self, supply: SlotSupply) -> None:
+        """Waits for the tasks still out (a stream of slots ended early leaves some), so every
+        slot they fill is back in the pool: another producer takes over from here."""
+        while self._tasks:
+            self._collect(supply)
+
     def close(self) -> None:
         """Forgets the tasks still out once the workers are gone (none will answer), so the
         slots they were filling are freed with the pool."""

@@ -134,6 +134,9 @@ class FeedStats:
     start-up, untimed steps aside)."""
     steady_wait_s: float = 0.0
     """The part of `steady_s` the step waited for its staged batch."""
+    workers_picked: str | None = None
+    """The setting `workers="auto"` has picked, "(still measuring)" while it tries settings in
+    the first batches; `describe().workers_chosen` says why. None where workers were given."""
     skipped: tuple[SkippedSample, ...] = ()
     """The samples `errors="skip"` left out of the batches taken, in order, each with its
     epoch, index, step and the type and message of its error (since the feeder was built, or
@@ -239,6 +242,7 @@ class FeedStats:
             f"{self.producer_samples_per_s:,.0f}/s{service}, step alone "
             f"{self.consumer_samples_per_s:,.0f}/s; mean occupancy "
             f"{self.mean_occupancy:.2f} of {self.depth}{self._copies()}{self._skips()}"
+            + (f'; workers="auto" picked {self.workers_picked}' if self.workers_picked else "")
         )
 
     def _delivered(self) -> str:
@@ -420,6 +424,7 @@ class StatsRecorder:
         page_locked: bool | None = None,
         page_lock_reason: str | None = None,
         staged: int = 0,
+        workers_picked: str | None = None,
     ) -> FeedStats:
         return FeedStats(
             steps=self.steps,
@@ -439,6 +444,7 @@ class StatsRecorder:
             overflow_slots=overflow_slots,
             slots_allocated=slots_allocated,
             staged=staged,
+            workers_picked=workers_picked,
             copies=self.copies,
             copied_bytes=self.copied_bytes,
             copy_s=self.copy_s,

@@ -1,0 +1,253 @@
+"""`workers="auto"`: the feeder picks its workers by measuring them, while the first epoch is made.
+
+It makes batches at once in its own thread, as `workers=0` does, so the first batch comes no
+later, and those batches measure what a sample costs: its wall time and the producing thread's
+CPU time. `feedpipe.core.cost` then ranks the settings; the best is started in the background
+(processes take a while to spawn) and takes over at the next batch once it is ready, and its
+own batches measure what it really makes. Threads that fall short of the prediction show how
+much of a sample holds the GIL, and the ranking is made again. A setting is tried only where it
+is predicted `BETTER` than the best measured so far, at most `MAX_TRIALS` of them; then the
+fastest measured is kept for good and every other pool is closed. Who makes a batch never
+changes which samples it holds, so the order and the state are those of any fixed setting.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Iterator
+
+from feedpipe.core._contention import snapshot
+from feedpipe.core.cost import SampleCost, Setting, free_cores_since
+from feedpipe.core.producers import Producer, SlotSupply, ThreadProducer, WorkerProducer
+from feedpipe.core.sampler import EpochEnd, Step
+from feedpipe.core.slots import HostSlot
+from feedpipe.core.state import Position
+
+TRIAL_S = 0.25
+"""Seconds of production each setting is measured over (and at least `TRIAL_BATCHES`)."""
+TRIAL_BATCHES = 4
+MAX_TRIALS = 3
+"""Settings tried beyond the feeder's own thread."""
+BETTER = 1.1
+"""A setting is tried only where it is predicted this much faster than the best measured."""
+
+Key = tuple[str, int]
+"""A setting as (mode, workers)."""
+
+
+class _TimedSupply:
+    """The pipeline's supply, timing the waits for a free slot: those are the consumer's
+    pace, not the producer's, and are left out of what a setting is measured to make."""
+
+    def __init__(self, supply: SlotSupply):
+        self.supply = supply
+        self.waited_s = 0.0
+
+    def acquire(self) -> HostSlot:
+        started = time.perf_counter()
+        try:
+            return self.supply.acquire()
+        finally:
+            self.waited_s += time.perf_counter() - started
+
+    def __getattr__(self, name: str):
+        return getattr(self.supply, name)
+
+
+@dataclasses.dataclass
+class _Window:
+    """What the setting running now has made since it took over."""
+
+    samples: int = 0
+    busy_s: float = 0.0
+    cpu_s: float = 0.0
+    batches: int = 0
+
+    def full(self) -> bool:
+        return self.batches >= TRIAL_BATCHES and self.busy_s >= TRIAL_S
+
+
+class AutoProducer(Producer):
+    """Makes batches with the fastest setting it has measured, measuring while it picks."""
+
+    slots_in_flight = 2
+    """As a pool of workers over an indexed source, whichever setting runs."""
+
+    def __init__(
+        self, inline: ThreadProducer, start_pool: Callable[[Setting], WorkerProducer], refused: str
+    ):
+        """`inline` makes batches in the feeder's thread; `start_pool(setting)` starts the
+        pool of a setting and returns its producer (it runs in the background); `refused`
+        says why processes cannot be used ("" where they can)."""
+        self.inline = inline
+        self.start_pool = start_pool
+        self.refused = refused
+        self.setting = Setting("thread", 0, math.nan)
+        """The setting making the batches now."""
+        self.producers: dict[Key, Producer] = {_key(self.setting): inline}
+        self.measured: dict[Key, float] = {}
+        """Samples/s each setting tried made, while it was being measured."""
+        self.cost: SampleCost | None = None
+        self.settled = False
+        self.why = "measuring: workers=0 makes the first batches"
+        self._window = _Window()
+        self._machine = snapshot(), time.perf_counter()
+        self._pending: tuple[Setting, concurrent.futures.Future] | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, "feedpipe-auto")
+        self._failed: list[str] = []
+
+    # ---- making batches ------------------------------------------------------------------
+
+    def slots(
+        self, start: Position, supply: SlotSupply
+    ) -> Iterator[tuple[Step, HostSlot] | EpochEnd]:
+        timed = _TimedSupply(supply)
+        position = start
+        while True:
+            producer = self.producers[_key(self.setting)]
+            made = producer.slots(position, timed)
+            try:
+                while True:
+                    began, cpu, waited = time.perf_counter(), time.thread_time(), timed.waited_s
+                    item = next(made, None)
+                    if item is None:
+                        return
+                    if isinstance(item, EpochEnd):
+                        position = Position(item.epoch + 1, 0)
+                        yield item
+                        continue
+                    step, _ = item
+                    busy_s = time.perf_counter() - began - (timed.waited_s - waited)
+                    switch = self._made(len(step.rows), busy_s, time.thread_time() - cpu)
+                    position = Position(step.epoch, step.index + 1)
+                    yield item
+                    if switch:
+                        break
+            finally:
+                made.close()
+            if isinstance(producer, WorkerProducer):
+                producer.settle(timed)  # the slots its tasks still fill come back
+            self._take_over()
+
+    def _made(self, samples: int, busy_s: float, cpu_s: float) -> bool:
+        """Books one batch of the setting running; whether another should take over now."""
+        if self.settled:
+            return False
+        if self._pending is not None:
+            return self._pending[1].done()
+        window = self._window
+        if not window.batches:
+            self._machine = snapshot(), time.perf_counter()
+        window.samples += samples
+        window.busy_s += busy_s
+        window.cpu_s += cpu_s
+        window.batches += 1
+        if not window.full():
+            return False
+        self._learn(window)
+        return self._next_trial()
+
+    def _learn(self, window: _Window) -> None:
+        """What the window says of the samples and of the setting that made them."""
+        rate = window.samples / window.busy_s if window.busy_s > 0 else math.inf
+        self.measured[_key(self.setting)] = rate
+        if self.setting.workers == 0:
+            wall_s = 1.0 / rate
+            cpu_s = window.cpu_s / window.samples
+            free = free_cores_since(*self._machine)
+            self.cost = SampleCost(wall_s, cpu_s, cpu_s, 0, math.nan, window.samples, free)
+        elif self.setting.mode == "thread" and self.cost is not None:
+            # Threads that outran one thread's CPU time released the GIL for the rest of it.
+            gil_s = min(self.cost.gil_s, 1.0 / rate)
+            self.cost = dataclasses.replace(
+                self.cost, gil_s=gil_s, threads=self.setting.workers, threads_rate=rate
+            )
+
+    def _next_trial(self) -> bool:
+        """Starts the next setting worth trying in the background, or settles."""
+        best = max(self.measured.values())
+        tried = len(self.measured) - 1
+        for setting in self.cost.settings(at_least_one=True):
+            if _key(setting) in self.measured or (setting.mode == "process" and self.refused):
+                continue
+            if tried < MAX_TRIALS and setting.rate >= BETTER * best:
+                self._pending = (setting, self._executor.submit(self.start_pool, setting))
+                self.why = f"measuring: trying {setting}, predicted {setting.rate:,.0f} samples/s"
+                return False
+            break
+        return self._settle()
+
+    def _take_over(self) -> None:
+        """Hands the batches to the setting started in the background (or the best measured,
+        once settled); a pool that failed to start is named and passed over."""
+        if self._pending is not None:
+            setting, started = self._pending
+            self._pending = None
+            try:
+                self.producers[_key(setting)] = started.result()
+                self.setting, self._window = setting, _Window()
+                return
+            except Exception as error:  # a pool that cannot start: the others go on
+                self._failed.append(f"{setting} failed to start ({type(error).__name__}: {error})")
+                if not self._next_trial():
+                    self._take_over()
+                return
+        best = max(self.measured, key=self.measured.get)
+        self.setting = Setting(best[0], best[1], self.measured[best])
+        self._close_all_but(best)
+
+    def _settle(self) -> bool:
+        """Keeps the fastest setting measured; whether it must take over from the one
+        running (the other pools close once it has)."""
+        self.settled = True
+        best = max(self.measured, key=self.measured.get)
+        if best == _key(self.setting):
+            self._close_all_but(best)
+        tried = ", ".join(f"{_named(k)} {rate:,.0f}" for k, rate in self.measured.items())
+        failed = "".join(f"; {text}" for text in self._failed)
+        refused = f"; no processes: {self.refused}" if self.refused else ""
+        self.why = (
+            f"{_named(best)}: the fastest measured while the first batches were made "
+            f"(samples/s: {tried}); {self.cost.describe()}{refused}{failed}"
+        )
+        return best != _key(self.setting)
+
+    def _close_all_but(self, kept: Key) -> None:
+        for key, producer in list(self.producers.items()):
+            if key != kept and isinstance(producer, WorkerProducer):
+                producer.workers.close()
+                del self.producers[key]
+
+    # ---- what the feeder says of it -------------------------------------------------------
+
+    @property
+    def picked(self) -> str:
+        """The setting making the batches now, and whether it is for good."""
+        return str(self.setting) + ("" if self.settled else " (still measuring)")
+
+    def close(self) -> None:
+        """Closes every pool, one starting in the background included."""
+        if self._pending is not None:
+            self._pending[1].add_done_callback(_close_started)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        for producer in self.producers.values():
+            if isinstance(producer, WorkerProducer):
+                producer.workers.close()
+                producer.close()
+
+
+def _key(setting: Setting) -> Key:
+    return (setting.mode if setting.workers else "thread", setting.workers)
+
+
+def _named(key: Key) -> str:
+    return str(Setting(key[0], key[1], math.nan))
+
+
+def _close_started(future: concurrent.futures.Future) -> None:
+    """Closes the pool a setting started after the feeder closed."""
+    if not future.cancelled() and future.exception() is None:
+        future.result().workers.close()
