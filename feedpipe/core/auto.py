@@ -97,7 +97,8 @@ class AutoProducer(Producer):
         self._machine = snapshot(), time.perf_counter()
         self._pending: tuple[Setting, concurrent.futures.Future] | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "feedpipe-auto")
-        self._failed: list[str] = []
+        self._failed: dict[Key, str] = {}
+        """Settings whose pool failed to start, and how."""
 
     # ---- making batches ------------------------------------------------------------------
 
@@ -171,7 +172,12 @@ class AutoProducer(Producer):
         best = max(self.measured.values())
         tried = len(self.measured) - 1
         for setting in self.cost.settings(at_least_one=True):
-            if _key(setting) in self.measured or (setting.mode == "process" and self.refused):
+            key = _key(setting)
+            if (
+                key in self.measured
+                or key in self._failed
+                or (key[0] == "process" and self.refused)
+            ):
                 continue
             if tried < MAX_TRIALS and setting.rate >= BETTER * best:
                 self._pending = (setting, self._executor.submit(self.start_pool, setting))
@@ -191,8 +197,8 @@ class AutoProducer(Producer):
                 self.setting, self._window = setting, _Window()
                 return
             except Exception as error:  # a pool that cannot start: the others go on
-                self._failed.append(f"{setting} failed to start ({type(error).__name__}: {error})")
-                if not self._next_trial():
+                self._failed[_key(setting)] = f"{type(error).__name__}: {error}"
+                if self._next_trial():
                     self._take_over()
                 return
         best = max(self.measured, key=self.measured.get)
@@ -207,7 +213,9 @@ class AutoProducer(Producer):
         if best == _key(self.setting):
             self._close_all_but(best)
         tried = ", ".join(f"{_named(k)} {rate:,.0f}" for k, rate in self.measured.items())
-        failed = "".join(f"; {text}" for text in self._failed)
+        failed = "".join(
+            f"; {_named(key)} failed to start ({why})" for key, why in self._failed.items()
+        )
         refused = f"; no processes: {self.refused}" if self.refused else ""
         self.why = (
             f"{_named(best)}: the fastest measured while the first batches were made "
@@ -237,6 +245,7 @@ class AutoProducer(Producer):
             if isinstance(producer, WorkerProducer):
                 producer.workers.close()
                 producer.close()
+        self.producers = {_key(self.setting): self.inline}
 
 
 def _key(setting: Setting) -> Key:

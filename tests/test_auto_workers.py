@@ -1,0 +1,203 @@
+"""`workers="auto"`: the same batches as `workers=0` while it measures, switches and settles;
+what it picks for a waiting source; the sources it leaves alone and why; and what it says.
+
+The trials are shortened (`TRIAL_S`), so that a small epoch sees every switch. Where a test
+needs a given sequence of trials, the ranking is fixed (`SampleCost.settings`): what is under
+test there is the switching, not the model (tests/core/test_cost.py holds the model)."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import feedpipe as fp
+from feedpipe.core import auto
+from feedpipe.core.cost import SampleCost, Setting
+from tests import worker_fakes as wf
+from tests.fakes import all_ids, real_ids
+
+GLOBAL_BATCH = 8
+MAX_EPOCHS = 30
+
+
+@pytest.fixture(autouse=True)
+def short_trials(monkeypatch):
+    monkeypatch.setattr(auto, "TRIAL_S", 0.01)
+    monkeypatch.setattr(auto, "TRIAL_BATCHES", 2)
+
+
+def epochs(feeder, count: int = 2, ids=all_ids) -> list[list[int]]:
+    return [ids(batch) for _ in range(count) for batch in feeder]
+
+
+def reference(source, devices, count: int = 2, batch=GLOBAL_BATCH, **options) -> list[list[int]]:
+    with fp.Feeder(source, batch, devices=devices, workers=0, **options) as feeder:
+        return epochs(feeder, count)
+
+
+class LockedSlowSource(wf.SlowSource):
+    """A `SlowSource` holding a lock: it cannot be sent to a worker process."""
+
+    def __init__(self, length: int):
+        super().__init__(length, 0.001)
+        self.lock = threading.Lock()
+
+
+def ranked(*settings: Setting):
+    """A fixed ranking, each setting predicted far above anything measured."""
+
+    def settings_(self, target=math.inf, at_least_one=False):
+        return list(settings)
+
+    return settings_
+
+
+def until_settled(feeder, devices, **options) -> None:
+    """Reads epochs until `workers="auto"` has settled, and one more, each the same as
+    `workers=0`'s epoch (from the same ids read without a delay)."""
+    length, batch = len(feeder.source), feeder.options.global_batch_size
+    expected = reference(wf.IndexSource(length), devices, MAX_EPOCHS, batch, **options)
+    producer = feeder._assembly.producer
+    for epoch in range(MAX_EPOCHS):
+        per_epoch = len(expected) // MAX_EPOCHS
+        assert epochs(feeder, 1) == expected[epoch * per_epoch : (epoch + 1) * per_epoch]
+        if producer.settled and epoch > 0:
+            return
+    raise AssertionError(f"not settled after {MAX_EPOCHS} epochs: {producer.why}")
+
+
+def test_a_waiting_source_gets_threads_and_the_batches_of_workers0(devices, monkeypatch):
+    # Batches of 32 rows measured over 3 batches: a run of one row per thread would measure
+    # the threads' start more than their rate.
+    monkeypatch.setattr(auto, "TRIAL_S", 0.05)
+    monkeypatch.setattr(auto, "TRIAL_BATCHES", 3)
+    source = wf.SlowSource(640, 0.002)
+    with fp.Feeder(source, 32, devices=devices, workers="auto", shuffle=True) as feeder:
+        until_settled(feeder, devices, shuffle=True)
+        described, stats = feeder.describe(), feeder.stats()
+    # 2 ms of waiting and almost no CPU a sample: threads, many more than the cores.
+    assert (described.worker_mode, described.workers > 4) == ("thread", True)
+    assert described.workers_chosen.startswith(f"{stats.workers_picked}: the fastest measured")
+    assert "waiting" in described.workers_chosen
+    assert f'workers="auto" picked {stats.workers_picked}' in str(stats)
+
+
+@pytest.mark.parametrize("first", ["process", "thread"])
+def test_every_switch_keeps_the_batches_of_workers0(devices, monkeypatch, first):
+    second = "thread" if first == "process" else "process"
+    plan = ranked(Setting(first, 2, 1e9), Setting(second, 3, 1e9))
+    monkeypatch.setattr(SampleCost, "settings", plan)
+    source = wf.SlowSource(200, 0.001)
+    with fp.Feeder(source, GLOBAL_BATCH, devices=devices, workers="auto", shuffle=True) as feeder:
+        until_settled(feeder, devices, shuffle=True)
+        producer = feeder._assembly.producer
+    assert set(producer.measured) == {("thread", 0), (first, 2), (second, 3)}
+    assert producer.settled
+    kept = max(producer.measured, key=producer.measured.get)
+    assert (producer.setting.mode, producer.setting.workers) in ((kept[0], kept[1]), kept)
+    assert list(producer.producers) == [kept] or kept == ("thread", 0)
+
+
+def test_skipped_samples_are_the_same_as_with_workers0(devices, monkeypatch):
+    monkeypatch.setattr(SampleCost, "settings", ranked(Setting("thread", 2, 1e9)))
+    source = wf.FailingSource(96, fail_at=50)
+    options = {"shuffle": True, "errors": "skip", "max_skipped": 3}
+    with fp.Feeder(source, GLOBAL_BATCH, devices=devices, **options) as fixed:
+        expected, skipped = epochs(fixed, ids=real_ids), fixed.stats().skipped
+    with fp.Feeder(source, GLOBAL_BATCH, devices=devices, workers="auto", **options) as feeder:
+        assert epochs(feeder, ids=real_ids) == expected
+        assert feeder.stats().skipped == skipped
+
+
+@pytest.mark.parametrize("stop_after", [1, 7])
+def test_a_state_taken_while_it_measures_resumes_anywhere(devices, monkeypatch, stop_after):
+    monkeypatch.setattr(SampleCost, "settings", ranked(Setting("process", 2, 1e9)))
+    source = wf.SlowSource(96, 0.001)
+    whole = reference(source, devices, count=1, shuffle=True)
+    with fp.Feeder(source, GLOBAL_BATCH, devices=devices, workers="auto", shuffle=True) as first:
+        taken = []
+        for batch in first:
+            taken.append(all_ids(batch))
+            if len(taken) == stop_after:
+                break
+        state = first.get_state()
+    for workers in (0, "auto"):
+        with fp.Feeder(
+            source, GLOBAL_BATCH, devices=devices, workers=workers, shuffle=True
+        ) as rest:
+            rest.set_state(state)
+            assert taken + epochs(rest, 1) == whole
+
+
+def test_a_source_that_cannot_be_pickled_is_never_given_processes(devices, monkeypatch):
+    monkeypatch.setattr(
+        SampleCost, "settings", ranked(Setting("process", 2, 1e9), Setting("thread", 2, 1e9))
+    )
+    with fp.Feeder(LockedSlowSource(96), GLOBAL_BATCH, devices=devices, workers="auto") as feeder:
+        until_settled(feeder, devices)
+        producer, chosen = feeder._assembly.producer, feeder.describe().workers_chosen
+    assert ("process", 2) not in producer.measured
+    assert "no processes: the source cannot be pickled" in chosen
+
+
+def test_a_pool_that_fails_to_start_is_named_and_passed_over(devices, monkeypatch):
+    monkeypatch.setattr(
+        SampleCost, "settings", ranked(Setting("process", 2, 1e9), Setting("thread", 2, 1e9))
+    )
+    from feedpipe.assembly import Assembly
+
+    def no_processes(self, transform, count, mode):
+        if mode == "process":
+            raise OSError("no more processes")
+        return starting(self, transform, count, mode)
+
+    starting = Assembly._start_workers
+    monkeypatch.setattr(Assembly, "_start_workers", no_processes)
+    source = wf.SlowSource(96, 0.001)
+    with fp.Feeder(source, GLOBAL_BATCH, devices=devices, workers="auto") as feeder:
+        until_settled(feeder, devices)
+        chosen = feeder.describe().workers_chosen
+    assert 'workers=2, worker_mode="process" failed to start (OSError: no more processes)' in chosen
+
+
+@pytest.mark.parametrize(
+    ("source", "why"),
+    [
+        (wf.index_arrays(64), "arrays without a transform are gathered"),
+        (fp.from_generator(wf.sharded_range(64)), "order depends on how many shards read it"),
+    ],
+)
+def test_sources_it_leaves_to_one_thread_say_why(devices, source, why):
+    with fp.Feeder(source, GLOBAL_BATCH, devices=devices, workers="auto") as feeder:
+        assert len(epochs(feeder, 1)) == 8
+        described = feeder.describe()
+        assert feeder.stats().workers_picked is None
+    assert described.workers == 0 and why in described.workers_chosen
+
+
+def test_closing_while_a_pool_starts_leaves_no_worker_behind(devices, monkeypatch):
+    monkeypatch.setattr(SampleCost, "settings", ranked(Setting("process", 2, 1e9)))
+    feeder = fp.Feeder(wf.SlowSource(400, 0.002), GLOBAL_BATCH, devices=devices, workers="auto")
+    producer = feeder._assembly.producer
+    for _ in feeder:
+        if producer._pending is not None:
+            break
+    feeder.close()
+    deadline = time.monotonic() + 30
+    started = producer._pending[1] if producer._pending else None
+    while started is not None and not started.done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if started is not None and started.exception() is None:
+        pool = started.result().workers
+        while any(p.poll() is None for p in pool.procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(p.poll() is not None for p in pool.procs)
+
+
+def test_workers_must_be_a_count_or_auto(devices):
+    with pytest.raises(ValueError, match=r'`workers`=.Auto. must be an integer >= 0.*"auto"'):
+        fp.Feeder(np.zeros((16, 2)), GLOBAL_BATCH, devices=devices, workers="Auto")
