@@ -87,6 +87,12 @@ def _add_demo(subcommands: argparse._SubParsersAction) -> None:
         "PyTorch trains on 1, one device per process)",
     )
     parser.add_argument("--quick", action="store_true", help="a short run of a few seconds")
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write this run's figures (speedup, input-bound %%, step alone, final losses, "
+        "whether the noise warning fired) to PATH as JSON",
+    )
     parser.set_defaults(run=_run_demo)
 
 
@@ -137,7 +143,13 @@ def _run_demo(args: argparse.Namespace) -> int:
         return 2
     if framework == "tensorflow":
         _start_tensorflow()
-    demo.run(steps=args.steps, devices=args.devices, quick=args.quick, framework=framework)
+    demo.run(
+        steps=args.steps,
+        devices=args.devices,
+        quick=args.quick,
+        framework=framework,
+        json_path=args.json,
+    )
     return 0
 
 

@@ -18,6 +18,12 @@ long as its step: slow enough that synchronous feeding pays for it every step, f
 that a feeder can hide it entirely. Without an accelerator the replicas are logical CPU
 devices, made before the framework initialises.
 
+The step alone is calibrated once, before the runs (`calibrate`): that one figure sizes the
+reads, and the header and the report both print it. Each run also times its own steps, so the
+report can say when the machine's noise (the step alone changing from one run to the other)
+is larger than the speedup it reports (`noise_exceeds_effect`). `--json PATH` writes the run's
+figures (`figures`) for a results record (`kernels_bench/demo.py`).
+
 This module is the story and the report, and knows no framework; each framework's module
 supplies a `Training`: its devices, model, step and placement. The framework is imported only
 once chosen, so the JAX demo never loads TensorFlow.
@@ -25,9 +31,13 @@ once chosen, so the JAX demo never loads TensorFlow.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
+import importlib.metadata
 import importlib.util
+import json
+import platform
 import sys
 import threading
 import time
@@ -56,7 +66,13 @@ every step, and the feeder hides it behind the step."""
 SLEEP_QUANTUM_S = 0.001
 """Waits are slept off in portions of at least this: a sleep of tens of microseconds overshoots
 by about as much again, so per-sample sleeps would not add up to the wait asked for."""
-TIMED_STEPS = 5
+WARMUP_STEPS = 2
+"""Untimed steps before the calibration's: the first compiles the step, and the second still ran
+about 1.5x slower than the later ones on TensorFlow here (35 to 63 ms against 23 to 28)."""
+TIMED_STEPS = 10
+"""Steps the calibration times; their median is the step alone: a few slow steps, as a busy
+machine gives, move it little (a machine busy throughout the calibration still does, which
+the report shows beside each run's own steps)."""
 HIDDEN_UNITS = 1024
 """Width of the MLP's two hidden layers: its step outlasts reading a batch, on 2 cores too."""
 LEARNING_RATE = 0.05
@@ -129,10 +145,31 @@ class RunResult:
     """Share of wall time the step waited for its input."""
     final_loss: float
     """Mean loss over the real samples of the last step."""
+    step_s: float
+    """Time spent inside the step, its batch already on the devices, over the whole run: the
+    step alone as this run saw it, timed the same way in both runs."""
 
     @property
     def steps_per_s(self) -> float:
         return self.steps / self.wall_s
+
+    @property
+    def step_alone_s(self) -> float:
+        """The step alone's mean time in this run."""
+        return self.step_s / self.steps
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Calibration:
+    """What the demo measured once, before the runs, to size its source."""
+
+    step_s: float
+    """The step alone: the median time of the compiled step on a batch already on its devices.
+    The reads are sized from it, and the header and the report print it."""
+    read_latency_s: float
+    """Each sample's wait, so that reading a global batch takes `READ_SHARE` of `step_s`."""
+    batch_read_s: float
+    """Reading one global batch here once the wait is set, building included."""
 
 
 class Training(Protocol):
@@ -159,6 +196,10 @@ class Training(Protocol):
 
     def snapshot(self) -> Callable[[], None]:
         """A function that puts the weights and optimizer state back to their current values."""
+
+    def pinned(self) -> contextlib.AbstractContextManager[None]:
+        """The process-wide settings the step runs under, held for the block and put back after
+        (PyTorch: its intra-op threads)."""
 
     def feeder(self, dataset: SyntheticRecords, global_batch_size: int) -> Feeder:
         """A feeder of `dataset` onto the replicas, in order."""
@@ -206,17 +247,19 @@ def train_synchronously(
 ) -> RunResult:
     """Trains `steps` steps, building and placing each batch on the host right before its step."""
     update = training.progress_bar(steps)
-    input_s = 0.0
+    input_s = step_s = 0.0
     started = time.perf_counter()
     for i in range(steps):
         asked = time.perf_counter()
         features, labels, real, num_valid = build_batch_synchronously(dataset, i, global_batch_size)
         inputs, mask = training.place(features, labels, real)
-        input_s += time.perf_counter() - asked
+        placed = time.perf_counter()
         loss = training.step(inputs, mask, num_valid)
+        step_s += time.perf_counter() - placed
+        input_s += placed - asked
         update(i + 1, loss)
     wall_s = time.perf_counter() - started
-    return RunResult("synchronous feeding", steps, wall_s, input_s / wall_s, loss)
+    return RunResult("synchronous feeding", steps, wall_s, input_s / wall_s, loss, step_s)
 
 
 def train_with_feeder(
@@ -225,43 +268,144 @@ def train_with_feeder(
     """Trains `steps` steps on batches the feeder has already staged on the devices."""
     update = training.progress_bar(steps)
     done = 0
+    step_s = 0.0
     started = time.perf_counter()
     while done < steps:
         for batch in feeder:  # each pass is one epoch
             inputs, mask = batch.distributed()
+            stepping = time.perf_counter()
             loss = training.step(inputs, mask, batch.num_valid)
+            step_s += time.perf_counter() - stepping
             done += 1
             update(done, loss)
             if done == steps:
                 break
     wall_s = time.perf_counter() - started
     stats = feeder.stats()
-    return RunResult("fp.Feeder", steps, wall_s, stats.input_bound_fraction, loss), stats
+    fed = RunResult("fp.Feeder", steps, wall_s, stats.input_bound_fraction, loss, step_s)
+    return fed, stats
 
 
 def _replicas(count: int) -> str:
     return f"{count} replica{'' if count == 1 else 's'}"
 
 
-def print_report(devices: Sequence[str], runs: Sequence[RunResult], stats: FeedStats) -> None:
-    """Both runs side by side, the speedup, and the feeder's own verdict."""
-    print(f"\n{'':22}{'steps/s':>9}{'input-bound':>13}  {'verdict':<24}{'final loss':>10}")
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def speedup_of(runs: Sequence[RunResult]) -> float:
+    """The feeder's steps/s over synchronous feeding's."""
+    sync, fed = runs
+    return fed.steps_per_s / sync.steps_per_s
+
+
+def too_noisy(runs: Sequence[RunResult]) -> bool:
+    """`noise_exceeds_effect` for the two runs: their steps alone and their speedup."""
+    sync, fed = runs
+    return noise_exceeds_effect((sync.step_alone_s, fed.step_alone_s), speedup_of(runs))
+
+
+def noise_exceeds_effect(step_alone_s: tuple[float, float], speedup: float) -> bool:
+    """Whether the step alone changed from one run to the other by more than the speedup.
+
+    The step is the same in both runs, so a change in its own time is the machine's noise
+    (other work, the step's threads): where it is larger than the effect reported, the speedup
+    cannot be told apart from it. Both are compared as ratios, whichever way they go.
+    """
+    noise = max(step_alone_s) / min(step_alone_s) - 1
+    effect = max(speedup, 1 / speedup) - 1
+    return noise > effect
+
+
+def print_header(
+    training: Training, steps: int, dataset: SyntheticRecords, calibration: Calibration
+) -> None:
+    """What the demo trains, on what, and how its source was sized."""
+    replicas = len(training.devices)
+    print(
+        f"feedpipe demo: {steps} steps of a {training.model} on {_replicas(replicas)} "
+        f"({training.on}), global batch {PER_REPLICA_BATCH * replicas}\n"
+        f"source: {len(dataset):,} synthetic samples of {FEATURES} floats; each read waits "
+        f"{calibration.read_latency_s * 1e6:.0f} µs (GIL-free, like storage), so that reading a "
+        f"batch takes about half a step here ({_ms(calibration.batch_read_s)}; the step alone, "
+        f"calibrated: {_ms(calibration.step_s)})"
+    )
+
+
+def print_report(
+    devices: Sequence[str],
+    runs: Sequence[RunResult],
+    stats: FeedStats,
+    calibration: Calibration,
+) -> None:
+    """Both runs side by side, the speedup, the feeder's own verdict, and a warning where the
+    machine's noise is larger than the speedup."""
+    print(
+        f"\n{'':22}{'steps/s':>9}{'ms/step':>9}{'step alone':>12}{'input-bound':>13}  "
+        f"{'verdict':<24}{'final loss':>10}"
+    )
     for run in runs:
         print(
-            f"{run.name:<22}{run.steps_per_s:>9.1f}{run.input_bound_fraction:>13.1%}  "
+            f"{run.name:<22}{run.steps_per_s:>9.1f}{1e3 / run.steps_per_s:>9.1f}"
+            f"{_ms(run.step_alone_s):>12}{run.input_bound_fraction:>13.1%}  "
             f"{verdict(run.input_bound_fraction):<24}{run.final_loss:>10.4f}"
         )
     sync, fed = runs
     print(
-        f"\nspeedup with the feeder: {fed.steps_per_s / sync.steps_per_s:.2f}x on "
+        f"\nspeedup with the feeder: {speedup_of(runs):.2f}x on "
         f"{_replicas(len(devices))} ({', '.join(devices)})"
     )
+    if too_noisy(runs):
+        print(
+            f"warning: the step alone took {_ms(sync.step_alone_s)} in one run and "
+            f"{_ms(fed.step_alone_s)} in the other, a larger change than the speedup of "
+            f"{speedup_of(runs):.2f}x: the machine's noise is larger than the effect, so do not "
+            "trust this speedup (run the demo again when the machine is quieter)."
+        )
     print(f"feeder: {stats}")
     print(
-        "input-bound = share of wall time the step waited for its batch (synchronous: the "
-        "host building it;\nfeeder: feeder.stats()); verdicts use the TensorFlow profiler's "
-        "thresholds of 5 % and 20 %."
+        "ms/step: the loop's time per step. step alone: the step's own time, its batch already "
+        "on the\ndevices, timed in each run and once before them (calibrated: "
+        f"{_ms(calibration.step_s)}, the header's figure, which\nsized the reads; feeder.stats() "
+        "counts it in samples/s of the loop's time not spent waiting).\ninput-bound: share of "
+        "wall time the step waited for its batch (synchronous: the host building\nit; feeder: "
+        "feeder.stats()); verdicts use the TensorFlow profiler's thresholds of 5 % and 20 %."
     )
+
+
+def figures(
+    framework: str,
+    training: Training,
+    runs: Sequence[RunResult],
+    calibration: Calibration,
+) -> dict[str, Any]:
+    """One run's figures, as `--json` writes them: what `kernels_bench/demo.py` records."""
+    sync, fed = runs
+    return {
+        "framework": framework,
+        "framework_version": importlib.metadata.version(framework),
+        "python": platform.python_version(),
+        "model": training.model,
+        "devices": list(training.devices),
+        "on": training.on,
+        "steps": sync.steps,
+        "global_batch_size": PER_REPLICA_BATCH * len(training.devices),
+        "speedup": speedup_of(runs),
+        "steps_per_s_sync": sync.steps_per_s,
+        "steps_per_s_feeder": fed.steps_per_s,
+        "input_bound_sync_pct": 100 * sync.input_bound_fraction,
+        "input_bound_feeder_pct": 100 * fed.input_bound_fraction,
+        "step_alone_ms": 1e3 * calibration.step_s,
+        "step_alone_sync_ms": 1e3 * sync.step_alone_s,
+        "step_alone_feeder_ms": 1e3 * fed.step_alone_s,
+        "batch_read_ms": 1e3 * calibration.batch_read_s,
+        "read_latency_us": 1e6 * calibration.read_latency_s,
+        "final_loss_sync": sync.final_loss,
+        "final_loss_feeder": fed.final_loss,
+        "loss_equal": sync.final_loss == fed.final_loss,
+        "noise_warning": too_noisy(runs),
+    }
 
 
 def measure_read_s(dataset: SyntheticRecords, samples: int = 256) -> float:
@@ -273,13 +417,30 @@ def measure_read_s(dataset: SyntheticRecords, samples: int = 256) -> float:
 
 
 def measure_step_s(training: Training, inputs: Any, mask: Any, num_valid: int) -> float:
-    """The median time of the compiled step on a batch already on its devices."""
+    """The median time of the compiled step on a batch already on its devices, after
+    `WARMUP_STEPS` untimed ones."""
+    for _ in range(WARMUP_STEPS):
+        training.step(inputs, mask, num_valid)
     times = []
     for _ in range(TIMED_STEPS):
         started = time.perf_counter()
         training.step(inputs, mask, num_valid)
         times.append(time.perf_counter() - started)
     return float(np.median(times))
+
+
+def calibrate(training: Training, dataset: SyntheticRecords, global_batch_size: int) -> Calibration:
+    """Times the step alone, once, and sizes `dataset`'s reads from it; the weights are put
+    back as they were, so both runs start from them."""
+    features, labels, real, num_valid = build_batch_synchronously(dataset, 0, global_batch_size)
+    inputs, mask = training.place(features, labels, real)
+    restore = training.snapshot()
+    step_s = measure_step_s(training, inputs, mask, num_valid)
+    restore()
+    per_sample_s = READ_SHARE * step_s / global_batch_size
+    dataset.read_latency_s = max(0.0, per_sample_s - measure_read_s(dataset))
+    batch_read_s = measure_read_s(dataset) * global_batch_size
+    return Calibration(step_s, dataset.read_latency_s, batch_read_s)
 
 
 def choose_framework(framework: str | None = None) -> str:
@@ -304,40 +465,31 @@ def run(
     devices: int | None = None,
     quick: bool = False,
     framework: str | None = None,
+    json_path: str | None = None,
 ) -> list[RunResult]:
-    """Runs the demo on `framework` (see `choose_framework`) and prints its report; returns
-    both runs' results."""
+    """Runs the demo on `framework` (see `choose_framework`) and prints its report; writes its
+    figures to `json_path` where given; returns both runs' results."""
     if steps is None:
         steps = QUICK_STEPS if quick else DEFAULT_STEPS
     check_int("--steps", steps, f"pass the training steps per run, e.g. --steps {DEFAULT_STEPS}")
-    module = importlib.import_module(FRAMEWORKS[choose_framework(framework)])
+    framework = choose_framework(framework)
+    module = importlib.import_module(FRAMEWORKS[framework])
     training: Training = module.Training(devices)
     global_batch_size = PER_REPLICA_BATCH * len(training.devices)
     dataset = SyntheticRecords()
-    # One step outside the timing compiles the step; both runs then start from its weights.
-    features, labels, real, num_valid = build_batch_synchronously(dataset, 0, global_batch_size)
-    inputs, mask = training.place(features, labels, real)
-    training.step(inputs, mask, num_valid)
-    restore = training.snapshot()
-    step_s = measure_step_s(training, inputs, mask, num_valid)
-    restore()
-    per_sample_s = READ_SHARE * step_s / global_batch_size
-    dataset.read_latency_s = max(0.0, per_sample_s - measure_read_s(dataset))
-    read_s = measure_read_s(dataset) * global_batch_size
-    print(
-        f"feedpipe demo: {steps} steps of a {training.model} on "
-        f"{_replicas(len(training.devices))} ({training.on}), global batch {global_batch_size}\n"
-        f"source: {len(dataset):,} synthetic samples of {FEATURES} floats; each read waits "
-        f"{dataset.read_latency_s * 1e6:.0f} µs (GIL-free, like storage), so that reading a "
-        f"batch takes about half a step here ({read_s * 1e3:.1f} ms; the step alone "
-        f"{step_s * 1e3:.1f} ms)"
-    )
-
-    print("\n1/2 synchronous feeding (feed_dict pattern): build the batch, then run the step")
-    sync = train_synchronously(training, dataset, global_batch_size, steps)
-    restore()
-    print("2/2 fp.Feeder: the next batches are read and staged while the step runs")
-    with training.feeder(dataset, global_batch_size) as feeder:
-        fed, stats = train_with_feeder(training, feeder, steps)
-    print_report(training.devices, [sync, fed], stats)
+    with training.pinned():
+        calibration = calibrate(training, dataset, global_batch_size)
+        print_header(training, steps, dataset, calibration)
+        restore = training.snapshot()
+        print("\n1/2 synchronous feeding (feed_dict pattern): build the batch, then run the step")
+        sync = train_synchronously(training, dataset, global_batch_size, steps)
+        restore()
+        print("2/2 fp.Feeder: the next batches are read and staged while the step runs")
+        with training.feeder(dataset, global_batch_size) as feeder:
+            fed, stats = train_with_feeder(training, feeder, steps)
+    print_report(training.devices, [sync, fed], stats, calibration)
+    if json_path is not None:
+        with open(json_path, "w") as file:
+            json.dump(figures(framework, training, [sync, fed], calibration), file, indent=2)
+            file.write("\n")
     return [sync, fed]

@@ -33,6 +33,7 @@ SCRIPTS = (
     "multi_worker",
     "data_service",
     "jax_parity",
+    "demo",
 )
 
 

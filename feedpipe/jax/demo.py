@@ -9,6 +9,7 @@ Neither TensorFlow nor Keras is imported.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from collections.abc import Callable
@@ -138,6 +139,10 @@ class Training:
             self.params, self.velocity = params, velocity
 
         return restore
+
+    def pinned(self) -> contextlib.AbstractContextManager[None]:
+        """Nothing to pin: XLA sizes its CPU thread pool once, when its backend starts."""
+        return contextlib.nullcontext()
 
     def feeder(self, dataset: SyntheticRecords, global_batch_size: int) -> Feeder:
         return Feeder(dataset, global_batch_size, devices=self._replicas)

@@ -142,6 +142,10 @@ class Training:
 
         return restore
 
+    def pinned(self) -> contextlib.AbstractContextManager[None]:
+        """Nothing to pin: TensorFlow sizes its thread pools once, when it starts."""
+        return contextlib.nullcontext()
+
     def feeder(self, dataset: SyntheticRecords, global_batch_size: int) -> Feeder:
         return Feeder(dataset, global_batch_size, strategy=self.strategy)
 

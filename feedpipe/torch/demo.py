@@ -2,14 +2,16 @@
 process's device (its GPU, else the CPU); see `feedpipe.demo` for the story and the report.
 
 PyTorch trains one device per process: more devices are more processes under
-`torch.distributed` (`examples/torch_ddp.py`), so the demo trains on one. Neither TensorFlow,
+`torch.distributed` (`examples/torch_ddp.py`), so the demo trains on one, its step on one
+intra-op thread (`STEP_THREADS`), the process's own count put back after. Neither TensorFlow,
 JAX nor Keras is imported.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -25,6 +27,14 @@ from feedpipe.demo import (
 )
 from feedpipe.feeder import Feeder
 from feedpipe.torch.layer import resolve_devices
+
+STEP_THREADS = 1
+"""PyTorch's intra-op threads while the demo runs. Its default, a thread per core, swung under
+load on the 2-core development machine: one step took 4 ms, the next 200 ms (each op waits for
+all its threads, and a busy machine deschedules one), and in one run the reading thread beside
+them read 30 times slower than alone; the speedup reported swung with them (1.18x, 1.52x and
+13.11x in three runs). On one thread the step took 5 to 8 ms throughout, and the other cores
+are left to reading and staging."""
 
 
 def _mlp() -> torch.nn.Module:
@@ -91,6 +101,18 @@ class Training:
             self.optimizer.load_state_dict(copy.deepcopy(optimizer))
 
         return restore
+
+    @contextlib.contextmanager
+    def pinned(self) -> Iterator[None]:
+        """The block runs on `STEP_THREADS` intra-op threads; the process's own count is put
+        back after. The inter-op threads are left alone: they serve only `torch.jit.fork`,
+        which the step never calls, and can be set only once in a process."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(STEP_THREADS)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     def feeder(self, dataset: SyntheticRecords, global_batch_size: int) -> Feeder:
         return Feeder(dataset, global_batch_size, devices=[self.device])

@@ -36,6 +36,37 @@ def test_the_feeder_trains_the_same_weights_as_synchronous_feeding():
     assert not torch.allclose(after_sync["4.weight"], initial["4.weight"])
 
 
+def test_the_step_runs_on_the_pinned_threads_and_the_process_gets_its_own_back(monkeypatch):
+    own = torch.get_num_threads()
+    seen = []
+    step = torch_demo.Training.step
+
+    def counting_step(self, *args):
+        seen.append(torch.get_num_threads())
+        return step(self, *args)
+
+    monkeypatch.setattr(torch_demo.Training, "step", counting_step)
+    process_threads = torch_demo.STEP_THREADS + 2
+    torch.set_num_threads(process_threads)
+    try:
+        demo.run(steps=3, framework="torch")
+        assert torch.get_num_threads() == process_threads
+    finally:
+        torch.set_num_threads(own)
+    # The calibration's steps and both runs'.
+    assert len(seen) == demo.WARMUP_STEPS + demo.TIMED_STEPS + 2 * 3
+    assert set(seen) == {torch_demo.STEP_THREADS}
+
+
+def test_the_threads_are_put_back_when_the_demo_fails():
+    own = torch.get_num_threads()
+    training = torch_demo.Training(None)
+    with pytest.raises(RuntimeError, match="the step failed"), training.pinned():
+        assert torch.get_num_threads() == torch_demo.STEP_THREADS
+        raise RuntimeError("the step failed")
+    assert torch.get_num_threads() == own
+
+
 def test_more_than_one_device_is_refused_naming_torchrun():
     with pytest.raises(ValueError, match=r"`--devices`=4: PyTorch trains one device per process"):
         torch_demo.Training(4)
