@@ -115,8 +115,9 @@ def main(argv=None) -> None:
             reps.append(values | {"picked": picked, "best_steady": label(*best_steady)})
             print(
                 f"  {kind} rep {rep + 1}/{settings.reps}: auto picked {picked}, "
-                f"{values['auto_steady']:,.0f} samples/s steady ({values['auto_over_best_steady']:.2f} "
-                f"of the best, {label(*best_steady)}), first epoch "
+                f"{values['auto_steady']:,.0f} samples/s steady "
+                f"({values['auto_over_best_steady']:.2f} of the best, {label(*best_steady)}), "
+                "first epoch "
                 f"{values['auto_over_best_first']:.2f} of the best; other processes "
                 f"{other.cores:.2f} core",
                 flush=True,

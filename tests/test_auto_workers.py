@@ -70,7 +70,7 @@ def until_settled(feeder, devices, **options) -> None:
     raise AssertionError(f"not settled after {MAX_EPOCHS} epochs: {producer.why}")
 
 
-def test_a_waiting_source_gets_threads_and_the_batches_of_workers0(devices, monkeypatch):
+def test_a_waiting_source_gets_many_workers_and_the_batches_of_workers0(devices, monkeypatch):
     # Batches of 32 rows measured over 3 batches: a run of one row per thread would measure
     # the threads' start more than their rate.
     monkeypatch.setattr(auto, "TRIAL_S", 0.05)
@@ -79,8 +79,9 @@ def test_a_waiting_source_gets_threads_and_the_batches_of_workers0(devices, monk
     with fp.Feeder(source, 32, devices=devices, workers="auto", shuffle=True) as feeder:
         until_settled(feeder, devices, shuffle=True)
         described, stats = feeder.describe(), feeder.stats()
-    # 2 ms of waiting and almost no CPU a sample: threads, many more than the cores.
-    assert (described.worker_mode, described.workers > 4) == ("thread", True)
+    # 2 ms of waiting and almost no CPU a sample: many more workers than the cores, threads
+    # (8 at most) or processes, whichever made more.
+    assert described.workers >= 8
     assert described.workers_chosen.startswith(f"{stats.workers_picked}: the fastest measured")
     assert "waiting" in described.workers_chosen
     assert f'workers="auto" picked {stats.workers_picked}' in str(stats)

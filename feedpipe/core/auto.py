@@ -159,13 +159,13 @@ class AutoProducer(Producer):
             wall_s = 1.0 / rate
             cpu_s = window.cpu_s / window.samples
             free = free_cores_since(*self._machine)
-            self.cost = SampleCost(wall_s, cpu_s, cpu_s, 0, math.nan, window.samples, free)
+            self.cost = SampleCost(
+                wall_s, cpu_s, cpu_s, 0, math.nan, math.nan, window.samples, free
+            )
         elif self.setting.mode == "thread" and self.cost is not None:
             # Threads that outran one thread's CPU time released the GIL for the rest of it.
             gil_s = min(self.cost.gil_s, 1.0 / rate)
-            self.cost = dataclasses.replace(
-                self.cost, gil_s=gil_s, threads=self.setting.workers, threads_rate=rate
-            )
+            self.cost = dataclasses.replace(self.cost, gil_s=gil_s)
 
     def _next_trial(self) -> bool:
         """Starts the next setting worth trying in the background, or settles."""

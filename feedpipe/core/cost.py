@@ -33,8 +33,13 @@ one core's) from work that waits or releases the GIL (it grows with them)."""
 PROBE_S = 0.15
 """Seconds each half of the probe reads for, at least: long enough that a sample's cost is an
 average over many, short enough to run before a feeder's first batch."""
-COUNTS = (1, 2, 4, 8, 16, 32)
-"""The worker counts considered: a doubling grid, as a sweep would try."""
+THREAD_COUNTS = (1, 2, 4, 8)
+"""Thread counts considered. Beyond 8, the GIL's hand-offs cost more than the threads wait in
+parallel: over a source that sleeps 0.5 ms a sample, 8 worker threads made 10,800 samples/s,
+16 made 9,500 and 32 made 8,900, with 0.07, 0.13 and 0.16 ms of this process's CPU a sample,
+where 16 processes made 16,400 (2-core machine, `kernels_bench/auto_workers.py`)."""
+PROCESS_COUNTS = (1, 2, 4, 8, 16)
+"""Process counts considered, besides the cores: a doubling grid, as a sweep would try."""
 NEAR_BEST = 0.95
 """A setting within this fraction of the best rate counts as reaching it: the fewest workers
 that do are picked (each costs memory, and a process its start-up)."""
@@ -63,6 +68,11 @@ class SampleCost:
     """Threads that read at once for `threads_rate` (0: not measured)."""
     threads_rate: float
     """Samples/s of `threads` threads reading at once (nan where not measured)."""
+    parallel_cpu: float
+    """Cores' worth of CPU those threads used at once, by their own clocks: about 1 where the
+    GIL lets one run at a time, up to min(threads, cores) where it is released, near 0 where
+    they wait (nan where not measured). Read from the threads' clocks, not from the rate, as a
+    virtual CPU's speed can change by half between two measurements."""
     samples: int
     """Samples the probe read."""
     free_cores: float
@@ -73,12 +83,6 @@ class SampleCost:
     def waiting(self) -> float:
         """The share of a sample's time spent waiting (I/O, sleep, a remote call)."""
         return min(1.0, max(0.0, 1.0 - self.cpu_s / self.wall_s)) if self.wall_s > 0 else 0.0
-
-    @property
-    def parallel_cpu(self) -> float:
-        """Cores' worth of sample CPU the threads ran at once: about 1 where the GIL
-        serialises the work, up to min(threads, cores) where it is released."""
-        return self.threads_rate * self.cpu_s
 
     @property
     def kind(self) -> str:
@@ -130,7 +134,7 @@ class SampleCost:
         start at once and pickle nothing."""
         found = []
         for mode in ("thread", "process"):
-            counts = COUNTS if mode == "thread" else _process_counts(self.free_cores)
+            counts = THREAD_COUNTS if mode == "thread" else _process_counts(self.free_cores)
             best = max(self.rate(mode, n) for n in counts)
             goal = min(target, NEAR_BEST * best)
             workers = next(n for n in counts if self.rate(mode, n) >= goal)
@@ -169,8 +173,9 @@ class Setting:
 def probe(
     read: Callable[[int], object], indices: Iterable[int], budget_s: float = PROBE_S
 ) -> SampleCost:
-    """Reads samples by `read(index)` for `indices` (cycled), first in one thread, then in
-    `PROBE_THREADS` threads at once, each part for at least `budget_s`; returns their cost.
+    """Reads samples by `read(index)` for `indices` (cycled), first in one thread (after one
+    untimed), then in `PROBE_THREADS` threads at once, each part for at least `budget_s`;
+    returns their cost.
 
     A sample that raises counts as read: its error is the pipeline's to report, where the
     sample is really made.
@@ -186,6 +191,7 @@ def probe(
         with contextlib.suppress(Exception):
             read(index)
 
+    one(next_index())  # untimed: Python specialises code on its first calls
     machine = snapshot()
     began, count = time.perf_counter(), 0
     cpu_began, thread_began = time.process_time(), time.thread_time()
@@ -197,12 +203,14 @@ def probe(
     thread_cpu_s = (time.thread_time() - thread_began) / count
 
     deadline = time.perf_counter() + budget_s
-    counts = [0] * PROBE_THREADS
+    counts, cpu = [0] * PROBE_THREADS, [0.0] * PROBE_THREADS
 
     def reader(slot: int) -> None:
+        began = time.thread_time()
         while counts[slot] < 1 or time.perf_counter() < deadline:
             one(next_index())
             counts[slot] += 1
+        cpu[slot] = time.thread_time() - began
 
     threads = [
         threading.Thread(target=reader, args=(i,), daemon=True) for i in range(PROBE_THREADS)
@@ -212,7 +220,8 @@ def probe(
         thread.start()
     for thread in threads:
         thread.join()
-    threads_rate = sum(counts) / (time.perf_counter() - started)
+    elapsed = time.perf_counter() - started
+    threads_rate = sum(counts) / elapsed
     gil_s = min(thread_cpu_s, 1.0 / threads_rate)
     return SampleCost(
         wall_s,
@@ -220,6 +229,7 @@ def probe(
         gil_s,
         PROBE_THREADS,
         threads_rate,
+        sum(cpu) / elapsed,
         count + sum(counts),
         free_cores_since(machine, began),
     )
@@ -235,10 +245,8 @@ def free_cores_since(machine: CpuSnapshot, began: float) -> float:
 
 
 def _process_counts(free_cores: float) -> list[int]:
-    """Process counts worth trying: the grid and the free cores, up to four a core (beyond
-    it, a waiting source is served by threads)."""
-    limit = 4 * max(1, math.floor(free_cores))
-    return sorted({n for n in COUNTS if n <= limit} | {max(1, math.floor(free_cores))})
+    """Process counts worth trying: the grid, and one a free core."""
+    return sorted(set(PROCESS_COUNTS) | {max(1, math.floor(free_cores))})
 
 
 def _positive(seconds: float) -> float:

@@ -353,9 +353,8 @@ def _cost_from_rates(diagnosis: Diagnosis, described: FeederDescription, cores: 
     wall_s = used / made if made > 0 else math.inf
     threads = described.worker_mode == "thread" and described.workers > 1
     gil_s = wall_s / used if threads else wall_s
-    return SampleCost(
-        wall_s, wall_s, gil_s, described.workers if threads else 0, made, 0, float(cores)
-    )
+    workers = described.workers if threads else 0
+    return SampleCost(wall_s, wall_s, gil_s, workers, made, math.nan, 0, float(cores))
 
 
 def _service_remedy(
