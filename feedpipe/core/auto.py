@@ -5,8 +5,9 @@ later, and those batches measure what a sample costs: its wall time and the prod
 CPU time. `feedpipe.core.cost` then ranks the settings; the best is started in the background
 (processes take a while to spawn) and takes over at the next batch once it is ready, and its
 own batches measure what it really makes. Threads that fall short of the prediction show how
-much of a sample holds the GIL, and the ranking is made again. A setting is tried only where it
-is predicted `BETTER` than the best measured so far, at most `MAX_TRIALS` of them; then the
+much of a sample holds the GIL, and the ranking is made again. Threads close to the best are
+tried first: they start at once. A setting is tried only where it is predicted `BETTER` than
+the best measured so far, at most `MAX_TRIALS` of them; then the
 fastest measured is kept for good and every other pool is closed. Who makes a batch never
 changes which samples it holds, so the order and the state are those of any fixed setting.
 """
@@ -33,6 +34,8 @@ MAX_TRIALS = 3
 """Settings tried beyond the feeder's own thread."""
 BETTER = 1.1
 """A setting is tried only where it is predicted this much faster than the best measured."""
+SOONER = 0.5
+"""Threads predicted at least this share of the best setting's rate are tried before it."""
 
 Key = tuple[str, int]
 """A setting as (mode, workers)."""
@@ -168,22 +171,27 @@ class AutoProducer(Producer):
             self.cost = dataclasses.replace(self.cost, gil_s=gil_s)
 
     def _next_trial(self) -> bool:
-        """Starts the next setting worth trying in the background, or settles."""
+        """Starts the next setting worth trying in the background, or settles.
+
+        Worth trying: not tried yet, and predicted `BETTER` than the best measured. Threads go
+        first where predicted at least `SOONER` of the best: they start at once, and feed the
+        first epoch while a process pool spawns for the next trial.
+        """
         best = max(self.measured.values())
-        tried = len(self.measured) - 1
-        for setting in self.cost.settings(at_least_one=True):
-            key = _key(setting)
-            if (
-                key in self.measured
-                or key in self._failed
-                or (key[0] == "process" and self.refused)
-            ):
-                continue
-            if tried < MAX_TRIALS and setting.rate >= BETTER * best:
-                self._pending = (setting, self._executor.submit(self.start_pool, setting))
-                self.why = f"measuring: trying {setting}, predicted {setting.rate:,.0f} samples/s"
-                return False
-            break
+        worth = [
+            setting
+            for setting in self.cost.settings(at_least_one=True)
+            if _key(setting) not in self.measured
+            and _key(setting) not in self._failed
+            and not (setting.mode == "process" and self.refused)
+            and setting.rate >= BETTER * best
+        ]
+        if worth and len(self.measured) - 1 < MAX_TRIALS:
+            sooner = [s for s in worth if s.mode == "thread" and s.rate >= SOONER * worth[0].rate]
+            setting = sooner[0] if sooner else worth[0]
+            self._pending = (setting, self._executor.submit(self.start_pool, setting))
+            self.why = f"measuring: trying {setting}, predicted {setting.rate:,.0f} samples/s"
+            return False
         return self._settle()
 
     def _take_over(self) -> None:
