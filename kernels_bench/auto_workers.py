@@ -1,7 +1,8 @@
 """Does `workers="auto"` make samples as fast as the best fixed setting a sweep finds?
 
 PyDataset, DataLoader and Grain make users guess the count and kind of their workers. A feeder
-built with `workers="auto"` measures what a sample costs (`feedpipe.core.cost.probe`) and picks.
+built with `workers="auto"` measures what a sample costs while it makes the first batches, and
+tries the settings `feedpipe.core.cost` ranks first (`feedpipe.core.auto`).
 Here it is held against every setting a user could guess, on the four kinds of source in
 `kernels_bench.gil_source.KINDS` (waiting, GIL-bound Python, GIL-free numpy, mixed):
 
@@ -9,10 +10,12 @@ Here it is held against every setting a user could guess, on the four kinds of s
 * `workers="auto"`, and the setting it picked.
 
 Each is a feeder built fresh over the same source (`--length` samples of about `--sample-ms`,
-global batch 64, JAX's first CPU device), read for two epochs with no step (the producer is
-the bottleneck: what a setting can make). The first epoch is timed from the call that builds the
-feeder, so its start-up counts (spawning processes; for "auto", its probe); the second epoch
-alone is the steady state. Settings run in rotating order in each repetition. Ratios within a
+global batch 64, JAX's first CPU device), read with no step (the producer is the bottleneck:
+what a setting can make). The first epoch is timed from the call that builds the feeder, so its
+start-up counts (spawning processes; for "auto", its trials). The steady state is the next
+epoch once the setting is settled: a fixed one's second epoch; "auto" reads epochs until it has
+picked (`auto_epochs_to_settle`, `auto_settle_s` from building it; at most 10), then one more.
+Settings run in rotating order in each repetition. Ratios within a
 repetition, then medians: `auto_over_best_steady` is auto's steady samples/s over the best of
 the sweep's in that repetition (`_first` likewise for the first epoch), and
 `auto_over_workers0_*` over `workers=0`'s.
@@ -36,6 +39,8 @@ from kernels_bench.gil_source import KINDS
 
 SWEEP = [("thread", 0)] + [(mode, n) for mode in ("thread", "process") for n in (1, 2, 4, 8, 16)]
 BATCH = 64
+MAX_EPOCHS = 10
+"""Epochs "auto" may take to settle before its steady state is timed anyway."""
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -48,8 +53,10 @@ def label(mode: str, workers: int | str) -> str:
     return "auto" if workers == "auto" else ("workers0" if workers == 0 else f"{mode}{workers}")
 
 
-def two_epochs(source, mode: str, workers: int | str) -> dict:
-    """Samples/s of the first epoch (from building the feeder) and of the second alone."""
+def epochs(source, mode: str, workers: int | str) -> dict:
+    """Samples/s of the first epoch (from building the feeder) and of the steady state: the
+    next epoch once the setting is settled (a fixed one at once; "auto" once it has picked, at
+    most `MAX_EPOCHS` in, and how long that took)."""
     import jax
 
     import feedpipe as fp
@@ -59,18 +66,28 @@ def two_epochs(source, mode: str, workers: int | str) -> dict:
         source, BATCH, devices=jax.devices()[:1], workers=workers, worker_mode=mode
     ) as feeder:
         built = time.perf_counter()
+        read = 0
+        while True:
+            for _ in feeder:
+                pass
+            read += 1
+            if read == 1:
+                first = time.perf_counter()
+            picked = feeder.stats().workers_picked
+            if picked is None or "still measuring" not in picked or read == MAX_EPOCHS:
+                break
+        settled = time.perf_counter()
         for _ in feeder:
             pass
-        first = time.perf_counter()
-        for _ in feeder:
-            pass
-        second = time.perf_counter()
+        steady = time.perf_counter() - settled
         described = feeder.describe()
     samples = len(source)
     return {
         "first": samples / (first - started),
-        "steady": samples / (second - first),
+        "steady": samples / steady,
         "build_s": built - started,
+        "settle_s": settled - started,
+        "epochs_to_settle": read,
         "picked": label(described.worker_mode, described.workers),
     }
 
@@ -90,18 +107,20 @@ def main(argv=None) -> None:
     runs = [*SWEEP, ("thread", "auto")]
     for kind in args.kinds:
         source = KINDS[kind](args.length, args.sample_ms / 1e3)
-        two_epochs(source, "thread", 0)  # untimed: first imports, the file cache
+        epochs(source, "thread", 0)  # untimed: first imports, the file cache
         reps = []
         for rep in range(settings.reps):
             values, picked = {}, None
             with harness.OtherLoad() as other:
                 for mode, workers in harness.rotate(runs, rep):
-                    measured = two_epochs(source, mode, workers)
+                    measured = epochs(source, mode, workers)
                     name = label(mode, workers)
                     values[f"{name}_steady"] = measured["steady"]
                     values[f"{name}_first"] = measured["first"]
                     if workers == "auto":
                         values["auto_build_s"] = measured["build_s"]
+                        values["auto_settle_s"] = measured["settle_s"]
+                        values["auto_epochs_to_settle"] = measured["epochs_to_settle"]
                         picked = measured["picked"]
                     gc.collect()
             for when in ("steady", "first"):
@@ -134,7 +153,7 @@ def main(argv=None) -> None:
             },
             numeric,
             units={k: "samples/s" for k in numeric[0] if k.endswith(("_steady", "_first"))}
-            | {"auto_build_s": "s"},
+            | {"auto_build_s": "s", "auto_settle_s": "s"},
             extra={
                 "picked": [r["picked"] for r in reps],
                 "best_steady": [r["best_steady"] for r in reps],
@@ -152,7 +171,8 @@ def main(argv=None) -> None:
             "auto_over_best_first",
             "auto_over_workers0_steady",
             "auto_over_workers0_first",
-            "auto_build_s",
+            "auto_settle_s",
+            "auto_epochs_to_settle",
         ]
     )
 

@@ -25,6 +25,7 @@ import tensorflow as tf
 
 import feedpipe as fp
 from feedpipe import cli
+from feedpipe.core.cost import SampleCost
 from feedpipe.diagnostics import measure as measure_module
 from feedpipe.diagnostics._headspace import CANNOT_TELL
 from feedpipe.diagnostics.diagnosis import (
@@ -720,3 +721,71 @@ def test_the_command_names_a_bad_target(capsys):
     assert cli.main(["diagnose", "tests.test_diagnosis:no_such_function"]) == 2
     err = capsys.readouterr().err
     assert "tests.test_diagnosis:no_such_function" in err and "no function" in err
+
+
+# ---- waiting told from working (feedpipe.core.cost) ------------------------------------------
+
+
+def test_a_source_that_waits_is_sized_in_workers_not_cores_and_its_first_remedy_is_tried():
+    # 2 ms of waiting and no work a sample: the one thread makes ~60 batches/s of 8, the step
+    # takes 100. Workers wait in parallel far beyond the 2 cores; the diagnosis says what the
+    # source is, sizes the remedy by it, and tries it.
+    with fp.Feeder(SlowSource(4_000, 0.002), BATCH, devices=["/cpu:0"]) as feeder:
+        diagnosis = run(feeder, steps=15)
+    cost = diagnosis.sample_cost
+    assert cost.kind == "waiting" and cost.wall_s == pytest.approx(0.002, rel=0.5)
+    first = diagnosis.remedies[0]
+    assert first.action.startswith("more workers: workers=") and first.options["workers"] >= 4
+    assert "waiting" in first.why and not first.elsewhere
+    assert first.tried_steps_per_s > 2 * diagnosis.producer_steps_per_s
+    assert f"tried here: the input alone then made {first.tried_steps_per_s:,.1f}" in str(diagnosis)
+    assert "the source       a sample takes" in str(diagnosis)
+    saved = diagnosis.to_dict()
+    assert saved["schema_version"] == SCHEMA_VERSION == 4
+    assert saved["sample_cost"]["kind"] == "waiting"
+    assert saved["remedies"][0]["tried_steps_per_s"] == first.tried_steps_per_s
+    assert not any("tf.data service" in r.action for r in diagnosis.remedies)
+
+
+def test_an_input_that_is_not_a_feeder_and_waits_is_told_to_use_threads():
+    def waiting_batches():
+        while True:
+            time.sleep(0.02)  # 20 ms a batch, nearly no CPU
+            yield np.zeros((BATCH, 3), np.float32)
+
+    diagnosis = run(waiting_batches(), steps=10)
+    assert diagnosis.producer_cpu_share < 0.3
+    moved = next(r for r in diagnosis.remedies if r.action.startswith("move the per-sample"))
+    assert 'worker_mode="thread"' in moved.action and "waits rather than computes" in moved.why
+
+
+def cost_of(wall_ms: float, cpu_ms: float, gil_ms: float, cores: float = 2.0) -> SampleCost:
+    return SampleCost(wall_ms / 1e3, cpu_ms / 1e3, gil_ms / 1e3, 4, 1.0, 1.0, 100, cores)
+
+
+def test_what_needs_other_machines_ranks_below_what_works_here():
+    # GIL-bound, 12.5 ms of CPU a sample, 2 cores: 2 processes double the rate; the step's
+    # 33.3 batches/s of 8 would need 4 cores, which the service offers on other machines.
+    measured = dataclasses.replace(cpu_bound(), sample_cost=cost_of(12.5, 12.5, 12.5))
+    with slow_feeder(0.0) as feeder:
+        remedies = rank_remedies(measured, feeder, cores=2, memcpy_s=1e-4, memory_bytes=0)
+    here = [r for r in remedies if not r.elsewhere]
+    elsewhere = [r for r in remedies if r.elsewhere]
+    assert remedies[0].action.startswith('more workers: workers=2, worker_mode="process"')
+    assert remedies[0].options == {"workers": 2, "worker_mode": "process"}
+    assert elsewhere and remedies.index(elsewhere[0]) > max(remedies.index(r) for r in here)
+    assert "with 4 worker cores in all" in elsewhere[0].action
+    assert elsewhere[0].expected_steps_per_s > remedies[0].expected_steps_per_s
+
+
+def test_without_tensorflow_the_service_is_not_offered_but_what_it_would_take_is_said():
+    import jax
+
+    measured = dataclasses.replace(cpu_bound(), sample_cost=cost_of(12.5, 12.5, 12.5))
+    source = SlowSource(10_000, 0.0)
+    with fp.Feeder(source, BATCH, devices=jax.devices()[:1]) as feeder:
+        remedies = rank_remedies(measured, feeder, cores=2, memcpy_s=1e-4, memory_bytes=0)
+    assert not any("tf.data service:" in r.action for r in remedies)
+    more = next(r for r in remedies if r.action.startswith("more CPU than this machine has"))
+    assert more.elsewhere and "needs TensorFlow on the trainer" in more.why
+    assert remedies.index(more) == len(remedies) - 1

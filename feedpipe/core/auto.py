@@ -62,12 +62,19 @@ class _TimedSupply:
 
 @dataclasses.dataclass
 class _Window:
-    """What the setting running now has made since it took over."""
+    """What the setting running now has made since it took over.
+
+    Its time runs from asking for its first batch to receiving its last, less the waits for a
+    free slot: a pool goes on making batches while the feeder's thread stages one, so only the
+    time between batches, not the time spent inside the producer, says what it makes.
+    """
 
     samples: int = 0
     busy_s: float = 0.0
     cpu_s: float = 0.0
     batches: int = 0
+    began: float = 0.0
+    waited_before_s: float = 0.0
 
     def full(self) -> bool:
         return self.batches >= TRIAL_BATCHES and self.busy_s >= TRIAL_S
@@ -124,8 +131,8 @@ class AutoProducer(Producer):
                         yield item
                         continue
                     step, _ = item
-                    busy_s = time.perf_counter() - began - (timed.waited_s - waited)
-                    switch = self._made(len(step.rows), busy_s, time.thread_time() - cpu)
+                    cpu_s = time.thread_time() - cpu
+                    switch = self._made(len(step.rows), began, waited, timed.waited_s, cpu_s)
                     position = Position(step.epoch, step.index + 1)
                     yield item
                     if switch:
@@ -136,8 +143,12 @@ class AutoProducer(Producer):
                 producer.settle(timed)  # the slots its tasks still fill come back
             self._take_over()
 
-    def _made(self, samples: int, busy_s: float, cpu_s: float) -> bool:
-        """Books one batch of the setting running; whether another should take over now."""
+    def _made(
+        self, samples: int, asked: float, waited_before_s: float, waited_s: float, cpu_s: float
+    ) -> bool:
+        """Books one batch of the setting running, asked for at `asked` (the slot waits so far
+        `waited_before_s` then, `waited_s` now; `cpu_s` of this thread spent inside);
+        whether another setting should take over now."""
         if self.settled:
             return False
         if self._pending is not None:
@@ -145,8 +156,9 @@ class AutoProducer(Producer):
         window = self._window
         if not window.batches:
             self._machine = snapshot(), time.perf_counter()
+            window.began, window.waited_before_s = asked, waited_before_s
         window.samples += samples
-        window.busy_s += busy_s
+        window.busy_s = time.perf_counter() - window.began - (waited_s - window.waited_before_s)
         window.cpu_s += cpu_s
         window.batches += 1
         if not window.full():
