@@ -28,6 +28,7 @@ MAX_EPOCHS = 30
 def short_trials(monkeypatch):
     monkeypatch.setattr(auto, "TRIAL_S", 0.01)
     monkeypatch.setattr(auto, "TRIAL_BATCHES", 2)
+    monkeypatch.setattr(auto, "WARM_BATCHES", 1)
 
 
 def epochs(feeder, count: int = 2, ids=all_ids) -> list[list[int]]:

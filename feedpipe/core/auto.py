@@ -30,6 +30,9 @@ from feedpipe.core.state import Position
 TRIAL_S = 0.25
 """Seconds of production each setting is measured over (and at least `TRIAL_BATCHES`)."""
 TRIAL_BATCHES = 4
+WARM_BATCHES = 4
+"""Batches a setting makes before it is measured: a new pool's first tasks map its slots and
+warm its code up, which its steady state never pays again."""
 MAX_TRIALS = 3
 """Settings tried beyond the feeder's own thread."""
 BETTER = 1.1
@@ -75,6 +78,8 @@ class _Window:
     batches: int = 0
     began: float = 0.0
     waited_before_s: float = 0.0
+    warmed: int = 0
+    """Batches made before the measurement began (`WARM_BATCHES`)."""
 
     def full(self) -> bool:
         return self.batches >= TRIAL_BATCHES and self.busy_s >= TRIAL_S
@@ -117,6 +122,7 @@ class AutoProducer(Producer):
     ) -> Iterator[tuple[Step, HostSlot] | EpochEnd]:
         timed = _TimedSupply(supply)
         position = start
+        self._window = _Window()  # a new stream: the time before it is no setting's
         while True:
             producer = self.producers[_key(self.setting)]
             made = producer.slots(position, timed)
@@ -154,6 +160,9 @@ class AutoProducer(Producer):
         if self._pending is not None:
             return self._pending[1].done()
         window = self._window
+        if window.warmed < WARM_BATCHES:
+            window.warmed += 1
+            return False
         if not window.batches:
             self._machine = snapshot(), time.perf_counter()
             window.began, window.waited_before_s = asked, waited_before_s
