@@ -78,6 +78,10 @@ class SampleCost:
     free_cores: float
     """The cores other processes left free while the probe ran: the machine's cores less
     their CPU use, so that a loaded machine is not promised its idle rate."""
+    feeder_cpu_s: float = 0.0
+    """CPU seconds per sample the feeder's own process spends besides the sample (handing
+    rows over, staging), holding the GIL: it shares the cores and the GIL with the workers.
+    0 where not measured."""
 
     @property
     def waiting(self) -> float:
@@ -117,15 +121,18 @@ class SampleCost:
         """Samples/s that `workers` of `mode` ("thread" or "process"; 0: the feeder's one
         background thread) can make on `cores` cores (default: `free_cores`).
 
-        Each worker makes one sample per `wall_s`; all of them together use at most `cores`
-        of CPU, a process at most one core; threads also share one GIL.
+        Each worker makes one sample per `wall_s`; all of them, with the feeder's own work,
+        use at most `cores` of CPU, a process at most one core; threads also share one GIL
+        with the feeder's own work.
         """
+        own = self.feeder_cpu_s
         if workers == 0:
-            return 1.0 / _positive(self.wall_s)
+            return 1.0 / _positive(self.wall_s + own)
         cores = self.free_cores if cores is None else cores
-        cpu_cores = cores if mode == "thread" else min(workers, cores)
-        rate = min(workers / _positive(self.wall_s), cpu_cores / _positive(self.cpu_s))
-        return min(rate, 1.0 / _positive(self.gil_s)) if mode == "thread" else rate
+        rate = min(workers / _positive(self.wall_s), cores / _positive(self.cpu_s + own))
+        if mode == "thread":
+            return min(rate, 1.0 / _positive(self.gil_s + own))
+        return min(rate, min(workers, cores) / _positive(self.cpu_s))
 
     def settings(self, target: float = math.inf, at_least_one: bool = False) -> list[Setting]:
         """The settings worth trying, best first: for each mode, the fewest workers that reach

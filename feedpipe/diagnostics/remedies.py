@@ -124,7 +124,7 @@ def _judged_remedy(diagnosis: Diagnosis) -> Remedy | None:
             achieved,
             1.0,
         )
-    if diagnosis.verdict == "not input-bound":
+    if diagnosis.verdict == "not input-bound" and not _slowed_by_the_input(diagnosis):
         consumer = diagnosis.consumer_steps_per_s
         return Remedy(
             "none for the input: the step is the bottleneck",
@@ -134,6 +134,15 @@ def _judged_remedy(diagnosis: Diagnosis) -> Remedy | None:
             consumer / achieved if achieved > 0 else 1.0,
         )
     return None
+
+
+def _slowed_by_the_input(diagnosis: Diagnosis) -> bool:
+    """Whether the step, though it hardly waits for its batches, runs slower beside the input
+    than alone, at about the input's own rate: the input's Python holds the GIL (or its work
+    the cores) that the step's own Python needs, so the input is what to make faster."""
+    producer, consumer = diagnosis.producer_steps_per_s, diagnosis.consumer_steps_per_s
+    together = diagnosis.together_steps_per_s
+    return producer < OVERLAP_SLACK * consumer and together < OVERLAP_SLACK * consumer
 
 
 def _staged(diagnosis: Diagnosis) -> list[int]:
@@ -309,7 +318,9 @@ def _parallel_remedies(
         return [_service_remedy(diagnosis, described, None, why)]
     if described.source.kind == "tf.data":  # its own threads: num_parallel_calls
         return []
-    cost = diagnosis.sample_cost or _cost_from_rates(diagnosis, described, cores)
+    cost = _with_feeder_cpu(
+        diagnosis, described, diagnosis.sample_cost or _cost_from_rates(diagnosis, described, cores)
+    )
     mode, workers = described.worker_mode, described.workers
     now = Setting(mode, workers, cost.rate(mode, workers))
     samples = described.host_batch_size
@@ -317,7 +328,9 @@ def _parallel_remedies(
     for setting in cost.settings(target=HEADROOM * consumer * samples):
         if setting.rate <= GAIN_MARGIN * now.rate:  # no faster than the setting now
             continue
-        expected = min(consumer, producer * setting.rate / now.rate)
+        # The model's own rate, and the measured producer scaled by the model: the lower.
+        per_step = setting.rate / samples
+        expected = min(consumer, per_step, producer * setting.rate / now.rate)
         found.append(
             Found(
                 f"more workers: {setting} (now {now})",
@@ -342,6 +355,21 @@ def _sized(setting: Setting, cost: SampleCost) -> str:
         if setting.mode == "thread"
         else f" ({cost.free_cores:.1f} cores free for {cost.cpu_s * 1e3:,.3f} ms of CPU a sample)"
     )
+
+
+def _with_feeder_cpu(
+    diagnosis: Diagnosis, described: FeederDescription, cost: SampleCost
+) -> SampleCost:
+    """`cost` with the feeder's own CPU per sample: this process's CPU while the input ran
+    alone, per sample made, less the sample's own where this process made them (one thread,
+    or worker threads)."""
+    made = diagnosis.producer_steps_per_s * described.host_batch_size
+    if diagnosis.producer_cpu_share is None or made <= 0:
+        return cost
+    per_sample = diagnosis.producer_cpu_share / made
+    in_process = described.workers == 0 or described.worker_mode == "thread"
+    own = per_sample - (cost.cpu_s if in_process else 0.0)
+    return dataclasses.replace(cost, feeder_cpu_s=max(0.0, own))
 
 
 def _cost_from_rates(diagnosis: Diagnosis, described: FeederDescription, cores: int) -> SampleCost:
