@@ -350,7 +350,8 @@ def _parallel_remedies(
 def _sized(setting: Setting, cost: SampleCost) -> str:
     """Why `setting` is the one of its mode: what limits it."""
     kind = "threads" if setting.mode == "thread" else "processes"
-    return f"{setting.workers} {kind} are predicted to make {setting.rate:,.0f} samples/s" + (
+    rate = cost.rate(setting.mode, setting.workers)  # not capped at the step's rate
+    return f"{setting.workers} {kind} are predicted to make {rate:,.0f} samples/s" + (
         f" (threads share one GIL, held up to {cost.gil_s * 1e3:,.3f} ms a sample)"
         if setting.mode == "thread"
         else f" ({cost.free_cores:.1f} cores free for {cost.cpu_s * 1e3:,.3f} ms of CPU a sample)"

@@ -3,6 +3,7 @@ remedy by the resource it uses (threads for waiting, processes for the GIL, core
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -99,3 +100,13 @@ def test_a_sample_that_raises_counts_as_read():
     measured = probe(broken, range(10), budget_s=0.02)
     assert measured.samples >= 2 + cost_module.PROBE_THREADS
     assert measured.kind == WAITING
+
+
+def test_the_feeders_own_work_shares_the_cores_and_the_gil_with_the_workers():
+    # 0.5 ms of GIL-bound CPU a sample, and 0.5 ms more of the feeder's own in its process:
+    # one thread makes 1,000 a second; 2 processes would make 4,000 on 2 cores, but the cores
+    # also run the feeder's 0.5 ms: 2,000; threads stop at the GIL the feeder shares.
+    cost = dataclasses.replace(sample_cost(0.5, 0.5, 0.5), feeder_cpu_s=0.0005)
+    assert cost.rate("thread", 0) == pytest.approx(1_000)
+    assert cost.rate("process", 2) == pytest.approx(2_000)
+    assert cost.rate("thread", 4) == pytest.approx(1_000)
