@@ -34,10 +34,10 @@ PROBE_S = 0.15
 """Seconds each half of the probe reads for, at least: long enough that a sample's cost is an
 average over many, short enough to run before a feeder's first batch."""
 THREAD_COUNTS = (1, 2, 4, 8)
-"""Thread counts considered. Beyond 8, the GIL's hand-offs cost more than the threads wait in
-parallel: over a source that sleeps 0.5 ms a sample, 8 worker threads made 10,800 samples/s,
-16 made 9,500 and 32 made 8,900, with 0.07, 0.13 and 0.16 ms of this process's CPU a sample,
-where 16 processes made 16,400 (2-core machine, `kernels_bench/auto_workers.py`)."""
+"""Thread counts considered. Beyond 8, threads gain little: each sample's return to the GIL
+costs this process CPU that grows with the threads contending for it. Over a source that
+sleeps 0.5 ms a sample, 16 threads made 1.10x the samples/s of 8, where 16 processes made
+1.37x (`kernels_bench/results/auto_workers.json`, 2-core machine)."""
 PROCESS_COUNTS = (1, 2, 4, 8, 16)
 """Process counts considered, besides the cores: a doubling grid, as a sweep would try."""
 NEAR_BEST = 0.95
