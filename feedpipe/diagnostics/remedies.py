@@ -423,14 +423,18 @@ def _service_remedy(
         costs = " and costs no more in TensorFlow ops"
     return Found(
         f"{what} to tf.data service: fp.Feeder(arrays, ..., transform=<TensorFlow ops>, "
-        f'service="grpc://host:port") with {needed} worker cores in all (feedpipe service '
+        f'service="grpc://host:port") with {_cores(needed)} in all (feedpipe service '
         "worker --dispatcher host:port)",
         f"{why}; no setting here reaches the step: {cost.cpu_s * 1e3:,.2f} ms of one core a "
         f"sample on {cost.free_cores:.1f} free cores; if the work scales with cores{costs}, "
-        f"{consumer:,.1f} steps/s of {samples} samples need {needed} worker cores; {crossing}",
+        f"{consumer:,.1f} steps/s of {samples} samples need {_cores(needed)}; {crossing}",
         consumer,
         tier=ELSEWHERE,
     )
+
+
+def _cores(count: int) -> str:
+    return f"{count} worker core" + ("" if count == 1 else "s")
 
 
 def _more_machines(
