@@ -91,13 +91,7 @@ def run_demo(python: str, framework: str, steps: int, deadline_s: float) -> dict
     Raises RuntimeError (with the end of its output) where it fails, and
     `subprocess.TimeoutExpired` once it is killed past `deadline_s`.
     """
-    # As a user of one framework's environment runs it: no backend chosen for Keras, and the
-    # demo makes its own devices.
-    env = {k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "XLA_FLAGS")}
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(harness.REPO_DIR), env.get("PYTHONPATH")])
-    )
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env = harness.framework_env()
     with tempfile.TemporaryDirectory(prefix="feedpipe-demo-") as tmp:
         path = Path(tmp) / "demo.json"
         command = [python, "-m", "feedpipe", "demo", "--framework", framework]

@@ -170,11 +170,7 @@ def figures(result: dict) -> dict:
 
 
 def run_child(python: str, framework: str, args: argparse.Namespace) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "XLA_FLAGS")}
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(harness.REPO_DIR), env.get("PYTHONPATH")])
-    )
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env = harness.framework_env()
     with tempfile.TemporaryDirectory(prefix="feedpipe-diagnosis-") as tmp:
         out = Path(tmp) / "out.json"
         command = [python, "-m", "kernels_bench.diagnosis_matrix", "--child", f"{framework}:{out}"]

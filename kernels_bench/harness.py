@@ -218,6 +218,16 @@ def target_real_over_synthetic(report: Report, case: str, step_ms: float) -> Non
     )
 
 
+def framework_env() -> dict[str, str]:
+    """The environment of a fresh interpreter of one framework's venv, as a user of it runs
+    one: no Keras backend or XLA devices chosen here, TensorFlow's start-up lines left out, and
+    this checkout's feedpipe and kernels_bench first on its path."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "XLA_FLAGS")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_DIR), env.get("PYTHONPATH")]))
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return env
+
+
 def endless(feeder) -> Iterator:
     """A feeder's batches across epoch boundaries (each `for` over a feeder is one epoch)."""
     while True:
