@@ -98,30 +98,38 @@ class GilSource:
         }
 
 
-class GilFreeSource:
-    """`length` samples, each costing about `sample_s` of `hashlib.sha256` over one buffer
-    (`hashlib` releases the GIL while it hashes more than 2 KiB)."""
+class _BufferWork:
+    """`length` samples, each costing about `sample_s` of `_work` over one buffer of `size`
+    items, calibrated once where it is built; the buffer is made on first use in each process
+    (not pickled)."""
 
-    kind = "GIL-releasing (hashlib.sha256 over one buffer)"
+    kind: str
+    size_key: str
+    """The name `as_dict` gives the buffer's size."""
+    first_size: int
+    least_size: int
 
     def __init__(self, length: int, sample_s: float = 0.001):
         self.length = length
-        self.nbytes = 1 << 20
+        self.size = self.first_size
         for _ in range(2):  # a first guess from a probe, then refined at about the target
-            per_byte_s = _typical(self._hash, bytes(self.nbytes)) / self.nbytes
-            self.nbytes = max(4096, round(sample_s / per_byte_s))
-        self._buffer: bytes | None = None
-        self.calibrated_s = _typical(self._hash, self.buffer)
+            per_item_s = _typical(self._work, self._make(self.size)) / self.size
+            self.size = max(self.least_size, round(sample_s / per_item_s))
+        self._buffer = None
+        self.calibrated_s = _typical(self._work, self.buffer)
 
     @staticmethod
-    def _hash(buffer: bytes) -> bytes:
-        return hashlib.sha256(buffer).digest()
+    def _make(size: int):
+        raise NotImplementedError
+
+    @staticmethod
+    def _work(buffer) -> object:
+        raise NotImplementedError
 
     @property
-    def buffer(self) -> bytes:
-        """The bytes hashed per sample, made on first use in each process (not pickled)."""
+    def buffer(self):
         if self._buffer is None:
-            self._buffer = bytes(self.nbytes)
+            self._buffer = self._make(self.size)
         return self._buffer
 
     def __getstate__(self) -> dict:
@@ -131,16 +139,32 @@ class GilFreeSource:
         return self.length
 
     def __getitem__(self, index: int) -> tuple[np.ndarray, np.int64]:
-        self._hash(self.buffer)
+        self._work(self.buffer)
         return make_sample(int(index))
 
     def as_dict(self) -> dict:
         return {
             "kind": self.kind,
-            "buffer_bytes": self.nbytes,
+            self.size_key: self.size,
             "calibrated_sample_s": self.calibrated_s,
             "length": self.length,
         }
+
+
+class GilFreeSource(_BufferWork):
+    """About `sample_s` a sample of `hashlib.sha256` over one buffer (`hashlib` releases the
+    GIL while it hashes more than 2 KiB)."""
+
+    kind = "GIL-releasing (hashlib.sha256 over one buffer)"
+    size_key, first_size, least_size = "buffer_bytes", 1 << 20, 4096
+
+    @staticmethod
+    def _make(size: int) -> bytes:
+        return bytes(size)
+
+    @staticmethod
+    def _work(buffer: bytes) -> bytes:
+        return hashlib.sha256(buffer).digest()
 
 
 class SleepSource:
@@ -163,53 +187,20 @@ class SleepSource:
         return {"kind": self.kind, "sample_s": self.sample_s, "length": self.length}
 
 
-class NumpySource:
-    """`length` samples, each costing about `sample_s` of `np.sort` over one float64 buffer
-    (numpy releases the GIL while it sorts)."""
+class NumpySource(_BufferWork):
+    """About `sample_s` a sample of `np.sort` over one float64 buffer (numpy releases the GIL
+    while it sorts)."""
 
     kind = "GIL-free numpy (np.sort of one buffer)"
-
-    def __init__(self, length: int, sample_s: float = 0.001):
-        self.length = length
-        self.size = 4096
-        for _ in range(2):  # a first guess from a probe, then refined at about the target
-            per_item_s = _typical(self._sort, self._values(self.size)) / self.size
-            self.size = max(1024, round(sample_s / per_item_s))
-        self._buffer: np.ndarray | None = None
-        self.calibrated_s = _typical(self._sort, self.buffer)
+    size_key, first_size, least_size = "values", 4096, 1024
 
     @staticmethod
-    def _values(size: int) -> np.ndarray:
+    def _make(size: int) -> np.ndarray:
         return np.random.default_rng(0).random(size)
 
     @staticmethod
-    def _sort(values: np.ndarray) -> np.ndarray:
+    def _work(values: np.ndarray) -> np.ndarray:
         return np.sort(values, kind="stable")
-
-    @property
-    def buffer(self) -> np.ndarray:
-        """The values sorted per sample, made on first use in each process (not pickled)."""
-        if self._buffer is None:
-            self._buffer = self._values(self.size)
-        return self._buffer
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_buffer": None}
-
-    def __len__(self) -> int:
-        return self.length
-
-    def __getitem__(self, index: int) -> tuple[np.ndarray, np.int64]:
-        self._sort(self.buffer)
-        return make_sample(int(index))
-
-    def as_dict(self) -> dict:
-        return {
-            "kind": self.kind,
-            "values": self.size,
-            "calibrated_sample_s": self.calibrated_s,
-            "length": self.length,
-        }
 
 
 class MixedSource:
