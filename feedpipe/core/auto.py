@@ -125,6 +125,9 @@ class AutoProducer(Producer):
         self._window = _Window()  # a new stream: the time before it is no setting's
         while True:
             producer = self.producers[_key(self.setting)]
+            if self.settled:  # for good: its batches, with nothing timed around them
+                yield from producer.slots(position, supply)
+                return
             made = producer.slots(position, timed)
             try:
                 while True:
@@ -235,12 +238,11 @@ class AutoProducer(Producer):
         self._close_all_but(best)
 
     def _settle(self) -> bool:
-        """Keeps the fastest setting measured; whether it must take over from the one
-        running (the other pools close once it has)."""
+        """Keeps the fastest setting measured, for good; True: the stream is handed over
+        (`_take_over` keeps it and closes the other pools), and from there on it makes the
+        batches with nothing timed around them."""
         self.settled = True
         best = max(self.measured, key=self.measured.get)
-        if best == _key(self.setting):
-            self._close_all_but(best)
         tried = ", ".join(f"{_named(k)} {rate:,.0f}" for k, rate in self.measured.items())
         failed = "".join(
             f"; {_named(key)} failed to start ({why})" for key, why in self._failed.items()
@@ -250,7 +252,7 @@ class AutoProducer(Producer):
             f"{_named(best)}: the fastest measured while the first batches were made "
             f"(samples/s: {tried}); {self.cost.describe()}{refused}{failed}"
         )
-        return best != _key(self.setting)
+        return True
 
     def _close_all_but(self, kept: Key) -> None:
         for key, producer in list(self.producers.items()):
