@@ -45,6 +45,8 @@ NEAR_BEST = 0.95
 that do are picked (each costs memory, and a process its start-up)."""
 WAITING, GIL_BOUND, GIL_FREE, MIXED = "waiting", "GIL-bound Python", "GIL-free native code", "mixed"
 COMPUTING = "computing"
+WAITING_SHARE = 0.7
+"""A source that spends at least this share of a sample's time off the CPU waits."""
 
 
 def cores() -> int:
@@ -92,7 +94,7 @@ class SampleCost:
     def kind(self) -> str:
         """`WAITING`, `GIL_BOUND`, `GIL_FREE`, `MIXED`, or `COMPUTING` where no threads were
         measured to tell whether the GIL is held: what the sample's time goes to."""
-        if self.waiting >= 0.7:
+        if self.waiting >= WAITING_SHARE:
             return WAITING
         if self.waiting <= 0.3:
             if not self.threads:

@@ -13,7 +13,7 @@ import dataclasses
 import math
 from typing import Any
 
-from feedpipe.core.cost import SampleCost, Setting
+from feedpipe.core.cost import THREAD_COUNTS, WAITING_SHARE, SampleCost, Setting
 from feedpipe.core.description import FeederDescription
 from feedpipe.core.stats import verdict
 from feedpipe.diagnostics._headspace import CANNOT_TELL
@@ -462,8 +462,9 @@ def _feeder_remedies(diagnosis: Diagnosis, cores: int, why: str) -> list[Found]:
     else."""
     producer, consumer = diagnosis.producer_steps_per_s, diagnosis.consumer_steps_per_s
     share = diagnosis.producer_cpu_share
-    if share is not None and share < 0.3:
-        threads = next((n for n in (2, 4, 8, 16, 32) if producer * n >= consumer), 32)
+    if share is not None and share < 1 - WAITING_SHARE:
+        counts = THREAD_COUNTS
+        threads = next((n for n in counts if producer * n >= consumer), counts[-1])
         return [
             Found(
                 f"move the per-sample work into a map-style source or `transform` and read "
