@@ -18,7 +18,7 @@ import feedpipe as fp
 from feedpipe.core import auto
 from feedpipe.core.cost import SampleCost, Setting
 from tests import worker_fakes as wf
-from tests.fakes import all_ids, real_ids
+from tests.fakes import all_ids, host_batch_ids, real_ids
 
 GLOBAL_BATCH = 8
 MAX_EPOCHS = 30
@@ -202,3 +202,22 @@ def test_closing_while_a_pool_starts_leaves_no_worker_behind(devices, monkeypatc
 def test_workers_must_be_a_count_or_auto(devices):
     with pytest.raises(ValueError, match=r'`workers`=.Auto. must be an integer >= 0.*"auto"'):
         fp.Feeder(np.zeros((16, 2)), GLOBAL_BATCH, devices=devices, workers="Auto")
+
+
+def test_as_dataset_gives_the_batches_of_workers0_across_every_switch(devices, monkeypatch):
+    # The path model.fit reads on TensorFlow: batches kept on the host (shared slots) and
+    # handed to tf.data, while "auto" switches from its thread to threads and to processes.
+    plan = ranked(Setting("thread", 2, 1e9), Setting("process", 2, 1e9))
+    monkeypatch.setattr(SampleCost, "settings", plan)
+    source = wf.SlowSource(96, 0.001)
+    with fp.Feeder(wf.IndexSource(96), GLOBAL_BATCH, devices=devices, shuffle=True) as fixed:
+        dataset = fixed.as_dataset()
+        expected = [[host_batch_ids(e).tolist() for e in dataset] for _ in range(MAX_EPOCHS)]
+    options = {"devices": devices, "workers": "auto", "shuffle": True}
+    with fp.Feeder(source, GLOBAL_BATCH, **options) as feeder:
+        dataset, producer = feeder.as_dataset(), feeder._assembly.producer
+        for epoch in range(MAX_EPOCHS):
+            assert [host_batch_ids(e).tolist() for e in dataset] == expected[epoch]
+            if producer.settled and epoch:
+                break
+    assert set(producer.measured) == {("thread", 0), ("thread", 2), ("process", 2)}
