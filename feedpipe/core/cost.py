@@ -36,8 +36,8 @@ average over many, short enough to run before a feeder's first batch."""
 THREAD_COUNTS = (1, 2, 4, 8)
 """Thread counts considered. Beyond 8, threads gain little: each sample's return to the GIL
 costs this process CPU that grows with the threads contending for it. Over a source that
-sleeps 0.5 ms a sample, 16 threads made 1.10x the samples/s of 8, where 16 processes made
-1.37x (`kernels_bench/results/auto_workers.json`, 2-core machine)."""
+sleeps 0.5 ms a sample, 16 threads made 1.04x and 1.10x the samples/s of 8 in two runs,
+where 16 processes made 1.47x and 1.37x (`kernels_bench/auto_workers.py`, 2-core machine)."""
 PROCESS_COUNTS = (1, 2, 4, 8, 16)
 """Process counts considered, besides the cores: a doubling grid, as a sweep would try."""
 NEAR_BEST = 0.95
