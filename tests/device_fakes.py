@@ -58,7 +58,7 @@ class HostMemory:
                     )
         self._pending.extend(pairs)
 
-    def wait(self) -> None:
+    def wait(self, expected_s: float) -> None:
         for device_address, host_address, nbytes in self._pending:
             ctypes.memmove(device_address, host_address, nbytes)
             self.copies += 1

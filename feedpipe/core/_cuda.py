@@ -16,6 +16,8 @@ import re
 import threading
 from collections.abc import Iterator
 
+from feedpipe.core._sync import poll_then_sleep
+
 RUNTIME_PATH = re.compile(r"/libcudart\.so(?:\.[0-9]+)*$")
 DRIVER_PATH = re.compile(r"/libcuda\.so(?:\.[0-9]+)*$")
 
@@ -27,6 +29,8 @@ EVENT_DISABLE_TIMING = 2
 """`CU_EVENT_DISABLE_TIMING`: the cheapest event, one that only orders work."""
 OUT_OF_MEMORY = 2
 """`CUDA_ERROR_OUT_OF_MEMORY`."""
+NOT_READY = 600
+"""`CUDA_ERROR_NOT_READY`: what `cuEventQuery` returns while the work before the event runs."""
 
 _OFF = ("0", "false", "off", "no")
 _ON = ("", "1", "true", "on", "yes")
@@ -48,6 +52,7 @@ _SIGNATURES = {
     "cuEventCreate": [ctypes.POINTER(_P), ctypes.c_uint],
     "cuEventRecord": [_P, _P],
     "cuEventSynchronize": [_P],
+    "cuEventQuery": [_P],
     "cuEventDestroy_v2": [_P],
 }
 """Each driver function feedpipe calls, with its arguments; every one returns a `CUresult`."""
@@ -207,11 +212,24 @@ class CudaDevice:
                 driver.check("cuMemcpyHtoDAsync_v2", device_address, host_address, nbytes, stream)
             driver.check("cuEventRecord", self.event, stream)
 
-    def wait(self) -> None:
+    def wait(self, expected_s: float) -> None:
         """Returns once every copy issued so far is done: only this stream's work is waited
-        for, never the framework's compute."""
-        with self.driver.current(self.ordinal):
-            self.driver.check("cuEventSynchronize", self.event)
+        for, never the framework's compute. Polls for up to `expected_s`, then sleeps on the
+        event (`poll_then_sleep`)."""
+        driver, event = self.driver, self.event
+        with driver.current(self.ordinal):
+            poll_then_sleep(
+                lambda: self._query(event),
+                lambda: driver.check("cuEventSynchronize", event),
+                expected_s,
+            )
+
+    def _query(self, event: ctypes.c_void_p) -> bool:
+        """Whether the work before `event` is done; raises where the query failed."""
+        code = self.driver.call("cuEventQuery", event)
+        if code and code != NOT_READY:
+            raise CudaError("cuEventQuery", code, self.driver.describe(code))
+        return not code
 
     def close(self) -> None:
         with self.driver.current(self.ordinal):

@@ -127,7 +127,7 @@ class Export:
     its token to `handed`; the consumer's release of it appends the same token to `released`
     (from any thread: both are `collections.deque`s, whose appends are atomic)."""
 
-    __slots__ = ("address", "device", "dtype", "handed", "released", "shape")
+    __slots__ = ("_shape", "_template", "address", "device", "dtype", "handed", "released", "shape")
 
     def __init__(
         self,
@@ -146,6 +146,18 @@ class Export:
         self.device = device
         self.handed = handed
         self.released = released
+        # Every capsule describes the same tensor: its C struct is built once, copied per capsule.
+        self._shape = (ctypes.c_int64 * max(len(self.shape), 1))(*self.shape)
+        template = _ManagedTensor()
+        template.dl_tensor.data = address
+        template.dl_tensor.device = _Device(*device)
+        template.dl_tensor.ndim = len(self.shape)
+        template.dl_tensor.dtype = _DataType(*type_code(self.dtype), 1)
+        template.dl_tensor.shape = self._shape
+        template.dl_tensor.strides = None  # C-contiguous
+        template.dl_tensor.byte_offset = 0
+        template.deleter = _deleter
+        self._template = bytes(template)
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return self.device
@@ -153,20 +165,10 @@ class Export:
     def __dlpack__(self, stream: Any = None, **_: Any) -> Any:
         """A fresh capsule over the memory. The bytes are complete before an `Export` is made,
         so the consumer's `stream` has nothing to wait for."""
-        code, bits = type_code(self.dtype)
-        shape = (ctypes.c_int64 * max(len(self.shape), 1))(*self.shape)
-        managed = _ManagedTensor()
-        managed.dl_tensor.data = self.address
-        managed.dl_tensor.device = _Device(*self.device)
-        managed.dl_tensor.ndim = len(self.shape)
-        managed.dl_tensor.dtype = _DataType(code, bits, 1)
-        managed.dl_tensor.shape = shape
-        managed.dl_tensor.strides = None  # C-contiguous
-        managed.dl_tensor.byte_offset = 0
+        managed = _ManagedTensor.from_buffer_copy(self._template)
         token = next(_tokens)
         managed.manager_ctx = token
-        managed.deleter = _deleter
-        _live[token] = (self.released, (managed, shape))
+        _live[token] = (self.released, (managed, self._shape))
         self.handed.append(token)
         return _new_capsule(ctypes.addressof(managed), b"dltensor", _capsule_destructor)
 

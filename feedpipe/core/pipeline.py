@@ -82,7 +82,11 @@ def _run(
             staging = time.perf_counter()
             batch = stager.stage(step, slot.lease(pool.give_back))
             making = made - started - (stats.slot_wait_s - slot_waits)
-            stats.produced(busy_s=making + time.perf_counter() - staging, samples=step.num_valid)
+            stats.produced(
+                busy_s=making + time.perf_counter() - staging,
+                samples=step.num_valid,
+                gather_s=making,
+            )
             handoff.put(batch, is_batch=True)
             # This frame must not keep the batch alive: its slot returns when the consumer drops it.
             del batch

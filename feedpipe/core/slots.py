@@ -162,6 +162,12 @@ class SlotLayout:
             self._region(start, split.global_batch_size, field)
             for field, start in enumerate(self.field_offsets)
         ]
+        self.spans = [
+            [(where.start, where.stop - where.start) for where, _, _ in row]
+            for row in self._regions
+        ]
+        """`spans[replica][field]`: that region's (offset, bytes) in the buffer, for a copy
+        that takes addresses, not arrays."""
 
     def _region(self, offset: int, rows: int, field: int) -> tuple[slice, np.dtype, tuple]:
         leaf = self.spec.leaves[field]

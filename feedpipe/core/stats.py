@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from feedpipe.core import copy_engine
 from feedpipe.core.skips import SkippedSample, named
 
 MODERATE_FRACTION = 0.05
@@ -26,6 +27,10 @@ STARTUP_STEPS = 10
 step compiles in its first calls (twice in `examples/jax_custom_loop.py`, whose second call
 takes the first's outputs, placed otherwise), Keras traces its step function on the first; 10
 leaves room for those and is a sliver of any epoch worth measuring."""
+STAGES = ("gather", *copy_engine.STAGES)
+"""What the staging thread does for each batch, in order, as `FeedStats.stage_s` times it:
+making the batch in host memory, then (on the copy engine's path) its stages; the framework's
+own copy is timed as "copy issued" and "copy waited"."""
 WAIT_NOT_MEASURED = "input wait not measured"
 """What `FeedStats.verdict` says where every step's batch was gathered in TensorFlow's own
 threads (`as_dataset()` over arrays): the steps are counted, their waits cannot be timed."""
@@ -124,6 +129,16 @@ class FeedStats:
     """Time the staging thread waited for the device to finish a step before reusing a device
     block: the consumer had queued more steps than the device had run. Above 0: the step sets
     the pace, not the input."""
+    fences: float = 0.0
+    """Fences enqueued per device (each a tiny computation that tells when the steps reading
+    released device blocks have run); about one per ten batches in the steady state."""
+    staged_batches: int = 0
+    """Batches the staging thread made and staged."""
+    stage_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The staging thread's time in each of `STAGES` over the `staged_batches`: "gather"
+    (making the batch in host memory, or waiting for workers to), "fence" (a device block
+    acquired), "copy issued", "copy waited" (the copies to the devices), "import" (the
+    framework taking the copied memory). `stage_ms` gives them per batch."""
     steady_steps: int = 0
     """Timed steps after the feeder's first `STARTUP_STEPS` (start-up, where a jitted step
     compiles): the steady state's steps."""
@@ -152,6 +167,23 @@ class FeedStats:
         """Host-to-device copy rate, GB/s (1e9 bytes): compare with the link's (PCIe Gen5 x16
         reaches ~55 from page-locked memory, a third of that or less from pageable)."""
         return self.copied_bytes / self.copy_s / 1e9 if self.copy_s > 0 else 0.0
+
+    @property
+    def fences_per_batch(self) -> float:
+        """Fences enqueued per device per batch copied: at most about 0.1 in the steady state."""
+        return self.fences / self.copies if self.copies else 0.0
+
+    @property
+    def stage_ms(self) -> dict[str, float]:
+        """The staging thread's mean milliseconds per batch in each stage that ran (see
+        `stage_s`): where a batch's time goes, without a separate probe."""
+        if not self.staged_batches:
+            return {}
+        return {
+            stage: seconds * 1e3 / self.staged_batches
+            for stage, seconds in self.stage_s.items()
+            if seconds > 0
+        }
 
     @property
     def copy_s_per_step(self) -> float:
@@ -269,9 +301,11 @@ class FeedStats:
             self.page_locked, "host memory"
         )
         path = f", {self.copy_path}" if self.copy_path else ""
+        stages = ", ".join(f"{stage} {ms:.3f}" for stage, ms in self.stage_ms.items())
+        fences = f"; {self.fences_per_batch:.2f} fences a batch" if self.fences else ""
         return (
             f"; copies {self.copy_gb_per_s:.1f} GB/s, {self.copy_s_per_step * 1e3:.2f} ms a "
-            f"step ({memory}{path})"
+            f"step ({memory}{path}); staging ms a batch: {stages}{fences}"
         )
 
 
@@ -323,6 +357,10 @@ class StatsRecorder:
         self.copy_path: str | None = None
         self.device_blocks = 0
         self.fence_wait_s = 0.0
+        self.fences = 0.0
+        self.stage_s = dict.fromkeys(STAGES, 0.0)
+        """The staging thread's time in each of `STAGES`, over the `staged_batches`."""
+        self.staged_batches = 0
         self.untimed_steps = 0
         self.untimed_s = 0.0
         self.steady_steps = 0
@@ -373,8 +411,11 @@ class StatsRecorder:
         self.samples += samples
         self._last_taken = got
 
-    def produced(self, *, busy_s: float, samples: int) -> None:
-        """Records one batch made by the producer; the first of a stream only warms it up."""
+    def produced(self, *, busy_s: float, samples: int, gather_s: float) -> None:
+        """Records one batch made by the producer (`gather_s` of it making the batch in host
+        memory, the rest staging it); the first of a stream only warms the producer up."""
+        self.staged_batches += 1
+        self.stage_s["gather"] += gather_s
         if self._producer_warm:
             self.producer_busy_s += busy_s
             self.produced_samples += samples
@@ -454,6 +495,9 @@ class StatsRecorder:
             copy_path=self.copy_path if self.copies else None,
             device_blocks=self.device_blocks,
             fence_wait_s=self.fence_wait_s,
+            fences=self.fences,
+            staged_batches=self.staged_batches,
+            stage_s=dict(self.stage_s),
             untimed_steps=self.untimed_steps,
             untimed_s=self.untimed_s,
             steady_steps=self.steady_steps,

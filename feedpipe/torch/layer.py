@@ -7,10 +7,11 @@ rank's rows of every global batch, in the order every layer shares.
 
 On a CUDA device each replica's regions of a page-locked slot are copied by torch's own
 `copy_(non_blocking=True)` on a stream of the feeder's own per device, beside the running step.
-The staging thread waits for an event recorded after its own copies (never for the step), then
-the slot returns; the consumer's stream waits on that event as the batch is handed over
-(`Batch.handed_over`), which also tells torch's caching allocator that the consumer's stream
-reads the memory, so that it is not given to a later copy while a step still reads it.
+The staging thread waits for an event recorded after its own copies (never for the step),
+polling it for about the copy's time, then sleeping on it; then the slot returns. The
+consumer's stream waits on that event as the batch is handed over (`Batch.handed_over`), which
+also tells torch's caching allocator that the consumer's stream reads the memory, so that it is
+not given to a later copy while a step still reads it.
 
 On the CPU each replica's rows are the slot's memory itself (`torch.from_numpy`, no copy): a
 tensor keeps its lease, and the slot returns when the last tensor made from it is freed, which
@@ -28,7 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from feedpipe.core.copy_engine import NO_COPY, CopyPath
+from feedpipe.core._sync import poll_then_sleep
+from feedpipe.core.copy_engine import NO_COPY, CopyPath, LinkRate
 from feedpipe.core.pinned import page_locker
 from feedpipe.core.sampler import Step
 from feedpipe.core.slots import SlotLayout
@@ -246,6 +248,8 @@ class Stager:
         )
         """Each CUDA device's copy stream, the feeder's own."""
         self.masks = MaskCache(len(layer.devices), layout.split.per_replica, self._place_masks)
+        self.link = LinkRate()
+        """The copies' rate so far: how long a wait polls before it sleeps."""
 
     def _place_masks(self, parts: np.ndarray) -> tuple[torch.Tensor, ...]:
         """A pattern's masks, made once and kept, each batch given copies of its own (see
@@ -285,7 +289,9 @@ class Stager:
                     [from_numpy(region).to(device) for region in regions]
                     for device, regions in zip(self.layer.devices, views, strict=True)
                 ]
-                self.stats.copied(self.layout.batch_bytes, time.perf_counter() - started)
+                copied = time.perf_counter() - started
+                self.stats.stage_s["copy waited"] += copied  # issued and waited in one call
+                self.stats.copied(self.layout.batch_bytes, copied)
             else:
                 placed = [[from_numpy(region) for region in regions] for regions in views]
         replicas = tuple(unflatten(tensors) for tensors in placed)
@@ -294,6 +300,7 @@ class Stager:
     def _copy_on_own_streams(self, views: list, pattern: tuple) -> tuple[list, tuple, list]:
         """Each replica's regions, and a copy of its mask of `pattern` (a bool per row),
         copied on its device's stream; waits for those copies alone."""
+        stage_s = self.stats.stage_s
         started = time.perf_counter()
         placed, masks, copies = [], [], []
         for device, stream, regions, mask in zip(
@@ -304,10 +311,16 @@ class Stager:
                     [from_numpy(region).to(device, non_blocking=True) for region in regions]
                 )
                 masks.append(mask.clone())
-            event = torch.cuda.Event(blocking=True)  # its wait sleeps, never spins a core
+            event = torch.cuda.Event(blocking=True)  # a wait past the poll sleeps
             event.record(stream)
             copies.append((device, event))
-        for _, event in copies:
-            event.synchronize()  # the slot's bytes are read: it may return to the pool
-        self.stats.copied(self.layout.batch_bytes, time.perf_counter() - started)
+        issued = time.perf_counter()
+        poll_s = self.link.expected_s(self.layout.batch_bytes // len(copies))
+        for _, event in copies:  # the slot's bytes are read: it may return to the pool
+            poll_then_sleep(event.query, event.synchronize, poll_s)
+        copied = time.perf_counter()
+        self.link.observed(self.layout.batch_bytes // len(copies), copied - started)
+        stage_s["copy issued"] += issued - started
+        stage_s["copy waited"] += copied - issued
+        self.stats.copied(self.layout.batch_bytes, copied - started)
         return placed, tuple(masks), copies

@@ -19,7 +19,7 @@ import pytest
 
 import feedpipe as fp
 from feedpipe.core import dlpack
-from feedpipe.core.copy_engine import IN_FLIGHT, OWN_STREAMS, CopyPath
+from feedpipe.core.copy_engine import OWN_STREAMS, CopyPath, block_limit
 from feedpipe.core.sampler import Sampler
 from tests.device_fakes import HostMemory
 from tests.worker_fakes import index_pairs
@@ -69,7 +69,7 @@ def test_every_sample_arrives_once_per_epoch_in_the_cores_order_over_three_epoch
                 got += ids(batch)
             assert got == plan.order(epoch).tolist()
             blocks.append(feeder.stats().device_blocks)
-        assert max(blocks) <= (DEPTH + IN_FLIGHT) * len(devices), "bounded over the epochs"
+        assert max(blocks) <= block_limit(DEPTH, 0) * len(devices), "bounded over the epochs"
         assert sum(memory.copies for memory in fake_gpus) > 0
 
 

@@ -51,6 +51,13 @@ class FakeEvent:
     def record(self, stream: FakeStream) -> None:
         self.log.calls.append(("record", stream.name, self.number))
 
+    ready = True
+    """What `query` answers: the copies before the event are done."""
+
+    def query(self) -> bool:
+        self.log.calls.append(("query", self.number))
+        return self.ready
+
     def synchronize(self) -> None:
         self.log.calls.append(("synchronize", self.number))
 
@@ -98,12 +105,12 @@ def test_copies_run_on_each_devices_own_stream_and_the_consumer_waits_for_them(f
         batch = next(loop)
         calls = list(log.calls)
         loop.close()
-    staged = [c for c in calls if c[0] in ("enter", "leave", "record", "synchronize")]
+    staged = [c for c in calls if c[0] in ("enter", "leave", "record", "query")]
     # The pattern's masks are made first, once, each on its device's own stream; then, per
     # device, the batch's copies (its mask's too) inside that stream, then an event on it.
     made, first = staged[:4], staged[4:12]
     assert [c[0] for c in made] == ["enter", "leave"] * 2
-    assert [c[0] for c in first] == ["enter", "leave", "record"] * 2 + ["synchronize"] * 2
+    assert [c[0] for c in first] == ["enter", "leave", "record"] * 2 + ["query"] * 2
     assert first[0][1] == first[1][1] == first[2][1] != first[3][1]
     assert first[3][1] == first[4][1] == first[5][1]
     events = [first[2][2], first[5][2]]
@@ -131,3 +138,21 @@ def test_the_batches_are_exact_through_the_stream_path(fake_cuda):
         assert feeder.stats().copies >= 3  # and any staged ahead of the next loop
     assert got == list(range(20))
     assert np.all(np.diff(got) == 1)
+
+
+def test_a_copy_not_done_within_its_expected_time_is_slept_on_rather_than_polled(
+    fake_cuda, monkeypatch
+):
+    log, _ = fake_cuda
+    monkeypatch.setattr(FakeEvent, "ready", False)  # the copies never report done by a query
+    with fp.Feeder(index_pairs(16), 8, devices=["cpu", "cpu"], framework="torch") as feeder:
+        loop = iter(feeder)
+        next(loop)
+        calls = list(log.calls)
+        loop.close()
+    events = {c[2] for c in calls if c[0] == "record"}
+    slept = [c[1] for c in calls if c[0] == "synchronize"]
+    assert set(slept) == events, "each event is slept on once its poll gives up"
+    for event in events:
+        polls = [c for c in calls if c == ("query", event)]
+        assert 1 <= len(polls) < 10_000, "polled for about the copy's time, not forever"
