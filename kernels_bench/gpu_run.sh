@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
-# The GPU checks as one command, for a lent GPU machine (JAX and PyTorch, no TensorFlow, no
-# package index), from the repository root with `.whl` carried (see the docstring of
-# kernels_bench/gpu.py for the wheels):
-#   jax:   installs the wheels, runs the JAX GPU tests, then kernels_bench.gpu (extra arguments
-#          go to it; about 7 minutes);
-#   torch: runs the PyTorch GPU tests, then kernels_bench.torch_gpu ($TORCH_GPU_ARGS go to it;
-#          about 4 minutes; the wheels are installed too where `.whl` is carried, for torchdata's
-#          StatefulDataLoader peer, but it runs without them).
-# GPU_RUN picks the parts (default "jax,torch"; one command may run for at most 10 minutes on
-# the lent machines, so run "GPU_RUN=jax" and "GPU_RUN=torch" as two commands there). The logs
-# and the JSON go to $OUT.
+# The GPU checks as one command of about 6 minutes, for a lent GPU machine (JAX and PyTorch, no
+# TensorFlow, no package index), from the repository root with `.whl` carried (see the
+# docstring of kernels_bench/gpu.py for the wheels):
+#   jax:     installs the wheels, runs the JAX GPU tests, then kernels_bench.gpu (extra
+#            arguments go to it; about 4 minutes at 4 repetitions);
+#   torch:   runs the PyTorch GPU tests, then kernels_bench.torch_gpu ($TORCH_GPU_ARGS go to
+#            it; about 2 minutes);
+#   startup: kernels_bench.startup with 8 workers (the first batch against PyDataset's, a
+#            second feeder's, a source holding 1 GB; under a minute).
+# GPU_RUN picks the parts (default "jax,torch,startup"). Each part's timeout keeps the whole
+# under the lent machines' 10 minutes a command. The logs and the JSON go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/feedpipe-gpu}
 mkdir -p "$out"
-parts=",${GPU_RUN:-jax,torch},"
+parts=",${GPU_RUN:-jax,torch,startup},"
 wants() { [[ $parts == *",$1,"* ]]; }
 if wants jax || compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
@@ -24,25 +24,32 @@ export PYTHONPATH=/tmp/site:$PWD KERAS_BACKEND=jax TF_CPP_MIN_LOG_LEVEL=2 PYTHON
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
 status=0
 if wants jax; then
-    timeout 180 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_gpu_jax.py 2>&1 \
+    timeout 75 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_gpu_jax.py 2>&1 \
         | tee "$out/gpu_tests.log"
     tests=${PIPESTATUS[0]}
-    timeout 420 python3 -m kernels_bench.gpu "$@" 2>&1 | tee "$out/gpu_bench.log"
+    timeout 270 python3 -m kernels_bench.gpu --reps 4 "$@" 2>&1 | tee "$out/gpu_bench.log"
     bench=${PIPESTATUS[0]}
     cp kernels_bench/results/gpu*.json "$out/" 2>/dev/null
     echo "jax: tests exit $tests, benchmark exit $bench"
     status=$(( status || tests || bench ))
 fi
 if wants torch; then
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_gpu_torch.py 2>&1 \
+    timeout 50 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_gpu_torch.py 2>&1 \
         | tee "$out/torch_gpu_tests.log"
     tests=${PIPESTATUS[0]}
     # shellcheck disable=SC2086  # the arguments are words
-    timeout 360 python3 -m kernels_bench.torch_gpu ${TORCH_GPU_ARGS:-} 2>&1 \
+    timeout 130 python3 -m kernels_bench.torch_gpu ${TORCH_GPU_ARGS:-} 2>&1 \
         | tee "$out/torch_gpu_bench.log"
     bench=${PIPESTATUS[0]}
     cp kernels_bench/results/torch_gpu*.json "$out/" 2>/dev/null
     echo "torch: tests exit $tests, benchmark exit $bench"
     status=$(( status || tests || bench ))
+fi
+if wants startup; then
+    timeout 50 python3 -m kernels_bench.startup --workers 8 2>&1 | tee "$out/startup_bench.log"
+    bench=${PIPESTATUS[0]}
+    cp kernels_bench/results/startup_w8.json "$out/" 2>/dev/null
+    echo "startup: benchmark exit $bench"
+    status=$(( status || bench ))
 fi
 exit $status

@@ -11,8 +11,8 @@ one run, peers in rotating order in each repetition, medians over repetitions:
   non_blocking=True)` on a CUDA stream of its own, then a wait on its event), as the feeder
   stages every batch; `slot_pageable`: the same from a slot that is not page-locked;
   `torch_pinned`: torch's own `torch.empty(n, pin_memory=True)` then `.to(device,
-  non_blocking=True)` and `torch.cuda.synchronize()`. Target: slot / torch pinned >= 0.9 at 16
-  and 64 MiB (2 MiB reported).
+  non_blocking=True)` and `torch.cuda.synchronize()`. Targets: slot / torch pinned >= 0.8 at
+  2 MiB, >= 0.95 at 16 and 64 MiB.
 * rs (R/S, DESIGN.md): a real torch training step (an MLP: the flattened 96x96x3 image into
   `--hidden` units, a weight-tied hidden layer applied `repeat` times, cross-entropy, SGD),
   `repeat` calibrated so that the step alone takes about each of `--step-ms` (30 and 5), fed by
@@ -98,8 +98,9 @@ from kernels_bench.gpu import (
 
 PARTS = ("copy", "rs", "train")
 COPY_PEERS = ("slot", "slot_pageable", "torch_pinned")
-COPY_TARGETS = {16: 0.9, 64: 0.9}
-"""slot / torch pinned, by copy size in MiB; other sizes are reported only."""
+COPY_TARGETS = {2: 0.8, 16: 0.95, 64: 0.95}
+"""slot / torch pinned, by copy size in MiB (the stager polls its event for about the copy's
+time, then sleeps: a sleeping wait alone gave 0.415 / 0.685 / 0.867 on an H100)."""
 TRAIN_PEERS = ("resident", "feedpipe", "dataloader", "stateful", "feeder_alone")
 
 

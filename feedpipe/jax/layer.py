@@ -180,6 +180,8 @@ def device_fence(device: jax.Device):
     """A function that enqueues a tiny computation on `device`: ready once every step enqueued
     there before it has run (one compute stream per device runs them in order)."""
     token = jax.device_put(np.zeros((), np.int32), device)
+    # Compiled now: the first fence is sent some batches into the steady state.
+    _bump(token).block_until_ready()
     return lambda: _bump(token)
 
 
