@@ -1,7 +1,8 @@
 """feedpipe's own CUDA streams through the driver API: each device gets a non-blocking stream and
 a blocking-sync event in its primary context, every copy is issued on that stream with that
-context current and the event recorded behind it, the bytes land exactly, an exhausted device
-names the setting to change, and close frees what it made.
+context current and the event recorded behind it, the wait polls the event and sleeps on it only
+if the copies are not done by then, the bytes land exactly, an exhausted device names the
+setting to change, and close frees what it made.
 
 No GPU is needed: a fake driver (`libcuda.so.1`, built here with gcc, "device memory" being host
 memory) logs each call. Each scenario runs in a fresh Python that loads it first, as a framework
@@ -77,6 +78,11 @@ int cuEventRecord(void *event, void *stream) {
     return 0;
 }
 int cuEventSynchronize(void *event) { note("synchronize", (uintptr_t)event, 0); return 0; }
+/* The copies report done at the first query with FAKE_CUDA_DONE, else never (600: not ready). */
+int cuEventQuery(void *event) {
+    note("query", (uintptr_t)event, 0);
+    return getenv("FAKE_CUDA_DONE") ? 0 : 600;
+}
 int cuMemAlloc_v2(uint64_t *address, size_t nbytes) {
     if (getenv("FAKE_CUDA_FULL")) return 2;
     void *p = NULL;
@@ -105,7 +111,7 @@ ctypes.CDLL(config["driver"], ctypes.RTLD_GLOBAL)
 
 import numpy as np
 
-from feedpipe.core.copy_engine import CopyEngine, cuda_devices
+from feedpipe.core.copy_engine import STAGES, CopyEngine, cuda_devices
 from feedpipe.core.slots import SlotLayout
 from feedpipe.core.source import SampleSpec
 from feedpipe.core.split import ReplicaSplit
@@ -123,7 +129,9 @@ for r, (features, labels) in enumerate(layout.views(slot)):
     labels[:] = np.arange(4) + 4 * r
     features[:] = labels[:, None] * 0.5
 try:
-    with engine.copy(layout.views(slot)) as exports:
+    base = slot.ctypes.data
+    sources = [[(base + offset, size) for offset, size in row] for row in layout.spans]
+    with engine.copy(sources, dict.fromkeys(STAGES, 0.0)) as exports:
         facts["device"] = [fields[0].__dlpack_device__() for fields in exports]
         facts["values"] = [
             [np.frombuffer(ctypes.string_at(e.address, int(np.prod(e.shape)) * e.dtype.itemsize),
@@ -185,13 +193,24 @@ def test_each_device_copies_on_a_non_blocking_stream_of_its_own_in_its_primary_c
         mine = [
             c
             for c in calls
-            if c[0] in ("copy", "record", "synchronize") and int(c[3]) == contexts[device]
+            if c[0] in ("copy", "record", "query", "synchronize") and int(c[3]) == contexts[device]
         ]
         kinds = [c[0] for c in mine]
-        assert kinds == ["copy", "copy", "record", "synchronize"], "copies, then the event"
+        polls = kinds.count("query")
+        assert polls >= 1, "the wait polls the event first"
+        assert kinds == ["copy", "copy", "record"] + ["query"] * polls + ["synchronize"], (
+            "copies, then the event; a copy not done within its time is slept on"
+        )
+        assert all(c[1] == event[1] for c in mine if c[0] in ("query", "synchronize"))
         assert all(c[2] == stream[1] for c in mine if c[0] == "copy"), "on its own stream"
         assert mine[2][1:3] == [event[1], stream[1]], "the event recorded on that stream"
     assert facts["device"] == [[2, 0], [2, 1]], "exported as CUDA memory of each device"
+
+
+def test_a_copy_done_within_its_expected_time_is_never_slept_on(tmp_path, fake_driver):
+    _, calls = run(tmp_path, fake_driver, FAKE_CUDA_DONE="1")
+    kinds = [c[0] for c in calls if c[0] in ("copy", "record", "query", "synchronize")]
+    assert kinds == ["copy", "copy", "record"] * 2 + ["query"] * 2, "one poll sees each end"
 
 
 def test_the_bytes_land_exactly_and_aligned_in_each_devices_memory(tmp_path, fake_driver):
