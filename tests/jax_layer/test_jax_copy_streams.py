@@ -157,6 +157,19 @@ def test_describe_and_stats_say_the_batches_cross_on_feedpipes_own_streams(devic
         assert OWN_STREAMS in str(stats)
 
 
+def test_stats_time_each_staging_stage_and_a_fence_covers_many_batches(devices, fake_gpus):
+    with fp.Feeder(index_pairs(64), 8, devices=devices, shuffle=True) as feeder:
+        for _ in range(25):  # 200 batches, each dropped as the next is taken
+            for _ in feeder:
+                pass
+        stats = feeder.stats()
+    assert set(stats.stage_ms) == {"gather", "fence", "copy issued", "copy waited", "import"}
+    assert all(ms > 0 for ms in stats.stage_ms.values())
+    assert stats.staged_batches >= stats.copies >= 200
+    assert 0 < stats.fences_per_batch <= 0.1, "one fence covers the blocks of many batches"
+    assert "staging ms a batch: gather" in str(stats) and "fences a batch" in str(stats)
+
+
 def test_a_dtype_dlpack_cannot_name_falls_back_to_device_put_and_says_which_field(
     devices, fake_gpus
 ):
