@@ -206,6 +206,17 @@ def jax_distributed_client() -> Any:
     return client
 
 
+def uncommitted_jax_array(array: Any) -> Any:
+    """`array`, a `jax.Array` on one device, as an uncommitted array on that device sharing its
+    buffer: what `jax.device_put(numpy_array)` gives. `jit` compiles again for an argument
+    that is committed where it was not, and no public API drops the commitment without a
+    copy (`jax.device_put(array)` returns `array` as it is)."""
+    from jax._src.array import ArrayImpl
+
+    one = array.addressable_data(0)  # its sharding: SingleDeviceSharding, without a mesh
+    return ArrayImpl(one.aval, one.sharding, [one], committed=False, _skip_checks=True)
+
+
 def torch_default_store() -> Any:
     """The key-value store of `torch.distributed`'s default process group, whose waits take a
     deadline: no public API hands it out, and the collectives wait for the group's own timeout

@@ -29,6 +29,13 @@ feedpipe / PyDataset >= 1.0 and feedpipe / Grain >= 1.0 in the steady state. On 
 model's step and the workers share the CPU, so fit(x, y) is out of reach for every peer; each
 round also records `other_cores` (CPU used by other processes on the machine meanwhile).
 
+A second case, a fast source (`--fast-source-over-step`, 0.25 of the step per batch, which the
+workers outrun), runs fit(x, y) and fit(feeder) alone, as `gpu.py`'s fast source case does.
+Every timed fit(feeder) is a second fit in the process (the warm-up fitted first); target: its
+first epoch, start-up included, <= 1.2x fit(x, y)'s (`feedpipe_epoch1_s_over_arrays`, the
+issue's target on a GPU). Every session counts the train step's compilations
+(`<peer>_compiles`): 0 once the warm-up compiled the step, as on arrays.
+
 Run: `KERAS_BACKEND=jax python -m kernels_bench.keras_jax_fit [--quick]`; writes
 `kernels_bench/results/keras_jax_fit.json`. No TensorFlow is imported (checked at the end).
 This module, like `gpu.py`, imports only numpy and the standard library at the top: feedpipe's
@@ -57,6 +64,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=2.0,
         help="the source's serial CPU per batch over the step's own time on arrays",
+    )
+    parser.add_argument(
+        "--fast-source-over-step",
+        type=float,
+        default=0.25,
+        help="second case (fit(x, y) and fit(feeder) alone): a source the workers outrun; 0: skip",
     )
 
 
@@ -94,6 +107,21 @@ def main(argv=None) -> None:
             report.target(
                 case, f"feedpipe_over_{peer}_steady", ">=", 1.0, f"fit(feeder) / {peer}, steady"
             )
+    if args.fast_source_over_step:
+        fast = "keras jax fit, fast source, cpu"
+        gpu.run_fit_comparison(
+            report,
+            settings,
+            case=fast,
+            shape=shape,
+            batch=args.batch,
+            steps=steps,
+            epochs=args.epochs,
+            workers=workers,
+            sample_s=lambda step_s: args.fast_source_over_step * step_s / args.batch,
+            peers=["arrays", "feedpipe"],
+        )
+        gpu.target_second_fit(report, fast)
     report.note(
         "Each peer's input is built inside its timed fit call; epoch1 = from calling fit to the "
         "end of its first epoch (start-up included), steady = the epochs after the first. One "
@@ -112,6 +140,8 @@ def main(argv=None) -> None:
             "feedpipe_over_pydataset_epoch1",
             "feedpipe_over_grain_epoch1",
             "feedpipe_over_arrays_epoch1",
+            "feedpipe_epoch1_s_over_arrays",
+            "feedpipe_compiles",
             "other_cores",
         ]
     )

@@ -8,7 +8,9 @@ JAX alone is needed (no TensorFlow): the module skips where JAX has no GPU.
 
 from __future__ import annotations
 
+import functools
 import gc
+import math
 import subprocess
 import sys
 import textwrap
@@ -133,20 +135,52 @@ def test_device_memory_in_use_stays_flat_over_three_epochs():
     assert dlpack.exports_alive() == 0
 
 
+def long_step(device, seconds: float, side: int = 8192):
+    """A step of about `seconds` on `device` whose dispatch returns at once, as a function of
+    no argument: a chain of matmuls unrolled in one program. XLA runs a `fori_loop` from the
+    host (it reads the loop's condition back each iteration), so the call that dispatched one
+    returned only once the loop had ended, and nothing could be issued beside it."""
+    matmul = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
+
+    def chain(links: int):
+        def run(m, a):
+            for _ in range(links):
+                m = jnp.tanh(matmul(m, a))
+            return m
+
+        return jax.jit(run)
+
+    a = jax.device_put(jnp.eye(side, dtype=jnp.float32), device)
+    one = chain(1)
+    one(a, a).block_until_ready()  # compiled
+    started = time.perf_counter()
+    for _ in range(3):
+        one(a, a).block_until_ready()
+    link_s = (time.perf_counter() - started) / 3
+    whole = chain(max(1, math.ceil(seconds / link_s)))
+    whole(a, a).block_until_ready()  # compiled
+    return functools.partial(whole, a, a)
+
+
 def test_a_batch_is_staged_while_a_long_step_still_runs():
     """The copy runs beside the step: a batch whose copy is issued after a step of about a second
     was queued arrives before that step ends (through `jax.device_put` it would wait for it)."""
     device = GPUS[0]
-    a = jax.device_put(jnp.eye(2048, dtype=jnp.float32), device)
-    long_step = jax.jit(lambda a, n: jax.lax.fori_loop(0, n, lambda _, m: jnp.tanh(m @ a), a))
-    long_step(a, 10).block_until_ready()  # compiled
+    step = long_step(device, 1.0)
     started = time.perf_counter()
-    long_step(a, 100).block_until_ready()
-    iterations = max(100, int(100 / (time.perf_counter() - started)))  # about a second
+    running = step()
+    dispatched_s = time.perf_counter() - started
+    running.block_until_ready()
+    step_s = time.perf_counter() - started
+    assert dispatched_s < 0.2 * step_s and step_s > 0.3, (
+        f"the test's own step is not an asynchronous step of about a second: its dispatch "
+        f"returned after {dispatched_s:.3f} s of its {step_s:.3f} s, so this test cannot tell "
+        "whether a copy runs beside it (this says nothing of feedpipe)"
+    )
     with fp.Feeder(Images(64, (8, 8, 3)), 8, devices=[device], depth=1) as feeder:
         batches = iter(feeder)
         next(batches)  # the ring (depth 1) holds the second batch, staged before the step
-        running = long_step(a, iterations)
+        running = step()
         next(batches)  # room: the third batch's copy is issued now, behind the queued step
         third = next(batches)
         step_still_running = not running.is_ready()

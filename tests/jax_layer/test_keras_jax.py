@@ -4,6 +4,7 @@ cannot share its rows), a state that counts what the step trained on."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -16,6 +17,25 @@ import feedpipe as fp
 from tests import keras_conformance as conformance
 from tests.keras_cases import BATCH, LENGTH, assert_same_weights, classifier, data, model
 from tests.keras_fit_promises import *  # noqa: F403 (every promise of fit(feeder) runs here)
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+"""The event JAX records once per XLA compilation, with the function's name."""
+
+
+@contextlib.contextmanager
+def compilations_of(name: str):
+    """The names of the XLA compilations of functions called `name` made inside, as a list."""
+    made = []
+
+    def listen(event, duration_s, **details):
+        if event == COMPILE_EVENT and f"({name})" in str(details.get("fun_name")):
+            made.append(details["fun_name"])
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield made
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def test_data_parallel_fit_takes_the_sharded_batches_and_equals_one_device(keras, devices):
@@ -30,6 +50,32 @@ def test_data_parallel_fit_takes_the_sharded_batches_and_equals_one_device(keras
     keras.distribution.set_distribution(None)
     plain = model(keras)
     plain.fit(x, y, batch_size=BATCH, shuffle=False, epochs=2, verbose=0)
+    assert_same_weights(fed, plain)
+
+
+@pytest.mark.parametrize("on", ["one device", "data parallel"])
+def test_fit_on_the_feeder_compiles_the_train_step_as_often_as_fit_on_arrays(keras, devices, on):
+    # Keras resets the metrics' variables as each epoch begins: a batch placed otherwise than
+    # Keras places its own made the state differ from the reset variables in its sharding, and
+    # the step compiled again at the start of the second epoch. A second fit of the same model
+    # compiles nothing.
+    x, y = data()  # the last batch's 4 real rows: a second shape, compiled once on both
+    if on == "data parallel":
+        keras.distribution.set_distribution(keras.distribution.DataParallel(devices=devices))
+    fed, plain = classifier(keras), classifier(keras)
+    with fp.Feeder((x, y), BATCH, devices=devices if on == "data parallel" else devices[:1]) as f:
+        fits = []
+        for _ in range(2):
+            with compilations_of("train_step") as made:
+                fed.fit(f, epochs=3, callbacks=[f.fit_callback()], verbose=0)
+            fits.append(len(made))
+    expected = []
+    for _ in range(2):
+        with compilations_of("train_step") as made:
+            plain.fit(x, y, batch_size=BATCH, shuffle=False, epochs=3, verbose=0)
+        expected.append(len(made))
+    assert expected[0] > 0, "no compilation of the train step was seen: the count is blind"
+    assert fits == expected, f"compilations per fit of 3 epochs: {fits}, on arrays {expected}"
     assert_same_weights(fed, plain)
 
 
