@@ -217,6 +217,27 @@ def uncommitted_jax_array(array: Any) -> Any:
     return ArrayImpl(one.aval, one.sharding, [one], committed=False, _skip_checks=True)
 
 
+def jax_dlpack_import() -> Callable[[Any, Any, int], Any] | None:
+    """JAX's own DLPack import, `(capsule, device, DLPack device type) -> jax.Array`, without the
+    Python around it, or None where this jaxlib has no such entry point.
+
+    `jax.dlpack.from_dlpack` looks the backend and device up again, asks for a stream to order
+    the import behind and wraps the array once more: 70 µs a field on a CPU here, 0.08 to 0.16
+    ms on an H100, against 11 µs for the import itself; no public API imports without them."""
+    try:
+        from jax._src.lib import _jax, jaxlib_extension_version
+    except ImportError:
+        return None
+    to_buffer = getattr(_jax, "dlpack_managed_tensor_to_buffer", None)
+    if to_buffer is None or jaxlib_extension_version < 467:
+        return None
+
+    def take(capsule: Any, device: Any, device_type: int) -> Any:
+        return to_buffer(capsule, device, None, False, device_type)
+
+    return take
+
+
 def torch_default_store() -> Any:
     """The key-value store of `torch.distributed`'s default process group, whose waits take a
     deadline: no public API hands it out, and the collectives wait for the group's own timeout

@@ -209,3 +209,32 @@ def test_on_cpu_devices_describe_says_no_batch_crosses(devices):
         for _ in feeder:
             pass
         assert feeder.stats().copy_path is None
+
+
+@pytest.mark.parametrize("direct", ["missing", "refused", "other arrays"])
+def test_where_the_direct_import_is_missing_or_wrong_the_public_one_gives_exact_batches(
+    devices, fake_gpus, monkeypatch, direct
+):
+    from feedpipe.jax import layer
+
+    def refused(export, device):
+        raise TypeError("dlpack_managed_tensor_to_buffer() takes 4 positional arguments")
+
+    def other(export, device):
+        return jnp.zeros(export.shape[1:], export.dtype)  # the wrong shape
+
+    taken = {"missing": None, "refused": refused, "other arrays": other}[direct]
+    monkeypatch.setattr(layer, "_direct_import", lambda: taken)
+    public = []
+    monkeypatch.setattr(
+        layer, "_public_import", lambda e, d: public.append(1) or jax.dlpack.from_dlpack(e, d)
+    )
+    plan = Sampler(20, 8, shuffle=True, seed=1)
+    with fp.Feeder(index_pairs(20), 8, devices=devices, shuffle=True, seed=1) as feeder:
+        got = []
+        for batch in feeder:
+            (x, y), _ = batch.distributed()
+            assert (np.asarray(x) == np.asarray(y)[:, None]).all()
+            got += ids(batch)
+    assert got == plan.order(0).tolist()
+    assert len(public) >= 2 * len(devices) * 3, "every field of every batch imported publicly"
