@@ -25,10 +25,12 @@ from feedpipe.core.cost import cores
 from feedpipe.core.sampler import Step
 from feedpipe.core.slots import HostSlot
 
-MIN_RANGE_BYTES = 1 << 20
-"""Fewest bytes a thread gathers. Below about this, waking a thread costs what it saves: over
-rows of 96x96x3 float32 on a 2-core machine, two threads gathered a batch of 1.7 MiB at 0.7x
-one thread's rate and one of 6.8 MiB at 1.1x (`kernels_bench/gather.py` measures it)."""
+MIN_RANGE_BYTES = 2 << 20
+"""Fewest bytes a thread gathers. Below about this, waking a thread costs what it saves where a
+core copies fast: over rows of 96x96x3 float32 on an idle 2-core machine (about 15 GB/s from
+one thread), two threads gathered a batch of 1.7 MiB at 0.68x one thread's rate, 6.8 MiB at
+1.11x and 27 MiB at 1.2x to 1.34x. A core of the 16-core GPU machine gathers 1.7 GB/s, so there
+any range of this size pays (`kernels_bench/gather.py` measures both)."""
 THREADS_ENV = "FEEDPIPE_GATHER_THREADS"
 """Environment variable that caps the gather threads (for example 1, to leave the cores to
 other work); unset, the cores this process may run on cap them."""

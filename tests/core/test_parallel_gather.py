@@ -218,9 +218,9 @@ def test_threads_follow_the_cores_and_the_batch(monkeypatch):
     mib = 1 << 20
     assert plan_gather(64 * mib).threads == 16
     assert plan_gather(64 * mib).reason == "16 threads: 16 cores, batches of 64.0 MiB"
-    assert plan_gather(3 * mib + 5).threads == 3
-    assert "at least 1 MiB a thread" in plan_gather(3 * mib).reason
-    assert plan_gather(mib // 2).threads == 1
+    assert plan_gather(7 * mib + 5).threads == 3
+    assert "at least 2 MiB a thread" in plan_gather(7 * mib).reason
+    assert plan_gather(3 * mib).threads == 1
     monkeypatch.setenv(gather_module.THREADS_ENV, "2")
     assert plan_gather(64 * mib).threads == 2
     assert "FEEDPIPE_GATHER_THREADS=2" in plan_gather(64 * mib).reason
