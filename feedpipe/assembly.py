@@ -29,6 +29,7 @@ from feedpipe.core.description import (
     describe_source,
     is_cpu,
 )
+from feedpipe.core.gather import GatherPlan, GatherPool, plan_gather
 from feedpipe.core.pipeline import Pipeline
 from feedpipe.core.producers import ThreadProducer, WorkerProducer
 from feedpipe.core.remainder import Remainder
@@ -72,6 +73,9 @@ class Assembly:
         self.auto = False
         """Whether `workers="auto"` picks the workers (`feedpipe.core.auto`)."""
         self.kept: str | None = None
+        self.gather_plan: GatherPlan | None = None
+        """How many threads gather each batch of arrays without a transform, and why; None
+        where batches are made otherwise."""
         """Why `workers="auto"` kept the one background thread, where it had nothing to pick."""
         self.pools: dict[bool, SlotPool] = {}
         """The host slot pools: batches staged on the devices (False) or kept on the host for
@@ -134,7 +138,7 @@ class Assembly:
         if isinstance(source, ArraySource) and self.transform is None and self.transpose is None:
             return (
                 "arrays without a transform are gathered with one vectorised copy a field, "
-                "fastest in one thread"
+                "in the gather threads (describe().gather_threads), with no worker"
             )
         return None
 
@@ -269,7 +273,9 @@ class Assembly:
             writer = SampleWriter(
                 self.source, sample_spec, transform, o.seed, axes, skips=self.skips is not None
             )
-            self.producer = ThreadProducer(writer, rows, self.sampler, self.rule, self.skips)
+            self.producer = ThreadProducer(
+                writer, rows, self.sampler, self.rule, self.skips, self._gather_pool(writer)
+            )
             if self.auto:
                 start = functools.partial(self._worker_producer, sample_spec, axes)
                 self.producer = AutoProducer(self.producer, start, self.refused)
@@ -279,6 +285,16 @@ class Assembly:
             shared=self.shared,
             hosts=self.share.num_hosts,
         )
+
+    def _gather_pool(self, writer: SampleWriter) -> GatherPool | None:
+        """The threads that gather each batch of arrays without a transform, sized from the
+        machine and the batch (`feedpipe.core.gather`); None where one thread does it."""
+        if not (writer.vectorised and self.sampler is not None):
+            return None
+        self.gather_plan = plan_gather(SlotLayout(self.spec, self.split).batch_bytes)
+        if self.gather_plan.threads < 2:
+            return None
+        return GatherPool(self.source.take, self.gather_plan.threads)
 
     def _configured(self, workers: Any, sample_spec: SampleSpec, axes: list, measured: Any):
         """The producer of a pool started by `_start_workers`, once it knows the samples."""
@@ -466,6 +482,8 @@ class Assembly:
             workers=self.picked().workers,
             worker_mode=self.picked().mode,
             workers_chosen=self.workers_chosen(),
+            gather_threads=0 if self.gather_plan is None else self.gather_plan.threads,
+            gather_chosen=None if self.gather_plan is None else self.gather_plan.reason,
             depth=o.depth,
             remainder=o.remainder,
             shuffle=o.shuffle,

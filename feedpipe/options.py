@@ -52,7 +52,8 @@ class FeedOptions:
     """0 produces in one background thread; N > 0 in N workers; "auto" measures what a sample
     costs when the feeder is built and picks the kind and count of workers (see
     `feedpipe.core.cost`; `Feeder.describe().workers_chosen` says what and why). Default 0:
-    arrays without a `transform` are gathered fastest in one thread."""
+    arrays without a `transform` are gathered fastest by `np.take` over row ranges in threads of
+    its own, sized from the cores and the batch (`describe().gather_threads`)."""
     depth: int = 2
     """Batches staged per device ahead of the step. Default 2 hides one transfer behind one
     step while the next is being made."""

@@ -26,6 +26,7 @@ SCRIPTS = (
     "train_loop",
     "fit_paths",
     "copy_cost",
+    "gather",
     "hand_over",
     "workers",
     "monitor_overhead",

@@ -114,6 +114,13 @@ class FeederDescription:
     workers_chosen: str | None
     """Where `workers="auto"` picked them: the setting, its predicted rate and what a
     sample was measured to cost (see `feedpipe.core.cost`); None where they were given."""
+    gather_threads: int
+    """Threads gathering each batch of in-memory arrays without a `transform` (the producer's
+    own included), each copying a range of its rows, the next batch's while this one is
+    staged; 0 where batches are made otherwise (see `feedpipe.core.gather`)."""
+    gather_chosen: str | None
+    """What set `gather_threads`: the cores, the batch's bytes or `FEEDPIPE_GATHER_THREADS`;
+    None where batches are made otherwise."""
     depth: int
     """Batches staged on each device ahead of the step."""
     remainder: str

@@ -11,6 +11,7 @@ order with the same rows. The per-sample work is `feedpipe.core.writer`'s, where
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 from collections.abc import Iterator
 from typing import Protocol
@@ -18,6 +19,7 @@ from typing import Protocol
 import numpy as np
 
 from feedpipe.core._sync import WAIT_SLICE_S
+from feedpipe.core.gather import Gathering, GatherPool
 from feedpipe.core.remainder import Remainder
 from feedpipe.core.sampler import EpochEnd, Sampler, Step
 from feedpipe.core.skips import SkipLedger, SkippedSample, describe, named
@@ -110,7 +112,13 @@ def book_skips(step: Step, skipped: list[Skip], ledger: SkipLedger) -> Step:
 
 
 class ThreadProducer(Producer):
-    """Produces in the calling thread: the feeder's background thread when `workers=0`."""
+    """Produces in the calling thread: the feeder's background thread when `workers=0`.
+
+    With a `gather` pool (in-memory arrays without a transform, in batches big enough to
+    share), each batch's rows are gathered in the pool's threads, and the next batch's gather
+    starts before this one is handed on, so it runs while this one is staged. Invariant: the
+    batches, their order and their rows are those of the plain path.
+    """
 
     def __init__(
         self,
@@ -119,6 +127,7 @@ class ThreadProducer(Producer):
         sampler: Sampler | None,
         rule: Remainder,
         ledger: SkipLedger | None = None,
+        gather: GatherPool | None = None,
     ):
         self.writer = writer
         self.global_batch_size = global_batch_size
@@ -126,13 +135,24 @@ class ThreadProducer(Producer):
         self.rule = rule
         self.ledger = ledger
         """Where `errors="skip"` books the samples it skips (None: `errors="raise"`)."""
+        if gather is not None and not (writer.vectorised and sampler is not None):
+            raise ValueError("A gather pool serves only arrays without a transform.")
+        self.gather = gather
+        """The threads gathering each batch of arrays (None: one `np.take` a field, here)."""
+
+    @property
+    def slots_in_flight(self) -> int:
+        """Slots being filled at once: two where the next batch is gathered ahead."""
+        return 1 if self.gather is None else 2
 
     def slots(
         self, start: Position, supply: SlotSupply
     ) -> Iterator[tuple[Step, HostSlot] | EpochEnd]:
         for epoch in itertools.count(start.epoch):
             first = start.step if epoch == start.epoch else 0
-            if self.sampler is not None:
+            if self.gather is not None:
+                yield from self._gathered_epoch(epoch, first, supply)
+            elif self.sampler is not None:
                 yield from self._indexed_epoch(epoch, first, supply)
             else:
                 yield from self._stream_epoch(epoch, first, supply)
@@ -146,6 +166,38 @@ class ThreadProducer(Producer):
             yield step, slot
         self.writer.source.on_epoch_end()
         yield EpochEnd(epoch, self.sampler.dropped_per_epoch)
+
+    def _gathered_epoch(self, epoch: int, first: int, supply: SlotSupply) -> Iterator:
+        """`_indexed_epoch` with each batch gathered in the pool, the next one started before
+        this one is handed on, into a slot that is free now (none is waited for: the pool
+        holds one for it while the consumer keeps up)."""
+        steps = self.sampler.steps(epoch, first)
+        upcoming = next(steps, None)
+        ahead: Gathering | None = None
+        try:
+            while upcoming is not None:
+                if ahead is None:
+                    ahead = self.gather.submit(supply.acquire(), upcoming)
+                gathering, ahead = ahead, None
+                gathering.wait()
+                step, slot = gathering.step, gathering.slot
+                slot.pad(len(step.rows))
+                upcoming = next(steps, None)
+                if upcoming is not None and (spare := supply.try_acquire()) is not None:
+                    ahead = self.gather.submit(spare, upcoming)
+                yield step, slot
+        finally:
+            if ahead is not None:  # started, never to be handed on: its slot goes back once
+                with contextlib.suppress(Exception):  # no thread writes to it any more
+                    ahead.wait()
+                supply.give_back(ahead.slot)
+        self.writer.source.on_epoch_end()
+        yield EpochEnd(epoch, self.sampler.dropped_per_epoch)
+
+    def close(self) -> None:
+        """Stops the gather threads."""
+        if self.gather is not None:
+            self.gather.close()
 
     def _stream_epoch(self, epoch: int, first: int, supply: SlotSupply) -> Iterator:
         size = self.global_batch_size
