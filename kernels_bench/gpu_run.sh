@@ -7,14 +7,16 @@
 #   torch:   runs the PyTorch GPU tests, then kernels_bench.torch_gpu ($TORCH_GPU_ARGS go to
 #            it; about 2 minutes);
 #   startup: kernels_bench.startup with 8 workers (the first batch against PyDataset's, a
-#            second feeder's, a source holding 1 GB; under a minute).
-# GPU_RUN picks the parts (default "jax,torch,startup"). Each part's timeout keeps the whole
+#            second feeder's, a source holding 1 GB; under a minute);
+#   gather:  kernels_bench.gather on the machine's cores (the feeder's gather of in-memory
+#            arrays against the host's own; about 15 seconds).
+# GPU_RUN picks the parts (default "jax,torch,startup,gather"). Each part's timeout keeps the whole
 # under the lent machines' 10 minutes a command. The logs and the JSON go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/feedpipe-gpu}
 mkdir -p "$out"
-parts=",${GPU_RUN:-jax,torch,startup},"
+parts=",${GPU_RUN:-jax,torch,startup,gather},"
 wants() { [[ $parts == *",$1,"* ]]; }
 if wants jax || compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site \
@@ -50,6 +52,13 @@ if wants startup; then
     bench=${PIPESTATUS[0]}
     cp kernels_bench/results/startup_w8.json "$out/" 2>/dev/null
     echo "startup: benchmark exit $bench"
+    status=$(( status || bench ))
+fi
+if wants gather; then
+    timeout 40 python3 -m kernels_bench.gather 2>&1 | tee "$out/gather_bench.log"
+    bench=${PIPESTATUS[0]}
+    cp kernels_bench/results/gather.json "$out/" 2>/dev/null
+    echo "gather: benchmark exit $bench"
     status=$(( status || bench ))
 fi
 exit $status
