@@ -26,17 +26,17 @@ export PYTHONPATH=/tmp/site:$PWD KERAS_BACKEND=jax TF_CPP_MIN_LOG_LEVEL=2 PYTHON
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
 status=0
 if wants jax; then
-    timeout 75 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_gpu_jax.py 2>&1 \
+    timeout 60 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_gpu_jax.py 2>&1 \
         | tee "$out/gpu_tests.log"
     tests=${PIPESTATUS[0]}
-    timeout 270 python3 -m kernels_bench.gpu --reps 4 "$@" 2>&1 | tee "$out/gpu_bench.log"
+    timeout 260 python3 -m kernels_bench.gpu --reps 4 "$@" 2>&1 | tee "$out/gpu_bench.log"
     bench=${PIPESTATUS[0]}
     cp kernels_bench/results/gpu*.json "$out/" 2>/dev/null
     echo "jax: tests exit $tests, benchmark exit $bench"
     status=$(( status || tests || bench ))
 fi
 if wants torch; then
-    timeout 50 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_gpu_torch.py 2>&1 \
+    timeout 45 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_gpu_torch.py 2>&1 \
         | tee "$out/torch_gpu_tests.log"
     tests=${PIPESTATUS[0]}
     # shellcheck disable=SC2086  # the arguments are words
@@ -55,7 +55,7 @@ if wants startup; then
     status=$(( status || bench ))
 fi
 if wants gather; then
-    timeout 40 python3 -m kernels_bench.gather 2>&1 | tee "$out/gather_bench.log"
+    timeout 35 python3 -m kernels_bench.gather 2>&1 | tee "$out/gather_bench.log"
     bench=${PIPESTATUS[0]}
     cp kernels_bench/results/gather.json "$out/" 2>/dev/null
     echo "gather: benchmark exit $bench"
