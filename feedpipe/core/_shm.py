@@ -129,16 +129,17 @@ class SharedBuffer:
     """`nbytes` of memory that other processes can map from `fd`.
 
     `array` is a writable `np.uint8` view; the mapping lives as long as any view of it, and the
-    descriptor is closed by `close()` or when this object is collected.
+    descriptor is closed by `close()` or when this object is collected. A buffer written
+    through its descriptor only (`mapped=False`: `os.pwrite` into `fd`) has no `array`.
     """
 
-    def __init__(self, nbytes: int, kind: str):
+    def __init__(self, nbytes: int, kind: str, *, mapped: bool = True):
         self.name = f"{PREFIX}-{os.getpid()}-{kind}-{next(_counter)}"
         self.nbytes = nbytes
         self.fd = _anonymous_file(self.name)
         self._close_fd = weakref.finalize(self, os.close, self.fd)
         os.ftruncate(self.fd, max(nbytes, 1))
-        self.array = _map(self.fd, nbytes, writable=True, what=self.name)
+        self.array = _map(self.fd, nbytes, writable=True, what=self.name) if mapped else None
 
     def close(self) -> None:
         """Closes the descriptor and drops `array`: the mapping goes with the last other view."""

@@ -31,11 +31,9 @@ import os
 import pickle
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 import types
 import warnings
 import weakref
@@ -46,8 +44,9 @@ from typing import Any, ClassVar, NamedTuple
 import cloudpickle
 import numpy as np
 
+from feedpipe.core import warm
 from feedpipe.core._shm import SharedBuffer, remove_orphans
-from feedpipe.core._sync import STOP_GRACE_S, WAIT_SLICE_S, Watchdog, join_within
+from feedpipe.core._sync import WAIT_SLICE_S, Watchdog, join_within
 from feedpipe.core._worker import TaskRunner, code_at
 from feedpipe.core.skips import shown
 from feedpipe.core.slots import ALIGN_BYTES, HostSlot
@@ -98,9 +97,12 @@ def dumps(value: Any, protocol: int | None = None, buffer_callback: Any = None) 
 
 
 def check_picklable(name: str, value: Any) -> None:
-    """Refuses, up front, a `source` or `transform` that cannot be sent to worker processes."""
+    """Refuses, up front, a `source` or `transform` that cannot be sent to worker processes.
+
+    Large buffers (numpy arrays) are left out of band, as `_pack` sends them: checking a source
+    holding 1 GB of arrays copies none of it."""
     try:
-        dumps(value)
+        dumps(value, protocol=5, buffer_callback=_out_of_band)
     except Exception as error:
         raise TypeError(
             f"`{name}` cannot be sent to worker processes: pickling it failed with "
@@ -110,8 +112,22 @@ def check_picklable(name: str, value: Any) -> None:
         ) from error
 
 
+def _out_of_band(buffer: pickle.PickleBuffer) -> bool:
+    return False  # false: the buffer is left out of the pickle
+
+
+def _write(fd: int, raw: memoryview, offset: int) -> None:
+    """Writes `raw` into the file `fd` at `offset`: the kernel copies straight into the
+    file's pages, with none of the page faults a copy through a fresh mapping takes."""
+    raw = raw.cast("B")
+    while raw.nbytes:
+        written = os.pwrite(fd, raw, offset)
+        raw, offset = raw[written:], offset + written
+
+
 def _pack(setup: dict) -> tuple[bytes, SharedBuffer | None, list[tuple[int, int]]]:
-    """The setup pickled, with its large arrays moved out of band into one shared buffer."""
+    """The setup pickled, with its large arrays moved out of band into one shared buffer, which
+    every worker maps read-only: N workers, one copy."""
     buffers: list[pickle.PickleBuffer] = []
     payload = dumps(setup, protocol=5, buffer_callback=buffers.append)
     raws = [buffer.raw() for buffer in buffers]
@@ -122,9 +138,9 @@ def _pack(setup: dict) -> tuple[bytes, SharedBuffer | None, list[tuple[int, int]
         offset += raw.nbytes
     if not raws:
         return payload, None, []
-    data = SharedBuffer(offset, "data")
-    for (lo, hi), raw in zip(spans, raws, strict=True):
-        data.array[lo:hi] = np.frombuffer(raw, np.uint8)
+    data = SharedBuffer(offset, "data", mapped=False)
+    for (lo, _), raw in zip(spans, raws, strict=True):
+        _write(data.fd, raw, lo)
     return payload, data, spans
 
 
@@ -238,66 +254,48 @@ class _Pool:
 
 def _stop_processes(procs: list[subprocess.Popen], conns: list[Connection]) -> None:
     """Closes every socket (a waiting worker exits), then kills what is still running."""
-    for conn in conns:
-        with contextlib.suppress(OSError):
-            conn.close()
-    deadline = time.monotonic() + STOP_GRACE_S
-    for proc in procs:
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    warm.stop([warm.Spawned(proc, conn) for proc, conn in zip(procs, conns, strict=True)])
 
 
 class ProcessWorkers(_Pool):
-    """`count` worker processes named `feedpipe-worker-<i>`, started at once.
+    """`count` worker processes named `feedpipe-worker-<i>`, idle ones adopted (see
+    `feedpipe.core.warm`) and the rest started at once.
 
     Invariant: each live worker holds one socket to this process and maps only the slots it
-    was sent; `close()` (also run by `weakref.finalize`) leaves no process behind.
+    was sent; `close()` (also run by `weakref.finalize`) leaves no process behind but those
+    given back, healthy and holding nothing of this feeder, to the warm workers.
     """
 
     kind = "process"
 
     def __init__(self, count: int, setup: dict, timeout_s: float | None):
         remove_orphans()
-        payload, data, spans = _pack(setup)
         self._status_buffer = SharedBuffer(count * 3 * 8, "status")
         status = self._status_buffer.array.view(np.float64).reshape(count, 3)
         super().__init__(count, status, timeout_s, setup["num_shards"])
-        self.procs: list[subprocess.Popen] = []
-        self.conns: list[Connection] = []
+        # New interpreters start first: the arrays are copied while they import.
+        spawned = warm.take(self.names)
+        self.procs: list[subprocess.Popen] = [worker.proc for worker in spawned]
+        self.conns: list[Connection] = [worker.conn for worker in spawned]
+        self._failed: set[int] = set()
         self._known: list[set[int]] = [set() for _ in range(count)]
         self._finalizer = weakref.finalize(self, _stop_processes, self.procs, self.conns)
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-        # The kernel ends a worker with the thread that started it: only the main thread
-        # lives exactly as long as this process.
-        kernel = "1" if threading.current_thread() is threading.main_thread() else "0"
-        for name in self.names:
-            ours, theirs = socket.socketpair()
-            with theirs:
-                self.procs.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "feedpipe.core._worker",
-                            name,
-                            str(theirs.fileno()),
-                            str(os.getpid()),
-                            kernel,
-                        ],
-                        pass_fds=[theirs.fileno()],
-                        stdin=subprocess.DEVNULL,
-                        env=env,
-                    )
-                )
-            self.conns.append(Connection(ours.detach()))
+        payload, data, spans = _pack(setup)
+        # None, not 0 bytes, says no data buffer follows: arrays may all be empty.
+        data_nbytes = None if data is None else data.nbytes
         for worker, conn in enumerate(self.conns):
             try:
-                # None, not 0 bytes, says no data buffer follows: arrays may all be empty.
-                data_nbytes = None if data is None else data.nbytes
-                conn.send((sys.path, data_nbytes, spans, self._status_buffer.nbytes))
+                conn.send(
+                    (
+                        "adopt",
+                        self.names[worker],
+                        worker,
+                        sys.path,
+                        data_nbytes,
+                        spans,
+                        self._status_buffer.nbytes,
+                    )
+                )
                 if data is not None:
                     send_handle(conn, data.fd, self.procs[worker].pid)
                 send_handle(conn, self._status_buffer.fd, self.procs[worker].pid)
@@ -314,6 +312,7 @@ class ProcessWorkers(_Pool):
     def _death(self, worker: int) -> BaseException:
         """Why `worker` is gone: the error it sent before it stopped (a send to it may fail
         before that reply is read), else a WorkerError naming how it ended."""
+        self._failed.add(worker)
         conn = self.conns[worker]
         with contextlib.suppress(EOFError, OSError):
             while conn.poll():
@@ -379,15 +378,22 @@ class ProcessWorkers(_Pool):
                 if kind == "error":
                     value = _rebuild(value, text[0], self.names[worker])
                     if task is None:  # the worker's own error, not a task's: it has stopped
+                        self._failed.add(worker)
                         raise value
                 replies.append(Reply(worker, kind, task, value))
         return replies
 
     def _abandon(self, worker: int) -> None:
+        self._failed.add(worker)
         self.procs[worker].kill()  # it is stuck in user code: closing would wait for it
 
     def close(self) -> None:
-        self._finalizer()
+        """Gives the healthy workers back to the warm workers (which may keep them) and ends
+        the others; idempotent."""
+        if self._finalizer.detach() is not None:
+            spawned = [warm.Spawned(p, c) for p, c in zip(self.procs, self.conns, strict=True)]
+            healthy = [worker not in self._failed for worker in range(self.count)]
+            warm.give_back(spawned, healthy)
         # The shared status goes now, not when this object is collected (a dataset that
         # outlives its feeder may keep it): its last rows stay readable in a private copy.
         self.status = self.watchdog.status = self.status.copy()
