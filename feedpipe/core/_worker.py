@@ -1,11 +1,12 @@
 """What runs inside a worker: the tasks, and the main loop of a worker process.
 
-A worker process is started as `python -m feedpipe.core._worker NAME FD PARENT PDEATHSIG` (see
-`feedpipe.core.warm`): a fresh interpreter that imports only what the source and `transform`
-need, never TensorFlow on feedpipe's account (and says so, once, if they pull it in). It
-receives a feeder's setup and tasks over the socket `FD`, maps the host slots it is sent, writes
-samples straight into them and replies with one message per task. An error of its own, outside
-any task (loading its setup, mapping a slot), is sent as a reply to no task before it stops.
+A worker process is started as `python -m feedpipe.core._worker NAME FD PARENT PDEATHSIG
+[WAIT_S]` (see `feedpipe.core.warm`): a fresh interpreter that imports only what the source and
+`transform` need, never TensorFlow on feedpipe's account (and says so, once, if they pull it
+in). It receives a feeder's setup and tasks over the socket `FD`, maps the host slots it is
+sent, writes samples straight into them and replies with one message per task. An error of
+its own, outside any task (loading its setup, mapping a slot), is sent as a reply to no task
+before it stops.
 
 When its feeder closes it may be asked to let go of the feeder instead of ending: it drops the
 source, the slots and every shared mapping, checks that none of them is left (`leftovers`),
@@ -313,7 +314,8 @@ def main(argv: list[str]) -> int:
     watch = TensorFlowWatch()
     sys.meta_path.insert(0, watch)
     conn = Connection(fd)
-    wait_s = None  # the first feeder is on its way
+    # Started for a feeder, it waits for it; started ahead (`warm_workers`), for so long.
+    wait_s = float(argv[5]) if len(argv) > 5 else None
     while True:
         try:
             if wait_s is not None and not conn.poll(wait_s):

@@ -89,11 +89,33 @@ def idle_s() -> float:
     return seconds
 
 
-def spawn(name: str) -> Spawned:
+def warm_workers(count: int) -> list[int]:
+    """Starts worker processes now, so that the feeders to come find `count` of them warm.
+
+    Call it early (at the top of a script, before loading a model): the interpreters start
+    while the rest runs, and the first feeder with `workers<=count` adopts them, paying no
+    interpreter start. They are kept as workers given back are (`FEEDPIPE_WARM_WORKERS`,
+    `FEEDPIPE_WARM_IDLE_S`); returns the pids of the idle workers.
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"`count`={count!r} must be a number of processes >= 0.")
+    room = capacity()
+    wait_s = idle_s()
+    with _lock:
+        missing = min(count, room) - len(_idle)
+    started = [spawn(f"feedpipe-worker-{i}", wait_s + EXIT_MARGIN_S) for i in range(missing)]
+    until = time.monotonic() + wait_s
+    with _lock:
+        _idle.extend(_Idle(worker, until) for worker in started)
+    return idle_pids()
+
+
+def spawn(name: str, wait_s: float | None = None) -> Spawned:
     """Starts one worker process (`python -m feedpipe.core._worker`), which waits for a setup.
 
     It sees no GPU, and it ends with this process: by the kernel where the thread starting it
     is the main thread (which lives exactly as long as the process), else by its own check.
+    With `wait_s`, it ends by itself if no feeder adopts it within that many seconds.
     """
     import socket
 
@@ -110,6 +132,7 @@ def spawn(name: str) -> Spawned:
                 str(theirs.fileno()),
                 str(os.getpid()),
                 kernel,
+                *([] if wait_s is None else [str(wait_s)]),
             ],
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
