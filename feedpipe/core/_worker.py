@@ -32,6 +32,7 @@ import sysconfig
 import threading
 import time
 import traceback
+import types
 import weakref
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
@@ -285,10 +286,25 @@ def _load(conn: Connection, index: int, setup: tuple) -> TaskRunner:
     return TaskRunner(source, setup["transform"], setup["seed"], row, setup["skips"])
 
 
-def _watched(value) -> weakref.ref | None:
-    with contextlib.suppress(TypeError):
-        return weakref.ref(value)
-    return None
+_SHARED_KINDS = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)
+"""What outlives a feeder by right: classes, modules and functions live in the process."""
+
+
+def _watched(roots: list, depth: int = 3) -> list[weakref.ref]:
+    """Weak references to `roots` and what they hold, `depth` levels down (a source wrapping
+    the user's dataset, its attributes), which must all go with their feeder."""
+    refs, seen, level = [], set(), [root for root in roots if root is not None]
+    for _ in range(depth):
+        following = []
+        for thing in level:
+            if id(thing) in seen or isinstance(thing, _SHARED_KINDS):
+                continue
+            seen.add(id(thing))
+            with contextlib.suppress(TypeError):
+                refs.append(weakref.ref(thing))
+            following += gc.get_referents(thing)
+        level = following
+    return refs
 
 
 def leftovers(watched: list[weakref.ref]) -> list[str]:
@@ -327,7 +343,7 @@ def main(argv: list[str]) -> int:
         doing = "while loading the source and transform"
         try:
             runner = _load(conn, index, setup)
-            watched = [_watched(runner.source), _watched(runner.transform)]
+            watched = _watched([runner.source, runner.transform])
             doing = "outside any task; it has stopped"
             wait_s = _serve(conn, runner, watch, name)
         except BaseException as error:
@@ -338,7 +354,7 @@ def main(argv: list[str]) -> int:
         if wait_s is None:
             return 0
         del runner
-        held = leftovers([ref for ref in watched if ref is not None])
+        held = leftovers(watched)
         try:
             conn.send(("released", None, held))
         except OSError:
