@@ -155,14 +155,14 @@ def first_batch(peer: str, source, batch: int, workers: int) -> dict:
 
 def fresh_pages_s(nbytes: int) -> float:
     """Seconds to write `nbytes` into a new memfd: the pages a shared copy must be given."""
+    from feedpipe.core._arrays import write
     from feedpipe.core._shm import SharedBuffer
-    from feedpipe.core.workers import _write
 
     data = memoryview(bytearray(1 << 20))
     buffer = SharedBuffer(nbytes, "data", mapped=False)
     started = time.perf_counter()
     for offset in range(0, nbytes, len(data)):
-        _write(buffer.fd, data[: nbytes - offset], offset)
+        write(buffer.fd, data[: nbytes - offset], offset)
     seconds = time.perf_counter() - started
     buffer.close()
     return seconds

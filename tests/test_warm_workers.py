@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 import feedpipe as fp
-from feedpipe.core import auto, warm
+from feedpipe.core import _arrays, auto, warm
 from feedpipe.core._shm import NAME_PATTERN
 from feedpipe.core.cost import SampleCost, Setting
 from tests import worker_fakes as wf
@@ -274,3 +274,69 @@ def test_idle_workers_are_started_from_any_thread(devices):
     with feed(wf.IndexSource(64), devices) as feeder:
         assert len(list(feeder)) == 8
         assert sorted(worker_pids(feeder)) == sorted(pids)
+
+
+def shared_arrays(pids: list[int]) -> set[str]:
+    return {path for pid in pids for path in mapped_shared_memory(pid) if "-data-" in path}
+
+
+def test_a_second_feeder_over_the_same_arrays_maps_the_kept_copy(devices):
+    source = wf.HeldArraySource(256, 4096)
+    with feed(source, devices) as first:
+        list(first)
+        copied = shared_arrays(worker_pids(first))
+    assert len(copied) == 1 and _arrays.kept_nbytes() >= source.rows.nbytes
+    with feed(source, devices, workers=0, shuffle=True) as reference:
+        expected = batches(reference)
+    with feed(source, devices, shuffle=True) as second:
+        got = batches(second)
+        assert shared_arrays(worker_pids(second)) == copied
+    assert got == expected
+    warm.drain()
+    assert _arrays.kept_nbytes() == 0
+
+
+def test_arrays_changed_between_feeders_are_copied_again(devices):
+    source = wf.HeldArraySource(256, 4096)
+    with feed(source, devices) as first:
+        list(first)
+        copied = shared_arrays(worker_pids(first))
+    source.rows[5] = 999
+    with feed(source, devices, workers=0) as reference:
+        expected = [(ids, rows) for ids, rows in rows_of(reference)]
+    with feed(source, devices) as second:
+        got = [(ids, rows) for ids, rows in rows_of(second)]
+        assert shared_arrays(worker_pids(second)).isdisjoint(copied)
+    assert got == expected
+    assert 999 in {value for _, rows in got for value in rows}
+
+
+def test_read_only_arrays_are_not_compared_and_give_exact_batches(devices):
+    source = wf.HeldArraySource(256, 4096)
+    source.rows.flags.writeable = False
+    with feed(source, devices) as first:
+        list(first)
+    with feed(source, devices, workers=0) as reference:
+        expected = rows_of(reference)
+    with feed(source, devices) as second:
+        assert rows_of(second) == expected
+
+
+def test_no_copy_is_kept_with_warm_workers_off(devices, monkeypatch):
+    monkeypatch.setenv(warm.COUNT_ENV, "0")
+    with feed(wf.HeldArraySource(256, 4096), devices) as feeder:
+        list(feeder)
+    assert _arrays.kept_nbytes() == 0
+
+
+def rows_of(feeder) -> list[tuple[list[int], list[int]]]:
+    """Each batch's ids and the first value of each row's features."""
+    got = []
+    for batch in feeder:
+        ids, firsts = [], []
+        for replica in batch.replicas:
+            features = np.asarray(replica[0])
+            firsts += features.reshape(len(features), -1)[:, 0].tolist()
+            ids += np.asarray(replica[1]).tolist()
+        got.append((ids, firsts))
+    return got

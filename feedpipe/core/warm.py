@@ -228,7 +228,11 @@ def idle_pids() -> list[int]:
 
 
 def drain() -> None:
-    """Ends every idle worker now (at exit, and when the memory is wanted back)."""
+    """Ends every idle worker, and drops the kept copy of a source's arrays, now (at exit, and
+    when the memory is wanted back)."""
+    from feedpipe.core import _arrays
+
+    _arrays.forget()
     with _lock:
         workers = [idle.worker for idle in _idle]
         _idle.clear()

@@ -45,11 +45,12 @@ import cloudpickle
 import numpy as np
 
 from feedpipe.core import warm
+from feedpipe.core._arrays import Shared, share
 from feedpipe.core._shm import SharedBuffer, remove_orphans
 from feedpipe.core._sync import WAIT_SLICE_S, Watchdog, join_within
 from feedpipe.core._worker import TaskRunner, code_at
 from feedpipe.core.skips import shown
-from feedpipe.core.slots import ALIGN_BYTES, HostSlot
+from feedpipe.core.slots import HostSlot
 from feedpipe.core.writer import Skip
 
 SPEC_TASK = -1
@@ -116,32 +117,15 @@ def _out_of_band(buffer: pickle.PickleBuffer) -> bool:
     return False  # false: the buffer is left out of the pickle
 
 
-def _write(fd: int, raw: memoryview, offset: int) -> None:
-    """Writes `raw` into the file `fd` at `offset`: the kernel copies straight into the
-    file's pages, with none of the page faults a copy through a fresh mapping takes."""
-    raw = raw.cast("B")
-    while raw.nbytes:
-        written = os.pwrite(fd, raw, offset)
-        raw, offset = raw[written:], offset + written
-
-
-def _pack(setup: dict) -> tuple[bytes, SharedBuffer | None, list[tuple[int, int]]]:
-    """The setup pickled, with its large arrays moved out of band into one shared buffer, which
-    every worker maps read-only: N workers, one copy."""
+def _pack(setup: dict) -> tuple[bytes, Shared | None]:
+    """The setup pickled, with its large arrays moved out of band into one shared file, which
+    every worker maps read-only: N workers, one copy (see `feedpipe.core._arrays`)."""
     buffers: list[pickle.PickleBuffer] = []
     payload = dumps(setup, protocol=5, buffer_callback=buffers.append)
-    raws = [buffer.raw() for buffer in buffers]
-    spans, offset = [], 0
-    for raw in raws:
-        offset = -(-offset // ALIGN_BYTES) * ALIGN_BYTES
-        spans.append((offset, offset + raw.nbytes))
-        offset += raw.nbytes
-    if not raws:
-        return payload, None, []
-    data = SharedBuffer(offset, "data", mapped=False)
-    for (lo, _), raw in zip(spans, raws, strict=True):
-        _write(data.fd, raw, lo)
-    return payload, data, spans
+    if not buffers:
+        return payload, None
+    keep_s = warm.idle_s() if warm.capacity() else None
+    return payload, share([buffer.raw() for buffer in buffers], keep_s)
 
 
 def _idle_status(status: np.ndarray) -> np.ndarray:
@@ -280,30 +264,33 @@ class ProcessWorkers(_Pool):
         self._failed: set[int] = set()
         self._known: list[set[int]] = [set() for _ in range(count)]
         self._finalizer = weakref.finalize(self, _stop_processes, self.procs, self.conns)
-        payload, data, spans = _pack(setup)
+        payload, data = _pack(setup)
         # None, not 0 bytes, says no data buffer follows: arrays may all be empty.
         data_nbytes = None if data is None else data.nbytes
-        for worker, conn in enumerate(self.conns):
-            try:
-                conn.send(
-                    (
-                        "adopt",
-                        self.names[worker],
-                        worker,
-                        sys.path,
-                        data_nbytes,
-                        spans,
-                        self._status_buffer.nbytes,
+        spans = [] if data is None else data.spans
+        try:
+            for worker, conn in enumerate(self.conns):
+                try:
+                    conn.send(
+                        (
+                            "adopt",
+                            self.names[worker],
+                            worker,
+                            sys.path,
+                            data_nbytes,
+                            spans,
+                            self._status_buffer.nbytes,
+                        )
                     )
-                )
-                if data is not None:
-                    send_handle(conn, data.fd, self.procs[worker].pid)
-                send_handle(conn, self._status_buffer.fd, self.procs[worker].pid)
-                conn.send_bytes(payload)
-            except OSError:
-                raise self._death(worker) from None
-        if data is not None:
-            data.close()  # every worker has mapped it or will: the descriptor is no longer needed
+                    if data is not None:
+                        send_handle(conn, data.fd, self.procs[worker].pid)
+                    send_handle(conn, self._status_buffer.fd, self.procs[worker].pid)
+                    conn.send_bytes(payload)
+                except OSError:
+                    raise self._death(worker) from None
+        finally:
+            if data is not None:
+                os.close(data.fd)  # every worker has mapped it or will
 
     @property
     def pids(self) -> list[int]:
