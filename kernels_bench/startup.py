@@ -22,7 +22,9 @@ call that builds it to its first batch in hand:
   for, the part of a spawned worker's start-up that no design of spawned workers avoids.
 
 Second feeder: a feeder over the same source is built and closed (untimed), then a new one is
-timed to its first batch: it adopts the first one's warm workers (`feedpipe.core.warm`).
+timed to its first batch: it adopts the first one's warm workers (`feedpipe.core.warm`). Beside
+it, `work_s` (no target) is one batch made in this process over the workers: the least any
+pool of N workers takes for the batch itself.
 
 Held arrays: the source wrapped to hold `--held-mb` MB of numpy arrays
 (`kernels_bench.gil_source.Holding`), against the bare source, both as first feeders (no warm
@@ -153,6 +155,16 @@ def first_batch(peer: str, source, batch: int, workers: int) -> dict:
     raise ValueError(peer)
 
 
+def second_or_work(peer: str, source, args) -> dict:
+    """A second feeder's first batch, or the floor of its work: one batch made in this
+    process, over the workers (`work_s`; no target)."""
+    if peer == "second":
+        return second_feeder(source, args.batch, args.workers)
+    started = time.perf_counter()
+    make_batch(source, 0)
+    return {"s": (time.perf_counter() - started) / args.workers}
+
+
 def fresh_pages_s(nbytes: int) -> float:
     """Seconds to write `nbytes` into a new memfd: the pages a shared copy must be given."""
     from feedpipe.core._arrays import write
@@ -269,12 +281,14 @@ def main(argv=None) -> None:
     )
 
     second = f"second feeder, {args.workers} workers"
-    reps = repeat(settings, ["second"], lambda p: second_feeder(source, args.batch, args.workers))
+    reps = repeat(settings, ["second", "work"], lambda p: second_or_work(p, source, args))
+    for values in reps:
+        values["second_over_work"] = values["second_first_batch_s"] / values["work_s"]
     report.add_case(
         second,
         {"workers": args.workers, "global_batch": args.batch, "source": source.as_dict()},
         reps,
-        units={"second_first_batch_s": "s", "second_build_s": "s"},
+        units={"second_first_batch_s": "s", "second_build_s": "s", "work_s": "s"},
     )
     report.target(
         second,
@@ -333,6 +347,7 @@ def main(argv=None) -> None:
             "feedpipe_over_pydataset",
             "feedpipe_ahead_over_pydataset",
             "second_first_batch_s",
+            "work_s",
             "bare_first_s",
             "held_first_s",
             "held_over_bare_first",
