@@ -2,12 +2,13 @@
 
 Worker processes (the default) run the source and `transform` in parallel, each with its own
 interpreter and GIL, and write samples straight into host slots shared with them, so a batch
-never travels through a pipe. They are fresh interpreters (`python -m feedpipe.core._worker`), not
-forks of a process that runs TensorFlow, and they see no GPU. Their source and `transform` are
-sent pickled with cloudpickle (`dumps`, which keeps their file names for tracebacks), which
-carries functions and classes defined in `__main__` by value; numpy arrays inside them go out
-of band into one read-only shared buffer that every worker maps, so N workers do not hold N
-copies of an array dataset. Even sample 0, which tells the feeder what a sample looks like, is
+never travels through a pipe. They are spawned interpreters (`python -m feedpipe.core._worker`),
+not forks of a process that runs TensorFlow, and they see no GPU; a feeder adopts the idle ones
+an earlier feeder gave back (`feedpipe.core.warm`) and starts the rest. Their source and
+`transform` are sent pickled with cloudpickle (`dumps`, which keeps their file names for
+tracebacks), which carries functions and classes defined in `__main__` by value; numpy arrays
+inside them go out of band into one read-only shared file that every worker maps
+(`feedpipe.core._arrays`), so N workers do not hold N copies of an array dataset. Even sample 0, which tells the feeder what a sample looks like, is
 read by a worker, and so are a PyDataset's first and last batches, which tell its batch size and
 length: a source that crashes, hangs or opens its files on first use does so there, not in the
 training process.
