@@ -8,10 +8,10 @@ an earlier feeder gave back (`feedpipe.core.warm`) and starts the rest. Their so
 `transform` are sent pickled with cloudpickle (`dumps`, which keeps their file names for
 tracebacks), which carries functions and classes defined in `__main__` by value; numpy arrays
 inside them go out of band into one read-only shared file that every worker maps
-(`feedpipe.core._arrays`), so N workers do not hold N copies of an array dataset. Even sample 0, which tells the feeder what a sample looks like, is
-read by a worker, and so are a PyDataset's first and last batches, which tell its batch size and
-length: a source that crashes, hangs or opens its files on first use does so there, not in the
-training process.
+(`feedpipe.core._arrays`), so N workers do not hold N copies of an array dataset. Even sample
+0, which tells the feeder what a sample looks like, is read by a worker, and so are a
+PyDataset's first and last batches, which tell its batch size and length: a source that
+crashes, hangs or opens its files on first use does so there, not in the training process.
 
 Worker threads (`worker_mode="thread"`) share the process and its GIL: they pay off only for
 code that releases the GIL (numpy, Pillow decode) and cost no start-up or pickling.
