@@ -340,3 +340,18 @@ def rows_of(feeder) -> list[tuple[list[int], list[int]]]:
             ids += np.asarray(replica[1]).tolist()
         got.append((ids, firsts))
     return got
+
+
+def test_an_adopted_worker_sees_the_working_directory_and_environment_of_now(
+    devices, monkeypatch, tmp_path
+):
+    with feed(wf.IndexSource(64), devices) as first:
+        list(first)
+        pids = worker_pids(first)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "offset.txt").write_text("1000")
+    monkeypatch.setenv("FEEDPIPE_TEST_OFFSET", "7")
+    with feed(wf.PlaceProbe(64), devices) as second:
+        values = {value for _, values in batches(second) for value in values}
+        assert sorted(worker_pids(second)) == sorted(pids)
+    assert values == {1007}

@@ -449,3 +449,13 @@ class HeldArraySource:
 
     def __getitem__(self, index: int):
         return self.rows[index], np.int64(index)
+
+
+class PlaceProbe(IndexSource):
+    """Sample `i` is `(i, the number in ./offset.txt plus $FEEDPIPE_TEST_OFFSET)`, read where
+    the sample is made."""
+
+    def __getitem__(self, index: int):
+        with open("offset.txt") as file:
+            offset = int(file.read())
+        return np.int64(index), np.int64(offset + int(os.environ["FEEDPIPE_TEST_OFFSET"]))

@@ -268,10 +268,15 @@ def _answer(conn: Connection, runner: TaskRunner, message: tuple) -> float | boo
 
 
 def _load(conn: Connection, index: int, setup: tuple) -> TaskRunner:
-    """Receives the rest of a feeder's setup (import path, shared arrays, status row and the
-    payload, announced by `setup`)."""
-    sys_path, data_nbytes, spans, status_nbytes = setup
+    """Receives the rest of a feeder's setup (import path, working directory and environment
+    as the feeder's process has them now, shared arrays, status row and the payload, announced
+    by `setup`): a worker adopted by a later feeder sees what a new one would."""
+    sys_path, cwd, environ, data_nbytes, spans, status_nbytes = setup
     sys.path[:] = sys_path
+    os.chdir(cwd)
+    if environ != os.environ:
+        os.environ.clear()
+        os.environ.update(environ)
     data = None
     if data_nbytes is not None:  # a buffer of 0 bytes (arrays all empty) is still sent
         data = map_shared(recv_handle(conn), data_nbytes, what="the arrays", writable=False)

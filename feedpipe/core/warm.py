@@ -110,6 +110,11 @@ def warm_workers(count: int) -> list[int]:
     return idle_pids()
 
 
+def environment() -> dict[str, str]:
+    """A worker's environment: this process's, with no GPU visible."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+
+
 def spawn(name: str, wait_s: float | None = None) -> Spawned:
     """Starts one worker process (`python -m feedpipe.core._worker`), which waits for a setup.
 
@@ -119,7 +124,6 @@ def spawn(name: str, wait_s: float | None = None) -> Spawned:
     """
     import socket
 
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     kernel = "1" if threading.current_thread() is threading.main_thread() else "0"
     ours, theirs = socket.socketpair()
     with theirs:
@@ -136,7 +140,7 @@ def spawn(name: str, wait_s: float | None = None) -> Spawned:
             ],
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
-            env=env,
+            env=environment(),
         )
     return Spawned(proc, Connection(ours.detach()))
 

@@ -278,6 +278,8 @@ class ProcessWorkers(_Pool):
                             self.names[worker],
                             worker,
                             sys.path,
+                            os.getcwd(),
+                            warm.environment(),
                             data_nbytes,
                             spans,
                             self._status_buffer.nbytes,
