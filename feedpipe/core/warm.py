@@ -186,7 +186,9 @@ def give_back(workers: list[Spawned], healthy: list[bool]) -> list[int]:
     until = time.monotonic() + wait_s
     with _lock:
         _idle.extend(_Idle(worker, until) for worker in released)
-    stop([worker for worker in workers if worker not in released])
+    # Those asked have had their grace: one still running is stuck in user code.
+    stop([worker for worker in asked if worker not in released], grace_s=0.0)
+    stop([worker for worker in workers if worker not in asked])
     return [worker.proc.pid for worker in released]
 
 
@@ -209,13 +211,13 @@ def _released(asked: list[Spawned], deadline: float) -> list[Spawned]:
     return clean
 
 
-def stop(workers: list[Spawned]) -> None:
+def stop(workers: list[Spawned], grace_s: float = STOP_GRACE_S) -> None:
     """Ends `workers`: their sockets close (a waiting worker exits), and what still runs after
-    `STOP_GRACE_S` is killed."""
+    `grace_s` is killed."""
     for worker in workers:
         with contextlib.suppress(OSError):
             worker.conn.close()
-    deadline = time.monotonic() + STOP_GRACE_S
+    deadline = time.monotonic() + grace_s
     for worker in workers:
         try:
             worker.proc.wait(max(0.0, deadline - time.monotonic()))
