@@ -54,6 +54,8 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 from kernels_bench import harness
 from kernels_bench.gil_source import GilSource, Holding, make_batch
 from kernels_bench.gpu import grain_dataset, have_grain
@@ -171,17 +173,17 @@ def second_or_work(peer: str, source, args) -> dict:
 
 
 def fresh_pages_s(nbytes: int) -> float:
-    """Seconds to write `nbytes` into a new memfd: the pages a shared copy must be given."""
-    from feedpipe.core._arrays import write
-    from feedpipe.core._shm import SharedBuffer
+    """Seconds to write `nbytes` into new shared files, as feedpipe splits them: the pages a
+    shared copy must be given."""
+    from feedpipe.core import _arrays
 
-    data = memoryview(bytearray(1 << 20))
-    buffer = SharedBuffer(nbytes, "data", mapped=False)
+    data = np.zeros(nbytes, np.uint8)
+    data[:: 1 << 12] = 1  # its own pages exist: only the shared files' are new
     started = time.perf_counter()
-    for offset in range(0, nbytes, len(data)):
-        write(buffer.fd, data[: nbytes - offset], offset)
+    shared = _arrays.share([memoryview(data)], keep_s=None)
     seconds = time.perf_counter() - started
-    buffer.close()
+    for fd in shared.fds:
+        os.close(fd)
     return seconds
 
 

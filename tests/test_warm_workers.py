@@ -330,13 +330,13 @@ def test_no_copy_is_kept_with_warm_workers_off(devices, monkeypatch):
 
 
 def rows_of(feeder) -> list[tuple[list[int], list[int]]]:
-    """Each batch's ids and the first value of each row's features."""
+    """Each batch's ids and the value each row's features are filled with (-1: not one)."""
     got = []
     for batch in feeder:
         ids, firsts = [], []
         for replica in batch.replicas:
-            features = np.asarray(replica[0])
-            firsts += features.reshape(len(features), -1)[:, 0].tolist()
+            flat = np.asarray(replica[0]).reshape(len(replica[1]), -1)
+            firsts += np.where((flat == flat[:, :1]).all(axis=1), flat[:, 0], -1).tolist()
             ids += np.asarray(replica[1]).tolist()
         got.append((ids, firsts))
     return got
@@ -355,3 +355,24 @@ def test_an_adopted_worker_sees_the_working_directory_and_environment_of_now(
         values = {value for _, values in batches(second) for value in values}
         assert sorted(worker_pids(second)) == sorted(pids)
     assert values == {1007}
+
+
+def test_arrays_written_in_several_files_read_as_one_give_exact_batches(devices, monkeypatch):
+    monkeypatch.setattr(_arrays, "PART_BYTES", 1 << 20)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(3)))
+    source = wf.HeldArraySource(255, 12344)  # ~3 MB in 3 files: rows lie across them
+    assert len(_arrays.parts(source.rows.nbytes)) == 3
+    with feed(source, devices, workers=0, shuffle=True) as reference:
+        expected = rows_of(reference)
+    with feed(source, devices, shuffle=True) as feeder:
+        got = rows_of(feeder)
+        assert len(shared_arrays(worker_pids(feeder))) == 3
+    assert got == expected
+
+
+@pytest.mark.parametrize("total", [0, 1, 4095, 4096, 5 << 20, (64 << 20) * 3 + 17])
+def test_the_copy_is_split_into_whole_pages_one_file_a_thread(total):
+    sizes = _arrays.parts(total)
+    assert sum(sizes) == total and all(size > 0 for size in sizes[:-1])
+    assert all(size % 4096 == 0 for size in sizes[:-1])
+    assert len(sizes) <= max(1, min(len(os.sched_getaffinity(0)), _arrays.MAX_PARTS))

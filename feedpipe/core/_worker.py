@@ -41,7 +41,7 @@ from pathlib import Path
 import cloudpickle
 import numpy as np
 
-from feedpipe.core._shm import NAME_PATTERN, map_shared
+from feedpipe.core._shm import NAME_PATTERN, map_parts, map_shared
 from feedpipe.core.skips import shown
 from feedpipe.core.slots import HostSlot, SlotLayout
 from feedpipe.core.writer import RowStream, SampleWriter, first_look
@@ -271,15 +271,16 @@ def _load(conn: Connection, index: int, setup: tuple) -> TaskRunner:
     """Receives the rest of a feeder's setup (import path, working directory and environment
     as the feeder's process has them now, shared arrays, status row and the payload, announced
     by `setup`): a worker adopted by a later feeder sees what a new one would."""
-    sys_path, cwd, environ, data_nbytes, spans, status_nbytes = setup
+    sys_path, cwd, environ, data_sizes, spans, status_nbytes = setup
     sys.path[:] = sys_path
     os.chdir(cwd)
     if environ != os.environ:
         os.environ.clear()
         os.environ.update(environ)
     data = None
-    if data_nbytes is not None:  # a buffer of 0 bytes (arrays all empty) is still sent
-        data = map_shared(recv_handle(conn), data_nbytes, what="the arrays", writable=False)
+    if data_sizes is not None:  # files of 0 bytes (arrays all empty) are still sent
+        fds = [recv_handle(conn) for _ in data_sizes]
+        data = map_parts(fds, data_sizes, what="the arrays")
     status = map_shared(recv_handle(conn), status_nbytes, what="the status rows")
     payload = conn.recv_bytes()
     buffers = [data[lo:hi] for lo, hi in spans] if data is not None else []

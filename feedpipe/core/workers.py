@@ -266,8 +266,8 @@ class ProcessWorkers(_Pool):
         self._known: list[set[int]] = [set() for _ in range(count)]
         self._finalizer = weakref.finalize(self, _stop_processes, self.procs, self.conns)
         payload, data = _pack(setup)
-        # None, not 0 bytes, says no data buffer follows: arrays may all be empty.
-        data_nbytes = None if data is None else data.nbytes
+        # None, not [] or 0 bytes, says no files follow: arrays may all be empty.
+        data_sizes = None if data is None else data.sizes
         spans = [] if data is None else data.spans
         try:
             for worker, conn in enumerate(self.conns):
@@ -280,20 +280,20 @@ class ProcessWorkers(_Pool):
                             sys.path,
                             os.getcwd(),
                             warm.environment(),
-                            data_nbytes,
+                            data_sizes,
                             spans,
                             self._status_buffer.nbytes,
                         )
                     )
-                    if data is not None:
-                        send_handle(conn, data.fd, self.procs[worker].pid)
+                    for fd in [] if data is None else data.fds:
+                        send_handle(conn, fd, self.procs[worker].pid)
                     send_handle(conn, self._status_buffer.fd, self.procs[worker].pid)
                     conn.send_bytes(payload)
                 except OSError:
                     raise self._death(worker) from None
         finally:
-            if data is not None:
-                os.close(data.fd)  # every worker has mapped it or will
+            for fd in [] if data is None else data.fds:
+                os.close(fd)  # every worker has mapped it or will
 
     @property
     def pids(self) -> list[int]:
