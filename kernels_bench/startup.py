@@ -29,9 +29,11 @@ batch, and `second_start_s` the first less the second: what starting costs beyon
 
 Held arrays: the source wrapped to hold `--held-mb` MB of numpy arrays
 (`kernels_bench.gil_source.Holding`), against the bare source, both as first feeders (no warm
-worker) and both as second feeders. `fresh_pages_s` (no target) is the time to write that many
-bytes into a new memfd, which any design that shares the arrays with spawned workers through
-memory pays once; a fork shares them without a copy.
+worker) and both as second feeders, and, as a second feeder, the same arrays as read-only views
+(`frozen_second`: the kept copy is handed over without a comparison). `fresh_pages_s` (no
+target) is the time to write that many bytes into new shared files, as feedpipe splits them
+(one a core): what any design sharing the arrays with spawned workers through memory pays
+once; a fork shares them without a copy.
 
 Every peer runs once untimed first (the operating system's file cache, first imports in this
 process), then in rotating order in each repetition; each peer is closed before the next starts
@@ -61,7 +63,7 @@ from kernels_bench.gil_source import GilSource, Holding, make_batch
 from kernels_bench.gpu import grain_dataset, have_grain
 
 PEERS = ("feedpipe", "feedpipe_ahead", "pydataset", "grain", "floor")
-HELD = ("bare_first", "held_first", "bare_second", "held_second", "fresh_pages")
+HELD = ("bare_first", "held_first", "bare_second", "held_second", "frozen_second", "fresh_pages")
 AHEAD_S = 1.0
 """How long before the feeder `fp.warm_workers` is called for feedpipe_ahead: the start of a
 script, a model being built."""
@@ -187,10 +189,19 @@ def fresh_pages_s(nbytes: int) -> float:
     return seconds
 
 
+def frozen(held: Holding) -> Holding:
+    """`held` with read-only views of its arrays (`flags.writeable = False`)."""
+    views = Holding(held.source, 0)
+    views.nbytes, views.arrays = held.nbytes, [array.view() for array in held.arrays]
+    for view in views.arrays:
+        view.flags.writeable = False
+    return views
+
+
 def held_arrays(peer: str, bare, held, batch: int, workers: int) -> dict:
     if peer == "fresh_pages":
         return {"s": fresh_pages_s(held.nbytes)}
-    source = held if peer.startswith("held") else bare
+    source = {"held": held, "frozen": held.frozen, "bare": bare}[peer.split("_")[0]]
     run = first_feeder if peer.endswith("first") else second_feeder
     return {"s": run(source, batch, workers)["first_batch_s"]}
 
@@ -313,6 +324,7 @@ def main(argv=None) -> None:
     )
 
     held = Holding(source, args.held_mb * 1_000_000)
+    held.frozen = frozen(held)
     for peer in HELD:  # untimed: the arrays' own pages, first imports
         held_arrays(peer, source, held, args.batch, args.workers)
     reps = repeat(
@@ -321,6 +333,7 @@ def main(argv=None) -> None:
     for values in reps:
         values["held_over_bare_first"] = values["held_first_s"] / values["bare_first_s"]
         values["held_over_bare_second"] = values["held_second_s"] / values["bare_second_s"]
+        values["frozen_over_bare_second"] = values["frozen_second_s"] / values["bare_second_s"]
         values["copy_in_series_over_bare_first"] = (
             values["bare_first_s"] + values["fresh_pages_s"]
         ) / values["bare_first_s"]
@@ -337,6 +350,7 @@ def main(argv=None) -> None:
                 "held_first": "the source holding the arrays, first feeder",
                 "bare_second": "the bare source, second feeder (warm workers adopted)",
                 "held_second": "the source holding the arrays, second feeder",
+                "frozen_second": "the same arrays as read-only views, second feeder",
                 "fresh_pages": "the held bytes written into a new memfd (no target)",
             },
         },
@@ -367,6 +381,7 @@ def main(argv=None) -> None:
             "held_first_s",
             "held_over_bare_first",
             "held_over_bare_second",
+            "frozen_over_bare_second",
             "fresh_pages_s",
             "copy_in_series_over_bare_first",
         ]
