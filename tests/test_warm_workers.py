@@ -376,3 +376,11 @@ def test_the_copy_is_split_into_whole_pages_one_file_a_thread(total):
     assert sum(sizes) == total and all(size > 0 for size in sizes[:-1])
     assert all(size % 4096 == 0 for size in sizes[:-1])
     assert len(sizes) <= max(1, min(len(os.sched_getaffinity(0)), _arrays.MAX_PARTS))
+
+
+def test_a_worker_whose_source_imported_a_framework_is_not_reused(devices):
+    with feed(wf.ImportingSource(64, "jax"), devices) as first:
+        list(first)
+        pids = worker_pids(first)
+    assert warm.idle_pids() == []
+    assert wait_gone(pids)[0] == []

@@ -459,3 +459,18 @@ class PlaceProbe(IndexSource):
         with open("offset.txt") as file:
             offset = int(file.read())
         return np.int64(index), np.int64(offset + int(os.environ["FEEDPIPE_TEST_OFFSET"]))
+
+
+class ImportingSource(IndexSource):
+    """An `IndexSource` that imports `module` where it makes a sample, as a source using a
+    framework would."""
+
+    def __init__(self, length: int, module: str):
+        super().__init__(length)
+        self.module = module
+
+    def __getitem__(self, index: int):
+        import importlib
+
+        importlib.import_module(self.module)
+        return super().__getitem__(index)

@@ -46,6 +46,8 @@ from feedpipe.core.skips import shown
 from feedpipe.core.slots import HostSlot, SlotLayout
 from feedpipe.core.writer import RowStream, SampleWriter, first_look
 
+FRAMEWORKS = ("tensorflow", "keras", "jax", "torch")
+"""What a worker never loads on feedpipe's account, and is not reused after its source did."""
 PARENT_CHECK_S = 0.25
 """How often a worker process checks that its parent is still alive (besides the kernel)."""
 _PR_SET_PDEATHSIG = 1
@@ -315,8 +317,8 @@ def _watched(roots: list, depth: int = 3) -> list[weakref.ref]:
 
 def leftovers(watched: list[weakref.ref]) -> list[str]:
     """What this worker still holds of a feeder it let go of: objects of `watched` still alive,
-    feedpipe shared memory still mapped, or TensorFlow, which the next feeder must not pay
-    for. Empty when it may serve another feeder."""
+    feedpipe shared memory still mapped, or a framework its source imported, which the next
+    feeder must not pay for. Empty when it may serve another feeder."""
     gc.collect()
     held = [f"{type(ref()).__name__} object" for ref in watched if ref() is not None]
     if os.path.exists("/proc/self/maps"):
@@ -324,8 +326,7 @@ def leftovers(watched: list[weakref.ref]) -> list[str]:
             held += [
                 line.split(maxsplit=5)[-1].strip() for line in maps if NAME_PATTERN.search(line)
             ]
-    if "tensorflow" in sys.modules:
-        held.append("tensorflow (imported)")
+    held += [f"{name} (imported)" for name in FRAMEWORKS if name in sys.modules]
     return held
 
 
