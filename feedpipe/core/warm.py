@@ -1,6 +1,6 @@
 """Warm workers: worker processes kept between feeders, so that only the first pays their start.
 
-A spawned interpreter takes about 0.1 s to import numpy and feedpipe's core, and every notebook
+A spawned interpreter takes 0.1 s or more to import numpy and feedpipe's core, and every notebook
 re-run, second `fit` and evaluate-after-fit would pay it again. A feeder closed with its workers
 healthy gives them back here instead of ending them; the next feeder in the process adopts them
 and sends its own setup. A worker given back has let go of everything of its feeder (source,
@@ -8,9 +8,9 @@ transform, host slots, shared arrays, status row) and proved it (see
 `feedpipe.core._worker.leftovers`); one that was killed, overdue, ended, or still holds any of it
 is ended, never kept.
 
-Idle workers cost memory (an interpreter with numpy: about 30 MB each), so at most
-`FEEDPIPE_WARM_WORKERS` are kept (default: one per core this process may run on; 0 turns warm
-workers off, and every worker then ends with its feeder), each for at most
+Idle workers cost memory (an interpreter with numpy: about 40 MB resident, 20 MB of it its
+own), so at most `FEEDPIPE_WARM_WORKERS` are kept (default: one per core this process may run
+on; 0 turns warm workers off, and every worker then ends with its feeder), each for at most
 `FEEDPIPE_WARM_IDLE_S` seconds (default 300), after which it ends by itself. They end with this
 process as every worker does (see `feedpipe.core._worker`), SIGKILL included.
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +28,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import NamedTuple
 
+from feedpipe.core import _arrays
 from feedpipe.core._sync import STOP_GRACE_S
 
 COUNT_ENV = "FEEDPIPE_WARM_WORKERS"
@@ -122,8 +124,6 @@ def spawn(name: str, wait_s: float | None = None) -> Spawned:
     is the main thread (which lives exactly as long as the process), else by its own check.
     With `wait_s`, it ends by itself if no feeder adopts it within that many seconds.
     """
-    import socket
-
     kernel = "1" if threading.current_thread() is threading.main_thread() else "0"
     ours, theirs = socket.socketpair()
     with theirs:
@@ -184,9 +184,11 @@ def give_back(workers: list[Spawned], healthy: list[bool]) -> list[int]:
                 pass
     released = _released(asked, time.monotonic() + STOP_GRACE_S)
     until = time.monotonic() + wait_s
-    with _lock:
+    with _lock:  # another feeder may have given workers back meanwhile
+        released = released[: max(0, capacity() - len(_idle))]
         _idle.extend(_Idle(worker, until) for worker in released)
-    # Those asked have had their grace: one still running is stuck in user code.
+    # Those asked have had their grace: one still running is stuck in user code (one that
+    # let go, beyond the room left, waits for a feeder and ends at once).
     stop([worker for worker in asked if worker not in released], grace_s=0.0)
     stop([worker for worker in workers if worker not in asked])
     return [worker.proc.pid for worker in released]
@@ -236,8 +238,6 @@ def idle_pids() -> list[int]:
 def drain() -> None:
     """Ends every idle worker, and drops the kept copy of a source's arrays, now (at exit, and
     when the memory is wanted back)."""
-    from feedpipe.core import _arrays
-
     _arrays.forget()
     with _lock:
         workers = [idle.worker for idle in _idle]
