@@ -7,7 +7,7 @@ not forks of a process that runs TensorFlow, and they see no GPU; a feeder adopt
 an earlier feeder gave back (`feedpipe.core.warm`) and starts the rest. Their source and
 `transform` are sent pickled with cloudpickle (`dumps`, which keeps their file names for
 tracebacks), which carries functions and classes defined in `__main__` by value; numpy arrays
-inside them go out of band into one read-only shared file that every worker maps
+inside them go out of band into read-only shared files that every worker maps
 (`feedpipe.core._arrays`), so N workers do not hold N copies of an array dataset. Even sample
 0, which tells the feeder what a sample looks like, is read by a worker, and so are a
 PyDataset's first and last batches, which tell its batch size and length: a source that
@@ -119,7 +119,7 @@ def _out_of_band(buffer: pickle.PickleBuffer) -> bool:
 
 
 def _pack(setup: dict) -> tuple[bytes, Shared | None]:
-    """The setup pickled, with its large arrays moved out of band into one shared file, which
+    """The setup pickled, with its large arrays moved out of band into shared files, which
     every worker maps read-only: N workers, one copy (see `feedpipe.core._arrays`)."""
     buffers: list[pickle.PickleBuffer] = []
     payload = dumps(setup, protocol=5, buffer_callback=buffers.append)
