@@ -174,24 +174,24 @@ def give_back(workers: list[Spawned], healthy: list[bool]) -> list[int]:
     with _lock:
         room -= len(_idle)
     wait_s = idle_s()
-    asked = []
-    for worker, ok in zip(workers, healthy, strict=True):
-        if ok and len(asked) < room and worker.proc.poll() is None:
-            try:
-                worker.conn.send(("release", wait_s + EXIT_MARGIN_S))
-                asked.append(worker)
-            except OSError:
-                pass
-    released = _released(asked, time.monotonic() + STOP_GRACE_S)
-    until = time.monotonic() + wait_s
-    with _lock:  # another feeder may have given workers back meanwhile
-        released = released[: max(0, capacity() - len(_idle))]
-        _idle.extend(_Idle(worker, until) for worker in released)
-    # Those asked have had their grace: one still running is stuck in user code (one that
-    # let go, beyond the room left, waits for a feeder and ends at once).
-    stop([worker for worker in asked if worker not in released], grace_s=0.0)
-    stop([worker for worker in workers if worker not in asked])
-    return [worker.proc.pid for worker in released]
+    asked, kept = [], []
+    try:
+        for worker, ok in zip(workers, healthy, strict=True):
+            if ok and len(asked) < room and worker.proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    worker.conn.send(("release", wait_s + EXIT_MARGIN_S))
+                    asked.append(worker)
+        released = _released(asked, time.monotonic() + STOP_GRACE_S)
+        until = time.monotonic() + wait_s
+        with _lock:  # another feeder may have given workers back meanwhile
+            kept = released[: max(0, capacity() - len(_idle))]
+            _idle.extend(_Idle(worker, until) for worker in kept)
+    finally:  # even when interrupted (Ctrl-C): what is not kept ends
+        # Those asked have had their grace: one still running is stuck in user code (one that
+        # let go, beyond the room left, waits for a feeder and ends at once).
+        stop([worker for worker in asked if worker not in kept], grace_s=0.0)
+        stop([worker for worker in workers if worker not in asked])
+    return [worker.proc.pid for worker in kept]
 
 
 def _released(asked: list[Spawned], deadline: float) -> list[Spawned]:
