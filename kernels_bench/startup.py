@@ -198,10 +198,11 @@ def frozen(held: Holding) -> Holding:
     return views
 
 
-def held_arrays(peer: str, bare, held, batch: int, workers: int) -> dict:
+def held_arrays(peer: str, sources: dict, batch: int, workers: int) -> dict:
+    """`peer`'s seconds to its first batch; `sources` by the first word of a peer's name."""
     if peer == "fresh_pages":
-        return {"s": fresh_pages_s(held.nbytes)}
-    source = {"held": held, "frozen": held.frozen, "bare": bare}[peer.split("_")[0]]
+        return {"s": fresh_pages_s(sources["held"].nbytes)}
+    source = sources[peer.split("_")[0]]
     run = first_feeder if peer.endswith("first") else second_feeder
     return {"s": run(source, batch, workers)["first_batch_s"]}
 
@@ -324,12 +325,10 @@ def main(argv=None) -> None:
     )
 
     held = Holding(source, args.held_mb * 1_000_000)
-    held.frozen = frozen(held)
+    sources = {"bare": source, "held": held, "frozen": frozen(held)}
     for peer in HELD:  # untimed: the arrays' own pages, first imports
-        held_arrays(peer, source, held, args.batch, args.workers)
-    reps = repeat(
-        settings, list(HELD), lambda p: held_arrays(p, source, held, args.batch, args.workers)
-    )
+        held_arrays(peer, sources, args.batch, args.workers)
+    reps = repeat(settings, list(HELD), lambda p: held_arrays(p, sources, args.batch, args.workers))
     for values in reps:
         values["held_over_bare_first"] = values["held_first_s"] / values["bare_first_s"]
         values["held_over_bare_second"] = values["held_second_s"] / values["bare_second_s"]
