@@ -50,6 +50,7 @@ _EXPORTS = {
     "diagnose": "feedpipe.diagnostics.diagnosis",
     "from_generator": "feedpipe.core.source",
     "train": "feedpipe.tf.training",
+    "warm_workers": "feedpipe.core.warm",
 }
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "diagnose",
     "from_generator",
     "train",
+    "warm_workers",
 ]
 
 if TYPE_CHECKING:
@@ -74,6 +76,7 @@ if TYPE_CHECKING:
     from feedpipe.core.description import FeederDescription
     from feedpipe.core.source import from_generator
     from feedpipe.core.stats import FeedStats
+    from feedpipe.core.warm import warm_workers
     from feedpipe.core.workers import WorkerError
     from feedpipe.diagnostics.diagnosis import Diagnosis, diagnose
     from feedpipe.diagnostics.monitor import StarvationMonitor

@@ -249,3 +249,22 @@ def timed_batches(source, first_batch: int, count: int) -> tuple[int, float]:
     for number in range(first_batch, first_batch + count):
         make_batch(source, number)
     return count * BATCH, time.perf_counter() - started
+
+
+class Holding:
+    """`source` holding `nbytes` of numpy arrays besides (in 64 MiB arrays, as a dataset class
+    holding its data would): what a worker must be sent before it reads any sample."""
+
+    def __init__(self, source, nbytes: int):
+        self.source = source
+        self.nbytes = nbytes
+        chunk = 64 << 20
+        self.arrays = [
+            np.ones(min(chunk, nbytes - lo) // 4, np.float32) for lo in range(0, nbytes, chunk)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index: int):
+        return self.source[index]

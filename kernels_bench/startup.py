@@ -1,14 +1,18 @@
 """How long from building an input to its first batch, with N worker processes, against Keras's
-PyDataset and Grain with the same N, and where feedpipe's start-up goes?
+PyDataset and Grain with the same N; how long for a second feeder in the same process; and how
+much a source holding 1 GB of arrays adds?
 
 Short jobs, notebooks and every `feedpipe diagnose` pay the start-up before any step runs. Each
 peer is built fresh over the same map-style Python source (`kernels_bench.gil_source.GilSource`,
 about `--sample-ms` of GIL-holding work per sample, global batch `--batch`) and timed from the
 call that builds it to its first batch in hand:
 
-* feedpipe: `fp.Feeder(source, B, devices=[jax cpu], workers=N)` then `next(iter(feeder))`;
-  its construction (`build_s`: spawning the workers, which import numpy and feedpipe's core,
-  unpickle the source and read sample 0 for the spec) is reported apart from the first batch.
+* feedpipe: `fp.Feeder(source, B, devices=[jax cpu], workers=N)` then `next(iter(feeder))`,
+  with no warm worker in the process (the first feeder); its construction (`build_s`:
+  spawning the workers, which import numpy and feedpipe's core, unpickle the source and read
+  sample 0 for the spec) is reported apart from the first batch.
+* feedpipe_ahead: the same, after `fp.warm_workers(N)` was called a second before (as at the
+  top of a script): the first feeder adopts interpreters that have already started.
 * PyDataset: `keras.utils.PyDataset(workers=N, use_multiprocessing=True)` whose `__getitem__`
   stacks B samples, read as Keras's JAX trainer reads it (`PyDatasetAdapter(...)
   .get_jax_iterator()` after `on_epoch_begin()`); its pool is forked from this process.
@@ -17,12 +21,27 @@ call that builds it to its first batch in hand:
 * floor (no target): N bare `python -c "import numpy"` processes started at once and waited
   for, the part of a spawned worker's start-up that no design of spawned workers avoids.
 
+Second feeder: a feeder over the same source is built and closed (untimed), then a new one is
+timed to its first batch: it adopts the first one's warm workers (`feedpipe.core.warm`). Beside
+it, `work_s` (no target) is one batch made in this process over the workers: the least any
+pool of N workers takes for the batch itself; `second_next_batch_s` is the feeder's second
+batch, and `second_start_s` the first less the second: what starting costs beyond a batch.
+
+Held arrays: the source wrapped to hold `--held-mb` MB of numpy arrays
+(`kernels_bench.gil_source.Holding`), against the bare source, both as first feeders (no warm
+worker) and both as second feeders, and, as a second feeder, the same arrays as read-only views
+(`frozen_second`: the kept copy is handed over without a comparison). `fresh_pages_s` (no
+target) is the time to write that many bytes into new shared files, as feedpipe splits them
+(one a core): what any design sharing the arrays with spawned workers through memory pays
+once; a fork shares them without a copy.
+
 Every peer runs once untimed first (the operating system's file cache, first imports in this
 process), then in rotating order in each repetition; each peer is closed before the next starts
 (not timed). Ratios within a repetition, then medians: `feedpipe_over_<peer>` is the peer's time
 over feedpipe's (above 1: feedpipe delivers its first batch sooner). Targets: feedpipe no later
 than PyDataset and Grain (`feedpipe_over_pydataset` and `feedpipe_over_grain` >= 1.0) with
-`--workers` (2 here); on a 16-core machine with 8 workers, `feedpipe_first_batch_s` <= 0.3 s.
+`--workers` (2 here); on a 16-core machine with 8 workers, `feedpipe_first_batch_s` <= 0.3 s; a
+second feeder's first batch <= 0.05 s; held arrays' first batch <= 1.2x the bare source's.
 
 Run: `KERAS_BACKEND=jax python -m kernels_bench.startup [--quick] [--workers 8]`; writes
 `kernels_bench/results/startup.json` (`startup_w8.json` with 8 workers).
@@ -37,17 +56,24 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 from kernels_bench import harness
-from kernels_bench.gil_source import GilSource, make_batch
+from kernels_bench.gil_source import GilSource, Holding, make_batch
 from kernels_bench.gpu import grain_dataset, have_grain
 
-PEERS = ("feedpipe", "pydataset", "grain", "floor")
+PEERS = ("feedpipe", "feedpipe_ahead", "pydataset", "grain", "floor")
+HELD = ("bare_first", "held_first", "bare_second", "held_second", "frozen_second", "fresh_pages")
+AHEAD_S = 1.0
+"""How long before the feeder `fp.warm_workers` is called for feedpipe_ahead: the start of a
+script, a model being built."""
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="worker processes of each peer")
     parser.add_argument("--batch", type=int, default=64, help="global batch")
     parser.add_argument("--sample-ms", type=float, default=0.5, help="CPU per sample")
+    parser.add_argument("--held-mb", type=int, default=1024, help="MB of arrays held")
 
 
 def pydataset_class():
@@ -68,20 +94,52 @@ def pydataset_class():
     return StackedPyDataset
 
 
+def feedpipe_first_batch(source, batch: int, workers: int) -> dict:
+    """Seconds from building a feeder to its first batch and to its construction's end, and
+    from its first batch to its second (what a batch takes once the workers run)."""
+    import jax
+
+    import feedpipe as fp
+
+    started = time.perf_counter()
+    feeder = fp.Feeder(source, batch, devices=jax.devices()[:1], workers=workers)
+    built = time.perf_counter()
+    batches = iter(feeder)
+    next(batches)
+    done = time.perf_counter()
+    next(batches)
+    following = time.perf_counter() - done
+    feeder.close()
+    return {"build_s": built - started, "first_batch_s": done - started, "next_batch_s": following}
+
+
+def first_feeder(source, batch: int, workers: int) -> dict:
+    """A feeder in a process with no warm worker."""
+    from feedpipe.core import warm
+
+    warm.drain()
+    return feedpipe_first_batch(source, batch, workers)
+
+
+def second_feeder(source, batch: int, workers: int) -> dict:
+    """A feeder after another one over the same source was built, read and closed."""
+    first_feeder(source, batch, workers)
+    return feedpipe_first_batch(source, batch, workers)
+
+
 def first_batch(peer: str, source, batch: int, workers: int) -> dict:
     """Seconds from building `peer` to its first batch (and feedpipe's construction apart)."""
-    started = time.perf_counter()
     if peer == "feedpipe":
-        import jax
-
+        return first_feeder(source, batch, workers)
+    if peer == "feedpipe_ahead":
         import feedpipe as fp
+        from feedpipe.core import warm
 
-        feeder = fp.Feeder(source, batch, devices=jax.devices()[:1], workers=workers)
-        built = time.perf_counter()
-        next(iter(feeder))
-        done = time.perf_counter()
-        feeder.close()
-        return {"build_s": built - started, "first_batch_s": done - started}
+        warm.drain()
+        fp.warm_workers(workers)
+        time.sleep(AHEAD_S)
+        return feedpipe_first_batch(source, batch, workers)
+    started = time.perf_counter()
     if peer == "pydataset":
         from keras.src.trainers.data_adapters.py_dataset_adapter import PyDatasetAdapter
 
@@ -106,48 +164,99 @@ def first_batch(peer: str, source, batch: int, workers: int) -> dict:
     raise ValueError(peer)
 
 
+def second_or_work(peer: str, source, args) -> dict:
+    """A second feeder's first batch, or the floor of its work: one batch made in this
+    process, over the workers (`work_s`; no target)."""
+    if peer == "second":
+        return second_feeder(source, args.batch, args.workers)
+    started = time.perf_counter()
+    make_batch(source, 0)
+    return {"s": (time.perf_counter() - started) / args.workers}
+
+
+def fresh_pages_s(nbytes: int) -> float:
+    """Seconds to write `nbytes` into new shared files, as feedpipe splits them: the pages a
+    shared copy must be given."""
+    from feedpipe.core import _arrays
+
+    data = np.zeros(nbytes, np.uint8)
+    data[:: 1 << 12] = 1  # its own pages exist: only the shared files' are new
+    started = time.perf_counter()
+    shared = _arrays.share([memoryview(data)], keep_s=None)
+    seconds = time.perf_counter() - started
+    for fd in shared.fds:
+        os.close(fd)
+    return seconds
+
+
+def frozen(held: Holding) -> Holding:
+    """`held` with read-only views of its arrays (`flags.writeable = False`)."""
+    views = Holding(held.source, 0)
+    views.nbytes, views.arrays = held.nbytes, [array.view() for array in held.arrays]
+    for view in views.arrays:
+        view.flags.writeable = False
+    return views
+
+
+def held_arrays(peer: str, sources: dict, batch: int, workers: int) -> dict:
+    """`peer`'s seconds to its first batch; `sources` by the first word of a peer's name."""
+    if peer == "fresh_pages":
+        return {"s": fresh_pages_s(sources["held"].nbytes)}
+    source = sources[peer.split("_")[0]]
+    run = first_feeder if peer.endswith("first") else second_feeder
+    return {"s": run(source, batch, workers)["first_batch_s"]}
+
+
+def repeat(settings, peers, measure) -> list[dict]:
+    """Each repetition: every peer in rotating order, `measure(peer)` prefixed by its name."""
+    reps = []
+    for rep in range(settings.reps):
+        values = {}
+        with harness.OtherLoad() as other:
+            for peer in harness.rotate(peers, rep):
+                values.update({f"{peer}_{k}": v for k, v in measure(peer).items()})
+                gc.collect()
+        values["other_cores"] = other.cores
+        reps.append(values)
+    return reps
+
+
 def main(argv=None) -> None:
     os.environ.setdefault("KERAS_BACKEND", "jax")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     settings = harness.parse_settings(__doc__, add_args, argv)
     args = settings.args
+    from feedpipe.core import warm
+
     source = GilSource(args.batch * 8, args.sample_ms / 1e3)
     peers = [p for p in PEERS if p != "grain" or have_grain()]
     name = "startup" if args.workers == 2 else f"startup_w{args.workers}"
     report = harness.Report(
         name,
-        "time from building the input to its first batch, with N worker processes: feedpipe "
-        "against PyDataset and Grain, and the spawn floor",
+        "time from building the input to its first batch, with N worker processes: feedpipe's "
+        "first and second feeder against PyDataset and Grain, the spawn floor, and a source "
+        "holding 1 GB of arrays",
         settings,
         "kernels_bench.startup",
     )
     for peer in peers:  # untimed: file cache, first imports
         first_batch(peer, source, args.batch, args.workers)
         gc.collect()
-    reps = []
-    for rep in range(settings.reps):
-        values = {}
-        with harness.OtherLoad() as other:
-            for peer in harness.rotate(peers, rep):
-                measured = first_batch(peer, source, args.batch, args.workers)
-                values.update({f"{peer}_{key}": value for key, value in measured.items()})
-                gc.collect()
-        for peer in peers:
-            if peer not in ("feedpipe", "floor"):
+    reps = repeat(settings, peers, lambda p: first_batch(p, source, args.batch, args.workers))
+    for values in reps:
+        for peer in ("pydataset", "grain"):
+            if peer in peers:
                 values[f"feedpipe_over_{peer}"] = (
                     values[f"{peer}_first_batch_s"] / values["feedpipe_first_batch_s"]
+                )
+                values[f"feedpipe_ahead_over_{peer}"] = (
+                    values[f"{peer}_first_batch_s"] / values["feedpipe_ahead_first_batch_s"]
                 )
         values["feedpipe_over_floor"] = (
             values["feedpipe_first_batch_s"] / values["floor_first_batch_s"]
         )
-        values["other_cores"] = other.cores
-        reps.append(values)
-        print(
-            f"  rep {rep + 1}/{settings.reps}: "
-            + "  ".join(f"{p} {values[f'{p}_first_batch_s']:.3f} s" for p in peers)
-            + f"  (feedpipe built in {values['feedpipe_build_s']:.3f} s; other processes "
-            f"{other.cores:.2f} core)",
-            flush=True,
+        values["floor_over_pydataset"] = (
+            values["floor_first_batch_s"] / values["pydataset_first_batch_s"]
         )
     case = f"first batch, {args.workers} workers"
     report.add_case(
@@ -157,15 +266,19 @@ def main(argv=None) -> None:
             "global_batch": args.batch,
             "source": source.as_dict(),
             "cores": len(os.sched_getaffinity(0)),
+            "ahead_s": AHEAD_S,
             "peers": {
-                "feedpipe": "fp.Feeder(source, B, devices=[jax cpu], workers=N); next(iter(...))",
+                "feedpipe": "fp.Feeder(source, B, devices=[jax cpu], workers=N); next(iter(...)), "
+                "no warm worker",
+                "feedpipe_ahead": f"the same, {AHEAD_S} s after fp.warm_workers(N)",
                 "pydataset": "PyDataset(workers=N, use_multiprocessing=True) via the JAX adapter",
                 "grain": "MapDataset.source(...).batch(B).to_iter_dataset().mp_prefetch(N)",
                 "floor": "N bare `python -c 'import numpy'` processes at once",
             },
         },
         reps,
-        units={f"{p}_first_batch_s": "s" for p in peers} | {"feedpipe_build_s": "s"},
+        units={f"{p}_first_batch_s": "s" for p in peers}
+        | {"feedpipe_build_s": "s", "feedpipe_ahead_build_s": "s"},
     )
     for peer in ("pydataset", "grain"):
         if peer in peers:
@@ -174,7 +287,7 @@ def main(argv=None) -> None:
                 f"feedpipe_over_{peer}",
                 ">=",
                 1.0,
-                f"feedpipe's first batch no later than {peer}'s",
+                f"the first feeder's first batch no later than {peer}'s",
             )
     report.target(
         case,
@@ -185,15 +298,91 @@ def main(argv=None) -> None:
         applies=args.workers == 8 and len(os.sched_getaffinity(0)) >= 16,
         why_not="not 8 workers on 16 cores: reported only",
     )
+
+    second = f"second feeder, {args.workers} workers"
+    reps = repeat(settings, ["second", "work"], lambda p: second_or_work(p, source, args))
+    for values in reps:
+        values["second_over_work"] = values["second_first_batch_s"] / values["work_s"]
+        values["second_start_s"] = values["second_first_batch_s"] - values["second_next_batch_s"]
+    report.add_case(
+        second,
+        {"workers": args.workers, "global_batch": args.batch, "source": source.as_dict()},
+        reps,
+        units={
+            "second_first_batch_s": "s",
+            "second_build_s": "s",
+            "second_next_batch_s": "s",
+            "second_start_s": "s",
+            "work_s": "s",
+        },
+    )
+    report.target(
+        second,
+        "second_first_batch_s",
+        "<=",
+        0.05,
+        "a second feeder's first batch, seconds (it adopts the first one's workers)",
+    )
+
+    held = Holding(source, args.held_mb * 1_000_000)
+    sources = {"bare": source, "held": held, "frozen": frozen(held)}
+    for peer in HELD:  # untimed: the arrays' own pages, first imports
+        held_arrays(peer, sources, args.batch, args.workers)
+    reps = repeat(settings, list(HELD), lambda p: held_arrays(p, sources, args.batch, args.workers))
+    for values in reps:
+        values["held_over_bare_first"] = values["held_first_s"] / values["bare_first_s"]
+        values["held_over_bare_second"] = values["held_second_s"] / values["bare_second_s"]
+        values["frozen_over_bare_second"] = values["frozen_second_s"] / values["bare_second_s"]
+        values["copy_in_series_over_bare_first"] = (
+            values["bare_first_s"] + values["fresh_pages_s"]
+        ) / values["bare_first_s"]
+    held_case = f"{args.held_mb} MB of arrays held, {args.workers} workers"
+    report.add_case(
+        held_case,
+        {
+            "workers": args.workers,
+            "global_batch": args.batch,
+            "held_bytes": held.nbytes,
+            "arrays": len(held.arrays),
+            "peers": {
+                "bare_first": "the bare source, first feeder (no warm worker)",
+                "held_first": "the source holding the arrays, first feeder",
+                "bare_second": "the bare source, second feeder (warm workers adopted)",
+                "held_second": "the source holding the arrays, second feeder",
+                "frozen_second": "the same arrays as read-only views, second feeder",
+                "fresh_pages": "the held bytes written into a new memfd (no target)",
+            },
+        },
+        reps,
+        units={f"{p}_s": "s" for p in HELD},
+    )
+    report.target(
+        held_case,
+        "held_over_bare_first",
+        "<=",
+        1.2,
+        "first batch of a source holding the arrays over the bare source's (first feeders)",
+    )
+    warm.drain()
     report.finish(
         columns=[
             "feedpipe_first_batch_s",
-            "feedpipe_build_s",
+            "feedpipe_ahead_first_batch_s",
             "pydataset_first_batch_s",
             "grain_first_batch_s",
             "floor_first_batch_s",
             "feedpipe_over_pydataset",
-            "feedpipe_over_grain",
+            "feedpipe_ahead_over_pydataset",
+            "second_first_batch_s",
+            "second_start_s",
+            "work_s",
+            "bare_first_s",
+            "held_first_s",
+            "held_over_bare_first",
+            "held_over_bare_second",
+            "frozen_over_bare_second",
+            "fresh_pages_s",
+            "copy_in_series_over_bare_first",
         ]
     )
 

@@ -28,6 +28,9 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Every worker ends with its feeder, as the leak check expects; tests/test_warm_workers.py turns
+# warm workers on where it tests them, and ends them before the check.
+os.environ.setdefault("FEEDPIPE_WARM_WORKERS", "0")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     # JAX reads it when its CPU backend starts, after this.
     flag = f"--xla_force_host_platform_device_count={NUM_CPU_DEVICES}"

@@ -19,6 +19,8 @@ import time
 import numpy as np
 
 FEATURE_SHAPE = (3,)
+KEPT: list = []
+"""Sources that keep themselves alive (`ActionSource(..., action="keep")`)."""
 
 
 def index_sample(index: int, label_dtype: type = np.int64) -> tuple[np.ndarray, np.integer]:
@@ -171,7 +173,8 @@ class UnpicklableFailingSource(IndexSource):
 
 
 class ActionSource(IndexSource):
-    """At sample `at`, does `action`: "hang", "exit" (code 3), "kill" (SIGKILL) or "segv"."""
+    """At sample `at`, does `action`: "hang", "exit" (code 3), "kill" (SIGKILL), "segv", or
+    "keep" (keeps itself alive in this module, as a cache of user code would)."""
 
     def __init__(self, length: int, at: int, action: str):
         super().__init__(length)
@@ -189,6 +192,8 @@ class ActionSource(IndexSource):
                 os.kill(os.getpid(), signal.SIGKILL)
             if self.action == "segv":
                 os.kill(os.getpid(), signal.SIGSEGV)
+            if self.action == "keep":
+                KEPT.append(self)
         return super().__getitem__(index)
 
 
@@ -405,3 +410,67 @@ class FailsOnce(FailsOn):
             self.calls[index] += 1
             return sample
         return super().__call__(sample)
+
+
+class FrameworkProbe(IndexSource):
+    """Sample `i` is `(i, how many of TensorFlow, Keras, JAX and PyTorch the process that made
+    it has imported)`."""
+
+    def __getitem__(self, index: int):
+        loaded = {"tensorflow", "keras", "jax", "torch"} & set(sys.modules)
+        return np.int64(index), np.int8(len(loaded))
+
+
+class MarkedSource(IndexSource):
+    """An `IndexSource` that `LeftoverProbe` looks for."""
+
+
+class LeftoverProbe(IndexSource):
+    """Sample `i` is `(i, how many MarkedSource objects the process that made it holds)`."""
+
+    def __getitem__(self, index: int):
+        import gc
+
+        gc.collect()
+        held = sum(type(thing) is MarkedSource for thing in gc.get_objects())
+        return np.int64(index), np.int64(held)
+
+
+class HeldArraySource:
+    """Map-style over an array held in the source (`row_bytes` a row): sample `i` is
+    `(row i, filled with i; i)`, so a worker reads it from the shared copy of the array."""
+
+    def __init__(self, length: int, row_bytes: int):
+        self.rows = np.empty((length, max(row_bytes // 8, 1)), np.int64)
+        self.rows[:] = np.arange(length)[:, None]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int):
+        return self.rows[index], np.int64(index)
+
+
+class PlaceProbe(IndexSource):
+    """Sample `i` is `(i, the number in ./offset.txt plus $FEEDPIPE_TEST_OFFSET)`, read where
+    the sample is made."""
+
+    def __getitem__(self, index: int):
+        with open("offset.txt") as file:
+            offset = int(file.read())
+        return np.int64(index), np.int64(offset + int(os.environ["FEEDPIPE_TEST_OFFSET"]))
+
+
+class ImportingSource(IndexSource):
+    """An `IndexSource` that imports `module` where it makes a sample, as a source using a
+    framework would."""
+
+    def __init__(self, length: int, module: str):
+        super().__init__(length)
+        self.module = module
+
+    def __getitem__(self, index: int):
+        import importlib
+
+        importlib.import_module(self.module)
+        return super().__getitem__(index)

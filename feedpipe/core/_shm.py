@@ -104,6 +104,17 @@ _MAP_FIXES = {
 """What to do when a mapping fails, by errno, where there is something to do."""
 
 
+def _refuse(size: int, what: str):
+    """Raises the error of the mapping of `size` bytes of `what` that just failed."""
+    code = ctypes.get_errno()
+    fix = _MAP_FIXES.get(code)
+    raise OSError(
+        code,
+        f"mapping {what} ({size} bytes) failed with {errno.errorcode.get(code, code)} "
+        f"({os.strerror(code)})" + (f"; {fix}." if fix else "."),
+    )
+
+
 def _map(fd: int, nbytes: int, *, writable: bool, what: str) -> np.ndarray:
     """The file `fd` (holding `what`) mapped as `np.uint8` bytes; unmapped when the last view
     of them goes."""
@@ -111,13 +122,7 @@ def _map(fd: int, nbytes: int, *, writable: bool, what: str) -> np.ndarray:
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
     address = _libc.mmap(None, size, prot, mmap.MAP_SHARED, fd, 0)
     if address is None or address == _MAP_FAILED:
-        code = ctypes.get_errno()
-        fix = _MAP_FIXES.get(code)
-        raise OSError(
-            code,
-            f"mapping {what} ({size} bytes) failed with {errno.errorcode.get(code, code)} "
-            f"({os.strerror(code)})" + (f"; {fix}." if fix else "."),
-        )
+        _refuse(size, what)
     memory = (ctypes.c_char * size).from_address(address)
     weakref.finalize(memory, _libc.munmap, address, size)
     array = np.frombuffer(memory, np.uint8)[:nbytes]
@@ -129,16 +134,17 @@ class SharedBuffer:
     """`nbytes` of memory that other processes can map from `fd`.
 
     `array` is a writable `np.uint8` view; the mapping lives as long as any view of it, and the
-    descriptor is closed by `close()` or when this object is collected.
+    descriptor is closed by `close()` or when this object is collected. A buffer written
+    through its descriptor only (`mapped=False`: `os.pwrite` into `fd`) has no `array`.
     """
 
-    def __init__(self, nbytes: int, kind: str):
+    def __init__(self, nbytes: int, kind: str, *, mapped: bool = True):
         self.name = f"{PREFIX}-{os.getpid()}-{kind}-{next(_counter)}"
         self.nbytes = nbytes
         self.fd = _anonymous_file(self.name)
         self._close_fd = weakref.finalize(self, os.close, self.fd)
         os.ftruncate(self.fd, max(nbytes, 1))
-        self.array = _map(self.fd, nbytes, writable=True, what=self.name)
+        self.array = _map(self.fd, nbytes, writable=True, what=self.name) if mapped else None
 
     def close(self) -> None:
         """Closes the descriptor and drops `array`: the mapping goes with the last other view."""
@@ -156,3 +162,36 @@ def map_shared(fd: int, nbytes: int, *, what: str, writable: bool = True) -> np.
         return _map(fd, nbytes, writable=writable, what=what)
     finally:
         os.close(fd)
+
+
+_MAP_FIXED = 0x10  # the same on Linux and macOS; Python's mmap module does not export it
+
+
+def map_parts(fds: list[int], sizes: list[int], *, what: str) -> np.ndarray:
+    """The files `fds` (of `sizes` bytes, each but the last a whole number of pages) mapped
+    read-only one after the other, as one run of `np.uint8` bytes; closes the descriptors.
+
+    One array may lie across two files: the files are written in parallel (one file's pages
+    are given out one writer at a time), and read as one."""
+    try:
+        total = sum(sizes)
+        size = max(total, 1)
+        anonymous = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        base = _libc.mmap(None, size, 0, anonymous, -1, 0)  # the address range, reserved
+        if base is None or base == _MAP_FAILED:
+            _refuse(size, what)
+        memory = (ctypes.c_char * size).from_address(base)
+        weakref.finalize(memory, _libc.munmap, base, size)
+        offset = 0
+        for fd, part in zip(fds, sizes, strict=True):
+            if part:
+                flags = mmap.MAP_SHARED | _MAP_FIXED
+                if _libc.mmap(base + offset, part, mmap.PROT_READ, flags, fd, 0) != base + offset:
+                    _refuse(part, what)
+            offset += part
+        array = np.frombuffer(memory, np.uint8)[:total]
+        array.flags.writeable = False
+        return array
+    finally:
+        for fd in fds:
+            os.close(fd)

@@ -1,11 +1,16 @@
 """What runs inside a worker: the tasks, and the main loop of a worker process.
 
-A worker process is started as `python -m feedpipe.core._worker NAME FD PARENT PDEATHSIG` (see
-`feedpipe.core.workers`): a fresh interpreter that imports only what the source and `transform`
-need, never TensorFlow on feedpipe's account (and says so, once, if they pull it in). It
-receives its setup and tasks over the socket `FD`, maps the host slots it is sent, writes
-samples straight into them and replies with one message per task. An error of its own, outside
-any task (loading its setup, mapping a slot), is sent as a reply to no task before it stops.
+A worker process is started as `python -m feedpipe.core._worker NAME FD PARENT PDEATHSIG
+[WAIT_S]` (see `feedpipe.core.warm`): a fresh interpreter that imports only what the source and
+`transform` need, never TensorFlow on feedpipe's account (and says so, once, if they pull it
+in). It receives a feeder's setup and tasks over the socket `FD`, maps the host slots it is
+sent, writes samples straight into them and replies with one message per task. An error of
+its own, outside any task (loading its setup, mapping a slot), is sent as a reply to no task
+before it stops.
+
+When its feeder closes it may be asked to let go of the feeder instead of ending: it drops the
+source, the slots and every shared mapping, checks that none of them is left (`leftovers`),
+says so, and waits for the next feeder's setup, ending by itself if none comes in time.
 
 It ignores SIGINT: Ctrl-C reaches every process of the terminal's process group, and it is meant
 for the training loop, not for the pool that feeds it. It exits when told to, when the socket
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import importlib.abc
 import os
 import pickle
@@ -26,6 +32,8 @@ import sysconfig
 import threading
 import time
 import traceback
+import types
+import weakref
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recv_handle
 from pathlib import Path
@@ -33,11 +41,13 @@ from pathlib import Path
 import cloudpickle
 import numpy as np
 
-from feedpipe.core._shm import map_shared
+from feedpipe.core._shm import NAME_PATTERN, map_parts, map_shared
 from feedpipe.core.skips import shown
 from feedpipe.core.slots import HostSlot, SlotLayout
 from feedpipe.core.writer import RowStream, SampleWriter, first_look
 
+FRAMEWORKS = ("tensorflow", "keras", "jax", "torch")
+"""What a worker never loads on feedpipe's account, and is not reused after its source did."""
 PARENT_CHECK_S = 0.25
 """How often a worker process checks that its parent is still alive (besides the kernel)."""
 _PR_SET_PDEATHSIG = 1
@@ -222,21 +232,26 @@ def _die_with_parent(parent: int, kernel: bool) -> None:
     ).start()
 
 
-def _serve(conn: Connection, runner: TaskRunner, watch: TensorFlowWatch, name: str) -> None:
-    """Answers tasks until the feeder closes the socket (or asks the worker to stop)."""
+def _serve(conn: Connection, runner: TaskRunner, watch: TensorFlowWatch, name: str):
+    """Answers tasks until the feeder closes the socket or asks the worker to stop (None), or
+    asks it to let go of the feeder (the seconds to wait for the next one)."""
     try:
-        while _answer(conn, runner, conn.recv()):
+        while (ending := _answer(conn, runner, conn.recv())) is None:
             news = watch.news(name)
             if news is not None:
                 conn.send(("warning", None, news))
+        return ending or None
     except (EOFError, ConnectionError):  # the feeder is gone or closed: nothing is waiting
-        return
+        return None
 
 
-def _answer(conn: Connection, runner: TaskRunner, message: tuple) -> bool:
+def _answer(conn: Connection, runner: TaskRunner, message: tuple) -> float | bool | None:
+    """None to go on; False to stop; the seconds to wait for another feeder to let go."""
     kind = message[0]
     if kind == "stop":
         return False
+    if kind == "release":
+        return message[1]
     if kind == "slot":
         _, ident, nbytes, contiguous = message
         buffer = map_shared(recv_handle(conn), nbytes, what=f"host slot {ident}")
@@ -251,16 +266,23 @@ def _answer(conn: Connection, runner: TaskRunner, message: tuple) -> bool:
         except BaseException as error:
             reply = ("error", message[1], pack_error(error), traceback.format_exc())
         conn.send(reply)
-    return True
+    return None
 
 
-def _load(conn: Connection, index: int) -> TaskRunner:
-    """Receives the setup: the import path, shared arrays, the status row and the payload."""
-    sys_path, data_nbytes, spans, status_nbytes = conn.recv()
+def _load(conn: Connection, index: int, setup: tuple) -> TaskRunner:
+    """Receives the rest of a feeder's setup (import path, working directory and environment
+    as the feeder's process has them now, shared arrays, status row and the payload, announced
+    by `setup`): a worker adopted by a later feeder sees what a new one would."""
+    sys_path, cwd, environ, data_sizes, spans, status_nbytes = setup
     sys.path[:] = sys_path
+    os.chdir(cwd)
+    if environ != os.environ:
+        os.environ.clear()
+        os.environ.update(environ)
     data = None
-    if data_nbytes is not None:  # a buffer of 0 bytes (arrays all empty) is still sent
-        data = map_shared(recv_handle(conn), data_nbytes, what="the arrays", writable=False)
+    if data_sizes is not None:  # files of 0 bytes (arrays all empty) are still sent
+        fds = [recv_handle(conn) for _ in data_sizes]
+        data = map_parts(fds, data_sizes, what="the arrays")
     status = map_shared(recv_handle(conn), status_nbytes, what="the status rows")
     payload = conn.recv_bytes()
     buffers = [data[lo:hi] for lo, hi in spans] if data is not None else []
@@ -272,26 +294,80 @@ def _load(conn: Connection, index: int) -> TaskRunner:
     return TaskRunner(source, setup["transform"], setup["seed"], row, setup["skips"])
 
 
+_SHARED_KINDS = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)
+"""What outlives a feeder by right: classes, modules and functions live in the process."""
+
+
+def _watched(roots: list, depth: int = 3) -> list[weakref.ref]:
+    """Weak references to `roots` and what they hold, `depth` levels down (a source wrapping
+    the user's dataset, its attributes), which must all go with their feeder."""
+    refs, seen, level = [], set(), [root for root in roots if root is not None]
+    for _ in range(depth):
+        following = []
+        for thing in level:
+            if id(thing) in seen or isinstance(thing, _SHARED_KINDS):
+                continue
+            seen.add(id(thing))
+            with contextlib.suppress(TypeError):
+                refs.append(weakref.ref(thing))
+            following += gc.get_referents(thing)
+        level = following
+    return refs
+
+
+def leftovers(watched: list[weakref.ref]) -> list[str]:
+    """What this worker still holds of a feeder it let go of: objects of `watched` still alive,
+    feedpipe shared memory still mapped, or a framework its source imported, which the next
+    feeder must not pay for. Empty when it may serve another feeder."""
+    gc.collect()
+    held = [f"{type(ref()).__name__} object" for ref in watched if ref() is not None]
+    if os.path.exists("/proc/self/maps"):
+        with open("/proc/self/maps") as maps:
+            held += [
+                line.split(maxsplit=5)[-1].strip() for line in maps if NAME_PATTERN.search(line)
+            ]
+    held += [f"{name} (imported)" for name in FRAMEWORKS if name in sys.modules]
+    return held
+
+
 def main(argv: list[str]) -> int:
     name, fd, parent, kernel = argv[1], int(argv[2]), int(argv[3]), argv[4] == "1"
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent, kernel)
-    index = int(name.rsplit("-", 1)[1])
-    threading.current_thread().name = name
     watch = TensorFlowWatch()
     sys.meta_path.insert(0, watch)
     conn = Connection(fd)
-    doing = "while loading the source and transform"
-    try:
-        runner = _load(conn, index)
-        doing = "outside any task; it has stopped"
-        _serve(conn, runner, watch, name)
-    except BaseException as error:
-        error.add_note(f"feedpipe: raised in {name} (pid {os.getpid()}) {doing}.")
-        with contextlib.suppress(OSError):  # a feeder already gone needs no reply
-            conn.send(("error", None, pack_error(error), traceback.format_exc()))
-        return 1
-    return 0
+    # Started for a feeder, it waits for it; started ahead (`warm_workers`), for so long.
+    wait_s = float(argv[5]) if len(argv) > 5 else None
+    while True:
+        try:
+            if wait_s is not None and not conn.poll(wait_s):
+                return 0  # idle for too long: the memory goes back
+            _, name, index, *setup = conn.recv()
+        except (EOFError, ConnectionError):
+            return 0
+        threading.current_thread().name = name
+        doing = "while loading the source and transform"
+        try:
+            runner = _load(conn, index, setup)
+            watched = _watched([runner.source, runner.transform])
+            doing = "outside any task; it has stopped"
+            wait_s = _serve(conn, runner, watch, name)
+        except BaseException as error:
+            error.add_note(f"feedpipe: raised in {name} (pid {os.getpid()}) {doing}.")
+            with contextlib.suppress(OSError):  # a feeder already gone needs no reply
+                conn.send(("error", None, pack_error(error), traceback.format_exc()))
+            return 1
+        if wait_s is None:
+            return 0
+        del runner
+        held = leftovers(watched)
+        try:
+            conn.send(("released", None, held))
+        except OSError:
+            return 0
+        if held:
+            return 0
 
 
 if __name__ == "__main__":

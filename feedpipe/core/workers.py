@@ -2,15 +2,16 @@
 
 Worker processes (the default) run the source and `transform` in parallel, each with its own
 interpreter and GIL, and write samples straight into host slots shared with them, so a batch
-never travels through a pipe. They are fresh interpreters (`python -m feedpipe.core._worker`), not
-forks of a process that runs TensorFlow, and they see no GPU. Their source and `transform` are
-sent pickled with cloudpickle (`dumps`, which keeps their file names for tracebacks), which
-carries functions and classes defined in `__main__` by value; numpy arrays inside them go out
-of band into one read-only shared buffer that every worker maps, so N workers do not hold N
-copies of an array dataset. Even sample 0, which tells the feeder what a sample looks like, is
-read by a worker, and so are a PyDataset's first and last batches, which tell its batch size and
-length: a source that crashes, hangs or opens its files on first use does so there, not in the
-training process.
+never travels through a pipe. They are spawned interpreters (`python -m feedpipe.core._worker`),
+not forks of a process that runs TensorFlow, and they see no GPU; a feeder adopts the idle ones
+an earlier feeder gave back (`feedpipe.core.warm`) and starts the rest. Their source and
+`transform` are sent pickled with cloudpickle (`dumps`, which keeps their file names for
+tracebacks), which carries functions and classes defined in `__main__` by value; numpy arrays
+inside them go out of band into read-only shared files that every worker maps
+(`feedpipe.core._arrays`), so N workers do not hold N copies of an array dataset. Even sample
+0, which tells the feeder what a sample looks like, is read by a worker, and so are a
+PyDataset's first and last batches, which tell its batch size and length: a source that
+crashes, hangs or opens its files on first use does so there, not in the training process.
 
 Worker threads (`worker_mode="thread"`) share the process and its GIL: they pay off only for
 code that releases the GIL (numpy, Pillow decode) and cost no start-up or pickling.
@@ -31,11 +32,9 @@ import os
 import pickle
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 import types
 import warnings
 import weakref
@@ -46,11 +45,13 @@ from typing import Any, ClassVar, NamedTuple
 import cloudpickle
 import numpy as np
 
+from feedpipe.core import warm
+from feedpipe.core._arrays import Shared, share
 from feedpipe.core._shm import SharedBuffer, remove_orphans
-from feedpipe.core._sync import STOP_GRACE_S, WAIT_SLICE_S, Watchdog, join_within
+from feedpipe.core._sync import WAIT_SLICE_S, Watchdog, join_within
 from feedpipe.core._worker import TaskRunner, code_at
 from feedpipe.core.skips import shown
-from feedpipe.core.slots import ALIGN_BYTES, HostSlot
+from feedpipe.core.slots import HostSlot
 from feedpipe.core.writer import Skip
 
 SPEC_TASK = -1
@@ -98,9 +99,12 @@ def dumps(value: Any, protocol: int | None = None, buffer_callback: Any = None) 
 
 
 def check_picklable(name: str, value: Any) -> None:
-    """Refuses, up front, a `source` or `transform` that cannot be sent to worker processes."""
+    """Refuses, up front, a `source` or `transform` that cannot be sent to worker processes.
+
+    Large buffers (numpy arrays) are left out of band, as `_pack` sends them: checking a source
+    holding 1 GB of arrays copies none of it."""
     try:
-        dumps(value)
+        dumps(value, protocol=5, buffer_callback=_out_of_band)
     except Exception as error:
         raise TypeError(
             f"`{name}` cannot be sent to worker processes: pickling it failed with "
@@ -110,22 +114,19 @@ def check_picklable(name: str, value: Any) -> None:
         ) from error
 
 
-def _pack(setup: dict) -> tuple[bytes, SharedBuffer | None, list[tuple[int, int]]]:
-    """The setup pickled, with its large arrays moved out of band into one shared buffer."""
+def _out_of_band(buffer: pickle.PickleBuffer) -> bool:
+    return False  # false: the buffer is left out of the pickle
+
+
+def _pack(setup: dict) -> tuple[bytes, Shared | None]:
+    """The setup pickled, with its large arrays moved out of band into shared files, which
+    every worker maps read-only: N workers, one copy (see `feedpipe.core._arrays`)."""
     buffers: list[pickle.PickleBuffer] = []
     payload = dumps(setup, protocol=5, buffer_callback=buffers.append)
-    raws = [buffer.raw() for buffer in buffers]
-    spans, offset = [], 0
-    for raw in raws:
-        offset = -(-offset // ALIGN_BYTES) * ALIGN_BYTES
-        spans.append((offset, offset + raw.nbytes))
-        offset += raw.nbytes
-    if not raws:
-        return payload, None, []
-    data = SharedBuffer(offset, "data")
-    for (lo, hi), raw in zip(spans, raws, strict=True):
-        data.array[lo:hi] = np.frombuffer(raw, np.uint8)
-    return payload, data, spans
+    if not buffers:
+        return payload, None
+    keep_s = warm.idle_s() if warm.capacity() else None
+    return payload, share([buffer.raw() for buffer in buffers], keep_s)
 
 
 def _idle_status(status: np.ndarray) -> np.ndarray:
@@ -238,74 +239,61 @@ class _Pool:
 
 def _stop_processes(procs: list[subprocess.Popen], conns: list[Connection]) -> None:
     """Closes every socket (a waiting worker exits), then kills what is still running."""
-    for conn in conns:
-        with contextlib.suppress(OSError):
-            conn.close()
-    deadline = time.monotonic() + STOP_GRACE_S
-    for proc in procs:
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    warm.stop([warm.Spawned(proc, conn) for proc, conn in zip(procs, conns, strict=True)])
 
 
 class ProcessWorkers(_Pool):
-    """`count` worker processes named `feedpipe-worker-<i>`, started at once.
+    """`count` worker processes named `feedpipe-worker-<i>`, idle ones adopted (see
+    `feedpipe.core.warm`) and the rest started at once.
 
     Invariant: each live worker holds one socket to this process and maps only the slots it
-    was sent; `close()` (also run by `weakref.finalize`) leaves no process behind.
+    was sent; `close()` (also run by `weakref.finalize`) leaves no process behind but those
+    given back, healthy and holding nothing of this feeder, to the warm workers.
     """
 
     kind = "process"
 
     def __init__(self, count: int, setup: dict, timeout_s: float | None):
         remove_orphans()
-        payload, data, spans = _pack(setup)
         self._status_buffer = SharedBuffer(count * 3 * 8, "status")
         status = self._status_buffer.array.view(np.float64).reshape(count, 3)
         super().__init__(count, status, timeout_s, setup["num_shards"])
-        self.procs: list[subprocess.Popen] = []
-        self.conns: list[Connection] = []
+        # New interpreters start first: the arrays are copied while they import.
+        spawned = warm.take(self.names)
+        self.procs: list[subprocess.Popen] = [worker.proc for worker in spawned]
+        self.conns: list[Connection] = [worker.conn for worker in spawned]
+        self._failed: set[int] = set()
         self._known: list[set[int]] = [set() for _ in range(count)]
         self._finalizer = weakref.finalize(self, _stop_processes, self.procs, self.conns)
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-        # The kernel ends a worker with the thread that started it: only the main thread
-        # lives exactly as long as this process.
-        kernel = "1" if threading.current_thread() is threading.main_thread() else "0"
-        for name in self.names:
-            ours, theirs = socket.socketpair()
-            with theirs:
-                self.procs.append(
-                    subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "feedpipe.core._worker",
-                            name,
-                            str(theirs.fileno()),
-                            str(os.getpid()),
-                            kernel,
-                        ],
-                        pass_fds=[theirs.fileno()],
-                        stdin=subprocess.DEVNULL,
-                        env=env,
+        payload, data = _pack(setup)
+        # None, not [] or 0 bytes, says no files follow: arrays may all be empty.
+        data_sizes = None if data is None else data.sizes
+        spans = [] if data is None else data.spans
+        try:
+            for worker, conn in enumerate(self.conns):
+                try:
+                    conn.send(
+                        (
+                            "adopt",
+                            self.names[worker],
+                            worker,
+                            sys.path,
+                            os.getcwd(),
+                            warm.environment(),
+                            data_sizes,
+                            spans,
+                            self._status_buffer.nbytes,
+                        )
                     )
-                )
-            self.conns.append(Connection(ours.detach()))
-        for worker, conn in enumerate(self.conns):
-            try:
-                # None, not 0 bytes, says no data buffer follows: arrays may all be empty.
-                data_nbytes = None if data is None else data.nbytes
-                conn.send((sys.path, data_nbytes, spans, self._status_buffer.nbytes))
-                if data is not None:
-                    send_handle(conn, data.fd, self.procs[worker].pid)
-                send_handle(conn, self._status_buffer.fd, self.procs[worker].pid)
-                conn.send_bytes(payload)
-            except OSError:
-                raise self._death(worker) from None
-        if data is not None:
-            data.close()  # every worker has mapped it or will: the descriptor is no longer needed
+                    for fd in [] if data is None else data.fds:
+                        send_handle(conn, fd, self.procs[worker].pid)
+                    send_handle(conn, self._status_buffer.fd, self.procs[worker].pid)
+                    conn.send_bytes(payload)
+                except OSError:
+                    raise self._death(worker) from None
+        finally:
+            for fd in [] if data is None else data.fds:
+                os.close(fd)  # every worker has mapped it or will
 
     @property
     def pids(self) -> list[int]:
@@ -314,6 +302,7 @@ class ProcessWorkers(_Pool):
     def _death(self, worker: int) -> BaseException:
         """Why `worker` is gone: the error it sent before it stopped (a send to it may fail
         before that reply is read), else a WorkerError naming how it ended."""
+        self._failed.add(worker)
         conn = self.conns[worker]
         with contextlib.suppress(EOFError, OSError):
             while conn.poll():
@@ -379,15 +368,22 @@ class ProcessWorkers(_Pool):
                 if kind == "error":
                     value = _rebuild(value, text[0], self.names[worker])
                     if task is None:  # the worker's own error, not a task's: it has stopped
+                        self._failed.add(worker)
                         raise value
                 replies.append(Reply(worker, kind, task, value))
         return replies
 
     def _abandon(self, worker: int) -> None:
+        self._failed.add(worker)
         self.procs[worker].kill()  # it is stuck in user code: closing would wait for it
 
     def close(self) -> None:
-        self._finalizer()
+        """Gives the healthy workers back to the warm workers (which may keep them) and ends
+        the others; idempotent."""
+        if self._finalizer.detach() is not None:
+            spawned = [warm.Spawned(p, c) for p, c in zip(self.procs, self.conns, strict=True)]
+            healthy = [worker not in self._failed for worker in range(self.count)]
+            warm.give_back(spawned, healthy)
         # The shared status goes now, not when this object is collected (a dataset that
         # outlives its feeder may keep it): its last rows stay readable in a private copy.
         self.status = self.watchdog.status = self.status.copy()

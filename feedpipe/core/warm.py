@@ -1,0 +1,248 @@
+"""Warm workers: worker processes kept between feeders, so that only the first pays their start.
+
+A spawned interpreter takes 0.1 s or more to import numpy and feedpipe's core, and every notebook
+re-run, second `fit` and evaluate-after-fit would pay it again. A feeder closed with its workers
+healthy gives them back here instead of ending them; the next feeder in the process adopts them
+and sends its own setup. A worker given back has let go of everything of its feeder (source,
+transform, host slots, shared arrays, status row) and proved it (see
+`feedpipe.core._worker.leftovers`); one that was killed, overdue, ended, or still holds any of it
+is ended, never kept.
+
+Idle workers cost memory (an interpreter with numpy: about 40 MB resident, 20 MB of it its
+own), so at most `FEEDPIPE_WARM_WORKERS` are kept (default: one per core this process may run
+on; 0 turns warm workers off, and every worker then ends with its feeder), each for at most
+`FEEDPIPE_WARM_IDLE_S` seconds (default 300), after which it ends by itself. They end with this
+process as every worker does (see `feedpipe.core._worker`), SIGKILL included.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection, wait
+from typing import NamedTuple
+
+from feedpipe.core import _arrays
+from feedpipe.core._sync import STOP_GRACE_S
+
+COUNT_ENV = "FEEDPIPE_WARM_WORKERS"
+"""How many idle worker processes this process keeps for its next feeder; 0 keeps none."""
+IDLE_ENV = "FEEDPIPE_WARM_IDLE_S"
+"""How long an idle worker process waits for a feeder before it ends."""
+DEFAULT_IDLE_S = 300.0
+"""Five minutes: a notebook cell run again, or `evaluate` after `fit`, comes well within it;
+a process that has stopped feeding gives the memory back soon after."""
+EXIT_MARGIN_S = 5.0
+"""A worker ends this long after this process stops offering it, so that it is never adopted
+while it ends."""
+
+
+class Spawned(NamedTuple):
+    """A worker process and this process's end of its socket."""
+
+    proc: subprocess.Popen
+    conn: Connection
+
+
+class _Idle(NamedTuple):
+    worker: Spawned
+    until: float  # monotonic seconds after which it is no longer offered
+
+
+_lock = threading.Lock()
+_idle: list[_Idle] = []
+
+
+def capacity() -> int:
+    """The idle workers kept at most: `FEEDPIPE_WARM_WORKERS`, else one per usable core."""
+    value = os.environ.get(COUNT_ENV, "").strip()
+    if not value:
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    if value.lower() in ("off", "false", "no"):
+        return 0
+    if not value.isdigit():
+        raise ValueError(
+            f"{COUNT_ENV}={os.environ[COUNT_ENV]!r} is not a count of processes; set it to 0 "
+            "to end every worker with its feeder, or to how many idle workers to keep."
+        )
+    return int(value)
+
+
+def idle_s() -> float:
+    """How long an idle worker is kept: `FEEDPIPE_WARM_IDLE_S` seconds, else 300."""
+    value = os.environ.get(IDLE_ENV)
+    if value is None:
+        return DEFAULT_IDLE_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(
+            f"{IDLE_ENV}={value!r} must be a number of seconds > 0 (how long an idle worker "
+            f"process is kept); set {COUNT_ENV}=0 to keep none."
+        )
+    return seconds
+
+
+def warm_workers(count: int) -> list[int]:
+    """Starts worker processes now, so that the feeders to come find `count` of them warm.
+
+    Call it early (at the top of a script, before loading a model): the interpreters start
+    while the rest runs, and the first feeder with `workers<=count` adopts them, paying no
+    interpreter start. They are kept as workers given back are (`FEEDPIPE_WARM_WORKERS`,
+    `FEEDPIPE_WARM_IDLE_S`); returns the pids of the idle workers.
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"`count`={count!r} must be a number of processes >= 0.")
+    room = capacity()
+    wait_s = idle_s()
+    with _lock:
+        missing = min(count, room) - len(_idle)
+    started = [spawn(f"feedpipe-worker-{i}", wait_s + EXIT_MARGIN_S) for i in range(missing)]
+    until = time.monotonic() + wait_s
+    with _lock:
+        _idle.extend(_Idle(worker, until) for worker in started)
+    return idle_pids()
+
+
+def environment() -> dict[str, str]:
+    """A worker's environment: this process's, with no GPU visible."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+
+
+def spawn(name: str, wait_s: float | None = None) -> Spawned:
+    """Starts one worker process (`python -m feedpipe.core._worker`), which waits for a setup.
+
+    It sees no GPU, and it ends with this process: by the kernel where the thread starting it
+    is the main thread (which lives exactly as long as the process), else by its own check.
+    With `wait_s`, it ends by itself if no feeder adopts it within that many seconds.
+    """
+    kernel = "1" if threading.current_thread() is threading.main_thread() else "0"
+    ours, theirs = socket.socketpair()
+    with theirs:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "feedpipe.core._worker",
+                name,
+                str(theirs.fileno()),
+                str(os.getpid()),
+                kernel,
+                *([] if wait_s is None else [str(wait_s)]),
+            ],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            env=environment(),
+        )
+    return Spawned(proc, Connection(ours.detach()))
+
+
+def _usable(idle: _Idle, now: float) -> bool:
+    return now < idle.until and idle.worker.proc.poll() is None and not idle.worker.conn.closed
+
+
+def take(names: list[str]) -> list[Spawned]:
+    """A worker for each of `names`: idle ones first (the most recently given back), then new
+    ones, all started before this returns (a new one may still be importing)."""
+    now = time.monotonic()
+    with _lock:
+        usable = [idle for idle in _idle if _usable(idle, now)]
+        stale = [idle.worker for idle in _idle if not _usable(idle, now)]
+        count = min(len(names), len(usable))
+        adopted = [idle.worker for idle in reversed(usable[len(usable) - count :])]
+        _idle[:] = usable[: len(usable) - count]
+    stop(stale)
+    return adopted + [spawn(name) for name in names[len(adopted) :]]
+
+
+def give_back(workers: list[Spawned], healthy: list[bool]) -> list[int]:
+    """Keeps the `healthy` workers that let go of their feeder, up to `capacity()`, and ends
+    the rest; returns the pids kept.
+
+    Each kept worker is asked to let go (it first finishes the task it is running) and must say
+    it has, holding nothing of the feeder, within `STOP_GRACE_S`.
+    """
+    room = capacity()
+    with _lock:
+        room -= len(_idle)
+    wait_s = idle_s()
+    asked, kept = [], []
+    try:
+        for worker, ok in zip(workers, healthy, strict=True):
+            if ok and len(asked) < room and worker.proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    worker.conn.send(("release", wait_s + EXIT_MARGIN_S))
+                    asked.append(worker)
+        released = _released(asked, time.monotonic() + STOP_GRACE_S)
+        until = time.monotonic() + wait_s
+        with _lock:  # another feeder may have given workers back meanwhile
+            kept = released[: max(0, capacity() - len(_idle))]
+            _idle.extend(_Idle(worker, until) for worker in kept)
+    finally:  # even when interrupted (Ctrl-C): what is not kept ends
+        # Those asked have had their grace: one still running is stuck in user code (one that
+        # let go, beyond the room left, waits for a feeder and ends at once).
+        stop([worker for worker in asked if worker not in kept], grace_s=0.0)
+        stop([worker for worker in workers if worker not in asked])
+    return [worker.proc.pid for worker in kept]
+
+
+def _released(asked: list[Spawned], deadline: float) -> list[Spawned]:
+    """Those of `asked` that said, before `deadline`, that they hold nothing of their feeder;
+    replies to tasks still running come first and are dropped."""
+    waiting = {worker.conn: worker for worker in asked}
+    clean = []
+    while waiting and (left := deadline - time.monotonic()) > 0:
+        for conn in wait(list(waiting), left):
+            try:
+                kind, _, value, *_ = conn.recv()
+            except (EOFError, OSError):
+                waiting.pop(conn)
+                continue
+            if kind == "released":
+                worker = waiting.pop(conn)
+                if not value:  # nothing left over
+                    clean.append(worker)
+    return clean
+
+
+def stop(workers: list[Spawned], grace_s: float = STOP_GRACE_S) -> None:
+    """Ends `workers`: their sockets close (a waiting worker exits), and what still runs after
+    `grace_s` is killed."""
+    for worker in workers:
+        with contextlib.suppress(OSError):
+            worker.conn.close()
+    deadline = time.monotonic() + grace_s
+    for worker in workers:
+        try:
+            worker.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            worker.proc.kill()
+            worker.proc.wait()
+
+
+def idle_pids() -> list[int]:
+    """The pids of the idle workers kept now."""
+    now = time.monotonic()
+    with _lock:
+        return [idle.worker.proc.pid for idle in _idle if _usable(idle, now)]
+
+
+def drain() -> None:
+    """Ends every idle worker, and drops the kept copy of a source's arrays, now (at exit, and
+    when the memory is wanted back)."""
+    _arrays.forget()
+    with _lock:
+        workers = [idle.worker for idle in _idle]
+        _idle.clear()
+    stop(workers)
+
+
+atexit.register(drain)
