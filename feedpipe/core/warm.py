@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 from feedpipe.core import _arrays
 from feedpipe.core._sync import STOP_GRACE_S
+from feedpipe.core.cost import cores
 
 COUNT_ENV = "FEEDPIPE_WARM_WORKERS"
 """How many idle worker processes this process keeps for its next feeder; 0 keeps none."""
@@ -63,7 +64,7 @@ def capacity() -> int:
     """The idle workers kept at most: `FEEDPIPE_WARM_WORKERS`, else one per usable core."""
     value = os.environ.get(COUNT_ENV, "").strip()
     if not value:
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        return cores()
     if value.lower() in ("off", "false", "no"):
         return 0
     if not value.isdigit():
