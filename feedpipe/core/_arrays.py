@@ -30,6 +30,7 @@ from typing import NamedTuple
 import numpy as np
 
 from feedpipe.core._shm import SharedBuffer, _libc, map_parts
+from feedpipe.core.cost import cores
 from feedpipe.core.slots import ALIGN_BYTES
 
 PART_BYTES = 64 << 20
@@ -65,8 +66,7 @@ def write(fd: int, raw: memoryview, offset: int) -> None:
 def parts(total: int) -> list[int]:
     """The sizes of the files `total` bytes are split into: one per thread of the copy, each
     but the last a whole number of pages."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-    count = max(1, min(cores, MAX_PARTS, total // PART_BYTES))
+    count = max(1, min(cores(), MAX_PARTS, total // PART_BYTES))
     size = -(-total // count // mmap.PAGESIZE) * mmap.PAGESIZE
     sizes = []
     while total > 0 or not sizes:
