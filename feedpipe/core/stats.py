@@ -88,8 +88,9 @@ class FeedStats:
     """One-off host slots made because the consumer kept batches it had taken (0 normally)."""
     slots_allocated: int
     """Host slots made so far, overflow included. It stops growing once the pipeline runs:
-    `depth + 2` with one producer thread, `depth + 3` with workers over an indexed source,
-    `depth + 1 + workers` with workers over a generator (per mode: loop or `as_dataset`)."""
+    `depth + 2` with one producer thread (`depth + 3` where in-memory arrays are gathered ahead
+    in threads), `depth + 3` with workers over an indexed source, `depth + 1 + workers` with
+    workers over a generator (per mode: loop or `as_dataset`)."""
     staged: int = 0
     """Batches staged and not yet taken at this snapshot (0 when no loop runs): the occupancy
     the next step will find."""
@@ -124,7 +125,9 @@ class FeedStats:
     device_blocks: int = 0
     """Device memory blocks (one replica's batch each) that feedpipe's own streams copy into,
     allocated now over every device. It stops growing once the pipeline runs: at most
-    `depth + 3` per device, plus one per batch the consumer keeps beyond those."""
+    `depth + 3` per device and the spares that let one fence cover many batches
+    (`feedpipe.core.copy_engine.block_limit`), plus one per batch the consumer keeps beyond
+    those."""
     fence_wait_s: float = 0.0
     """Time the staging thread waited for the device to finish a step before reusing a device
     block: the consumer had queued more steps than the device had run. Above 0: the step sets
