@@ -73,8 +73,8 @@ workers:
     bash kernels_bench/gpu_run.sh
 
 which takes about 6 minutes, writes `kernels_bench/results/gpu.json` (4 repetitions) and the
-others, and copies them with their logs to `$OUT` (`GPU_RUN=jax` runs this half alone). `--smoke` shrinks every
-part (a few small batches, 2 workers, 3 repetitions, under 2 minutes) so that it runs on CPU JAX
+others, and copies them with their logs to `$OUT` (`GPU_RUN=jax` runs this half alone).
+`--smoke` shrinks every part (a few small batches, 2 workers, 3 repetitions, under 2 minutes) so that it runs on CPU JAX
 as a check that the script works, and writes `gpu_smoke.json` instead: its figures are labelled
 with the platform they came from, and on a CPU device `jax.device_put` may wrap host memory
 instead of copying it, so its "copy rates" are not copy rates. The JSON records the device, the
