@@ -67,18 +67,19 @@ pip, for the GPU machine's Python (3.12 here; ~7 MB):
 
 Then, on the GPU machine, in the repository root with `.whl` carried beside the checkout, the
 one command, which also runs the JAX GPU tests first (`tests/gpu/test_gpu_jax.py`), then
-PyTorch's half (`kernels_bench.torch_gpu` and its tests) and `kernels_bench.startup` with 8
-workers:
+PyTorch's half (`kernels_bench.torch_gpu` and its tests), `kernels_bench.startup` with 8
+workers and `kernels_bench.gather` on the machine's cores:
 
     bash kernels_bench/gpu_run.sh
 
 which takes about 6 minutes, writes `kernels_bench/results/gpu.json` (4 repetitions) and the
 others, and copies them with their logs to `$OUT` (`GPU_RUN=jax` runs this half alone).
-`--smoke` shrinks every part (a few small batches, 2 workers, 3 repetitions, under 2 minutes) so that it runs on CPU JAX
-as a check that the script works, and writes `gpu_smoke.json` instead: its figures are labelled
-with the platform they came from, and on a CPU device `jax.device_put` may wrap host memory
-instead of copying it, so its "copy rates" are not copy rates. The JSON records the device, the
-versions, whether the slots were page-locked and, if not, why.
+`--smoke` shrinks every part (a few small batches, 2 workers, 3 repetitions, under 2 minutes)
+so that it runs on CPU JAX as a check that the script works, and writes `gpu_smoke.json`
+instead: its figures are labelled with the platform they came from, and on a CPU device
+`jax.device_put` may wrap host memory instead of copying it, so its "copy rates" are not copy
+rates. The JSON records the device, the versions, whether the slots were page-locked and, if
+not, why.
 """
 
 from __future__ import annotations
