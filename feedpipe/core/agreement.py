@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import time
 from collections.abc import Callable
 from typing import Protocol
 
+from feedpipe.core._sync import seconds_from_env
 from feedpipe.core.split import HostShare
 
 SHOWN_VALUES = 4
@@ -38,16 +38,7 @@ start together but load their data at different speeds still meet."""
 def timeout_s() -> float:
     """How long a host waits for every other host's feeder: `FEEDPIPE_AGREEMENT_TIMEOUT_S`
     seconds, else 300."""
-    value = os.environ.get(TIMEOUT_ENV)
-    if value is None:
-        return DEFAULT_TIMEOUT_S
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise ValueError(f"{TIMEOUT_ENV}={value!r} must be a number of seconds > 0.")
-    return seconds
+    return seconds_from_env(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
 
 
 class NoAnswer(Exception):

@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection, wait
 from typing import NamedTuple
 
 from feedpipe.core import _arrays
-from feedpipe.core._sync import STOP_GRACE_S
+from feedpipe.core._sync import STOP_GRACE_S, seconds_from_env
 from feedpipe.core.cost import cores
 
 COUNT_ENV = "FEEDPIPE_WARM_WORKERS"
@@ -77,19 +77,11 @@ def capacity() -> int:
 
 def idle_s() -> float:
     """How long an idle worker is kept: `FEEDPIPE_WARM_IDLE_S` seconds, else 300."""
-    value = os.environ.get(IDLE_ENV)
-    if value is None:
-        return DEFAULT_IDLE_S
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise ValueError(
-            f"{IDLE_ENV}={value!r} must be a number of seconds > 0 (how long an idle worker "
-            f"process is kept); set {COUNT_ENV}=0 to keep none."
-        )
-    return seconds
+    return seconds_from_env(
+        IDLE_ENV,
+        DEFAULT_IDLE_S,
+        f" (how long an idle worker process is kept); set {COUNT_ENV}=0 to keep none",
+    )
 
 
 def warm_workers(count: int) -> list[int]:
