@@ -317,6 +317,8 @@ class CopyEngine:
             self._fields.append((offset, leaf.dtype, (per_replica, *leaf.shape)))
             offset += round_up(per_replica * leaf.row_bytes, BLOCK_ALIGN)
         self.block_bytes = max(offset, BLOCK_ALIGN)
+        self.replica_bytes = per_replica * spec.row_bytes
+        """Bytes one device's copy moves each batch: what its wait expects."""
         limit = block_limit(depth, self.block_bytes)
         self.pools = [
             BlockPool(memory, self._fields, self.block_bytes, limit, fence)
@@ -342,7 +344,6 @@ class CopyEngine:
             for pool in self.pools:
                 blocks.append(pool.acquire())
             issued = clock()
-            nbytes = 0
             for memory, block, fields in zip(self.memories, blocks, sources, strict=True):
                 address = block.address
                 pairs = [
@@ -350,14 +351,13 @@ class CopyEngine:
                     for (offset, _, _), (host, size) in zip(self._fields, fields, strict=True)
                     if size
                 ]
-                nbytes = max(nbytes, sum(size for _, size in fields))
                 memory.copy(pairs)
             waiting = clock()
-            expected_s = self.link.expected_s(nbytes)
+            expected_s = self.link.expected_s(self.replica_bytes)
             for memory in self.memories:
                 memory.wait(expected_s)
             copied = clock()
-            self.link.observed(nbytes, copied - issued)
+            self.link.observed(self.replica_bytes, copied - issued)
             stage_s["fence"] += issued - started
             stage_s["copy issued"] += waiting - issued
             stage_s["copy waited"] += copied - waiting

@@ -250,6 +250,8 @@ class Stager:
         self.masks = MaskCache(len(layer.devices), layout.split.per_replica, self._place_masks)
         self.link = LinkRate()
         """The copies' rate so far: how long a wait polls before it sleeps."""
+        self.replica_bytes = layout.spec.row_bytes * layout.split.per_replica
+        """Bytes each device's copy moves a batch."""
 
     def _place_masks(self, parts: np.ndarray) -> tuple[torch.Tensor, ...]:
         """A pattern's masks, made once and kept, each batch given copies of its own (see
@@ -315,11 +317,11 @@ class Stager:
             event.record(stream)
             copies.append((device, event))
         issued = time.perf_counter()
-        poll_s = self.link.expected_s(self.layout.batch_bytes // len(copies))
+        poll_s = self.link.expected_s(self.replica_bytes)
         for _, event in copies:  # the slot's bytes are read: it may return to the pool
             poll_then_sleep(event.query, event.synchronize, poll_s)
         copied = time.perf_counter()
-        self.link.observed(self.layout.batch_bytes // len(copies), copied - started)
+        self.link.observed(self.replica_bytes, copied - started)
         stage_s["copy issued"] += issued - started
         stage_s["copy waited"] += copied - issued
         self.stats.copied(self.layout.batch_bytes, copied - started)
