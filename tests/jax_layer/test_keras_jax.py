@@ -239,3 +239,25 @@ def test_a_real_ctrl_c_in_any_step_leaves_a_whole_model_and_the_same_fit_goes_on
     whole = fit(None)
     for at in range(steps):
         assert_same_weights(fit(at), whole)
+
+
+def test_fit_on_a_feeder_gathering_arrays_in_threads_trains_as_fit_on_the_arrays(
+    keras, monkeypatch
+):
+    from feedpipe.core import gather
+
+    monkeypatch.setattr(gather, "MIN_RANGE_BYTES", 1)  # a batch this small shared by threads
+    monkeypatch.setenv(gather.THREADS_ENV, "3")
+    submitted = []
+    submit = gather.GatherPool.submit
+    monkeypatch.setattr(gather.GatherPool, "submit", lambda *a: submitted.append(1) or submit(*a))
+    x, y = (a[:96] for a in data())
+    with fp.Feeder((x, y), BATCH, devices=jax.devices()[:1]) as feeder:
+        assert feeder.describe().gather_threads == 3
+        fed = model(keras)
+        fed.fit(feeder, epochs=2, callbacks=[feeder.fit_callback()], verbose=0)
+    plain = model(keras)
+    plain.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    assert len(submitted) >= 6, "the fit's batches were gathered in the threads"
+    assert int(fed.optimizer.iterations) == int(plain.optimizer.iterations) == 6
+    assert_same_weights(fed, plain)
