@@ -117,7 +117,9 @@ class FeederDescription:
     gather_threads: int
     """Threads gathering each batch of in-memory arrays without a `transform` (the producer's
     own included), each copying a range of its rows, the next batch's while this one is
-    staged; 0 where batches are made otherwise (see `feedpipe.core.gather`)."""
+    staged; 0 where batches are made otherwise (see `feedpipe.core.gather`). On TensorFlow,
+    `as_dataset()` (what `model.fit` reads) gathers such arrays in tf.data's own threads
+    instead; these serve the feeder's own loop."""
     gather_chosen: str | None
     """What set `gather_threads`: the cores, the batch's bytes or `FEEDPIPE_GATHER_THREADS`;
     None where batches are made otherwise."""
