@@ -385,11 +385,13 @@ class Report:
         label: str | None = None,
         applies: bool = True,
         why_not: str | None = None,
+        value: float | None = None,
     ) -> dict:
-        """Checks the median of `metric` in `case` against `op threshold`; a target that does
-        not apply here may lack the metric."""
+        """Checks the median of `metric` in `case` (or `value`, a figure taken once over every
+        repetition) against `op threshold`; a target that does not apply here may lack the
+        metric."""
         try:
-            value = self.median(case, metric)
+            value = self.median(case, metric) if value is None else value
         except KeyError:
             if applies:
                 raise
