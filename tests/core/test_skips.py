@@ -12,8 +12,8 @@ import cloudpickle
 import numpy as np
 import pytest
 
-from feedpipe.core.sampler import Step
 from feedpipe.core import skips
+from feedpipe.core.sampler import Step
 from feedpipe.core.skips import (
     MESSAGE_CHARS,
     RECORDS_KEPT,
