@@ -127,6 +127,10 @@ class Consumer:
         self.under_way: tuple[Pass, Position] | None = None
         """The batch a user's loop was handed last, and that loop, until it asks for the next
         one or another pass begins: the batch `give_back` may take back."""
+        self.begun_at = self.position
+        """Where the last pass began: a loop that raises gives back batches from there on."""
+        self.aside_from: Position | None = None
+        """Inside `set_aside`, the position its block returns to."""
         self.settle()
 
     @property
@@ -297,6 +301,7 @@ class Consumer:
             start = Position(start.epoch + 1, 0)
             self.assembly.stop()  # what it staged goes on from the position
         this = Pass(fit, start, counters, self.passes, taken=taken, reader=reader, aside=aside)
+        self.begun_at = start
         self.active = this
         self.under_way = None
         if fit and not aside:
@@ -367,6 +372,8 @@ class Consumer:
         self.active = None
         if not this.fit:
             self.settle()
+        else:
+            self.fold_skips()
 
     def _end_aside(self, this: Pass) -> None:
         """Ends the pass read aside `this`: what was staged after it is made again from the
@@ -413,6 +420,25 @@ class Consumer:
         self._settled = (self.position, self.passes)
         self._settled_counters = self.stats.consumer_counters()
         self.fits.settled()
+        self.fold_skips()
+
+    def fold_skips(self) -> None:
+        """Folds the skips of the batches that no pass goes back to into their epoch's count
+        (`SkipLedger.fold_before`): those before every position the consumer may return to,
+        where it was settled, the start of the last pass (a loop that raised gives its batches
+        back), the batch under way, what a tracked fit trained, where a block read aside ends."""
+        if self.assembly.skips is None:
+            return
+        returns = [self.position, self.begun_at]
+        if self.fits.tracker is None:
+            returns.append(self._settled[0])
+        else:
+            returns.append(self.fits.tracked())
+        if self.under_way is not None:
+            returns.append(self.under_way[1])
+        if self.aside_from is not None:
+            returns.append(self.aside_from)
+        self.assembly.skips.fold_before(min(returns))
 
     @_locked
     def forget_unsettled(self) -> None:
@@ -482,7 +508,7 @@ class Consumer:
         if source_state is not None:  # a DALI source: its pipelines' own checkpoints
             state["source"] = source_state
         if self.assembly.skips is not None:  # the epoch's skips count against its budget
-            state["skipped"] = self.assembly.skips.state(position)
+            state.update(self.assembly.skips.state(position))
         return state
 
     @_locked
@@ -504,7 +530,7 @@ class Consumer:
         self.fits.interrupted_at = None
         assembly.producer.restore(self.position, state.get("source"))
         if assembly.skips is not None:
-            assembly.skips.restore(state.get("skipped", []))
+            assembly.skips.restore(state)
         self.settle()
 
     @contextlib.contextmanager
@@ -512,7 +538,7 @@ class Consumer:
         """A block whose reads train nothing (see `Feeder.set_aside`)."""
         self.fits.end_interrupted()
         self.end_open_pass()
-        position = self.position
+        position = self.aside_from = self.position
         if position.step > 0 and self.assembly.plan is not None:
             self.assembly.stop()
             self.position = Position(position.epoch + 1, 0)
@@ -521,15 +547,17 @@ class Consumer:
         finally:
             self.active = None
             self.assembly.stop()
-            self.position = position
+            self.position, self.aside_from = position, None
             self.settle()
 
     def snapshot(self) -> FeedStats:
         """The stats so far, with what the consumer of a gathered pass being read has taken."""
         snapshot = self.stats.snapshot(**self.assembly.slot_stats())
         if self.assembly.skips is not None:
-            taken = tuple(self.assembly.skips.before(self.position))
-            snapshot = dataclasses.replace(snapshot, skipped=taken)
+            taken, unlisted = self.assembly.skips.before(self.position)
+            snapshot = dataclasses.replace(
+                snapshot, skipped=tuple(taken), skipped_unlisted=unlisted
+            )
         this = self.active
         if this is None or this.taken is None or this.counted:
             return snapshot

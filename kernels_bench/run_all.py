@@ -35,6 +35,7 @@ SCRIPTS = (
     "data_service",
     "jax_parity",
     "demo",
+    "skip_state",
 )
 
 

@@ -158,12 +158,16 @@ class FeedStats:
     skipped: tuple[SkippedSample, ...] = ()
     """The samples `errors="skip"` left out of the batches taken, in order, each with its
     epoch, index, step and the type and message of its error (since the feeder was built, or
-    since the epoch of the state it was restored to began). Empty with `errors="raise"`."""
+    since the epoch of the state it was restored to began), the first `RECORDS_KEPT` of each
+    epoch (`feedpipe.core.skips`). Empty with `errors="raise"`."""
+    skipped_unlisted: int = 0
+    """The samples `errors="skip"` left out of the batches taken past those `skipped` lists,
+    known by count alone."""
 
     @property
     def skipped_samples(self) -> int:
         """How many samples `errors="skip"` left out of the batches taken."""
-        return len(self.skipped)
+        return len(self.skipped) + self.skipped_unlisted
 
     @property
     def copy_gb_per_s(self) -> float:
@@ -295,7 +299,8 @@ class FeedStats:
     def _skips(self) -> str:
         if not self.skipped:
             return ""
-        return f"; skipped {self.skipped_samples} failing samples ({named(self.skipped)})"
+        listed = named(self.skipped, self.skipped_unlisted)
+        return f"; skipped {self.skipped_samples} failing samples ({listed})"
 
     def _copies(self) -> str:
         if not self.copies:

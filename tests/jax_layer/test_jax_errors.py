@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import feedpipe as fp
+from feedpipe.core import skips
 from tests.processes import REPO_ROOT
 from tests.worker_fakes import (
     BadSample,
@@ -260,3 +261,32 @@ def test_a_workers_traceback_names_the_users_file_and_line(tmp_path):
     assert f'File "{script}", line 7, in transform' in done.stdout
     assert 'raise ValueError("bad sample")' in done.stdout
     assert "<dynamic-code>" not in done.stdout
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_past_the_records_kept_resumes_with_the_same_count_and_digest(
+    devices, workers, monkeypatch
+):
+    # 1 sample in 3 fails over 25 steps; 4 records kept an epoch, the rest counted.
+    monkeypatch.setattr(skips, "RECORDS_KEPT", 4)
+    bad = tuple(range(0, 200, 3))
+    options = {"devices": devices, "workers": workers, "errors": "skip", "max_skipped": 0.5}
+    with fp.Feeder(index_pairs(200), BATCH, transform=FailsOn(bad), **options) as whole:
+        loop = iter(whole)
+        states = {}
+        for step in range(1, 26):
+            next(loop)
+            if step in (10, 20):
+                states[step] = json.loads(json.dumps(whole.get_state()))
+        loop.close()
+        assert whole.stats().skipped_samples == len(bad)
+    with fp.Feeder(index_pairs(200), BATCH, transform=FailsOn(bad), **options) as resumed:
+        resumed.set_state(states[10])
+        assert resumed.stats().skipped_samples == states[10]["skipped_count"] == 27
+        assert len(resumed.stats().skipped) == 4
+        loop = iter(resumed)
+        for _ in range(10):
+            next(loop)
+        assert resumed.get_state() == states[20]
+        loop.close()
+    assert len(json.dumps(states[20]["skipped"])) < 1000
