@@ -33,7 +33,9 @@ class _ProcessGroupStore:
             self.store.wait([key], datetime.timedelta(seconds=timeout_s))
         except RuntimeError as error:  # torch.distributed.DistStoreError: the wait timed out
             raise TimeoutError(str(error)) from error
-        return bytes(self.store.get(key))
+        # The key is there now: compare_set with an empty expected value returns it
+        # unchanged, in one request, where get() would first wait for it again (two).
+        return bytes(self.store.compare_set(key, b"", b""))
 
     def add(self, key: str, amount: int) -> int:
         return int(self.store.add(key, amount))
