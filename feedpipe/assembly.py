@@ -371,16 +371,16 @@ class Assembly:
         )
 
     def check_hosts_agree(self) -> None:
-        """Refuses to start unless every host built a feeder of the same order, exchanged
-        through the layer's collectives (`feedpipe.core.agreement`); the source's block_size
-        orders a shuffle too."""
+        """Refuses to start unless every host built a feeder of the same order, compared
+        through the layer's collectives or store (`feedpipe.core.agreement`); the source's
+        block_size orders a shuffle too."""
         fields = {
             "remainder": self.options.remainder,
             "block_size": self.source.block_size,
             "devices_per_host": self.share.local_replicas,
             **self.stream().order_fields(),
         }
-        check_hosts_agree(self.layer.exchange, self.share, fields)
+        check_hosts_agree(self.layer.tally, self.share, fields)
 
     # ---- the pipeline ------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from feedpipe.core.agreement import Tally
 from feedpipe.core.copy_engine import CopyPath
 from feedpipe.core.sampler import Step
 from feedpipe.core.slots import SlotLayout
@@ -75,10 +76,11 @@ class Layer(Protocol):
         value of each field (the source's arrays, where batches are their rows as they are), or
         None where values are made later."""
 
-    def exchange(self, payload: bytes) -> list[bytes]:
-        """Every host's `payload`, in host order, through the framework's own collectives;
-        raises `feedpipe.core.agreement.NoAnswer` where a host did not answer in time. Called
-        only where several hosts share the feeder (`share.num_hosts` > 1)."""
+    def tally(self, payload: bytes) -> Tally:
+        """Every host's `payload` compared with host 0's, through the framework's own
+        collectives or store (`feedpipe.core.agreement`); raises
+        `feedpipe.core.agreement.NoAnswer` where a host did not answer in time. Called only
+        where several hosts share the feeder (`share.num_hosts` > 1)."""
 
     def stager(self, layout: SlotLayout, stats: StatsRecorder) -> Stager:
         """A stager that puts each replica's regions of a slot on its device, recording the

@@ -1,12 +1,14 @@
-"""Agreement over JAX: the exchange the processes of a `jax.distributed` feeder check their
-feeders with (the rule is the core's, `feedpipe.core.agreement`).
+"""Agreement over JAX: how the processes of a `jax.distributed` feeder compare their feeders
+(the rule is the core's, `feedpipe.core.agreement`).
 
 The payloads travel through the distributed runtime's key-value store, the coordination
-service `jax.distributed.initialize` connects every process to, each read bounded by a
-deadline (`feedpipe.core.agreement.exchange_through`). A process that never builds its feeder
-(it failed before, or runs other code) is then named within `timeout_s()` instead of leaving the
-others waiting forever, which a compiled collective (`multihost_utils.process_allgather`) would
-do; the store also needs no device memory and no compiled program.
+service `jax.distributed.initialize` connects every process to: each process sets, reads and
+adds to it 3 times where the feeders agree (`feedpipe.core.agreement.tally_through`), so the
+service's work grows as the process count, and every read is bounded by a deadline. A process
+that never builds its feeder (it failed before, or runs other code) is then named within
+`timeout_s()` instead of leaving the others waiting forever, which a compiled collective
+(`multihost_utils.process_allgather`) would do; the store also needs no device memory and no
+compiled program.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ from typing import Any
 import jax
 
 from feedpipe._internals import jax_distributed_client
-from feedpipe.core.agreement import exchange_through
+from feedpipe.core.agreement import Tally, next_round_key, tally_through
 
 
 class _CoordinationStore:
-    """The coordination service's key-value store, as `exchange_through` reads it."""
+    """The coordination service's key-value store, as `tally_through` reads it."""
 
     def __init__(self, client: Any):
         self.client = client
@@ -34,9 +36,14 @@ class _CoordinationStore:
         except jax.errors.JaxRuntimeError as error:  # DEADLINE_EXCEEDED, or the service gone
             raise TimeoutError(str(error)) from error
 
+    def add(self, key: str, amount: int) -> int:
+        return self.client.key_value_increment(key, amount)
 
-def exchange(processes: list[int], payload: bytes) -> list[bytes]:
-    """Every process's `payload`, in the order of `processes` (the mesh's, which this process
-    is among); `NoAnswer` naming the first process that did not answer in time."""
+
+def tally(processes: list[int], payload: bytes) -> Tally:
+    """Every process's `payload` compared with the first's of `processes` (the mesh's, which
+    this process is among); `NoAnswer` where a process did not answer in time."""
     store = _CoordinationStore(jax_distributed_client())
-    return exchange_through(store, jax.process_index(), processes, payload, "process")
+    return tally_through(
+        store, jax.process_index(), processes, payload, "process", next_round_key()
+    )

@@ -34,6 +34,7 @@ import optree
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from feedpipe._internals import jax_dlpack_import
+from feedpipe.core.agreement import Tally
 from feedpipe.core.copy_engine import (
     NO_COPY,
     OWN_STREAMS,
@@ -226,9 +227,10 @@ class JaxLayer:
             self.copy_path = CopyPath(DEVICE_PUT, f"{undeliverable}, so JAX copies it")
         return arriving
 
-    def exchange(self, payload: bytes) -> list[bytes]:
-        """Every process's `payload`, through the distributed runtime (`feedpipe.jax.agreement`)."""
-        return agreement.exchange(self.processes, payload)
+    def tally(self, payload: bytes) -> Tally:
+        """Every process's `payload` compared with the first's, through the distributed
+        runtime (`feedpipe.jax.agreement`)."""
+        return agreement.tally(self.processes, payload)
 
     def stager(self, layout: SlotLayout, stats: StatsRecorder) -> Stager:
         # One engine for the feeder's life: its device pool's layout never changes.

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from feedpipe.core.agreement import Tally, tally_of
 from feedpipe.core.copy_engine import NO_COPY, CopyPath
 from feedpipe.core.description import is_cpu
 from feedpipe.core.slots import SlotLayout
@@ -48,9 +49,10 @@ class TensorFlowLayer:
         check_stageable(spec, self.devices[0])
         return spec
 
-    def exchange(self, payload: bytes) -> list[bytes]:
-        """Every host's `payload`, through the strategy's all-gathers (`feedpipe.tf.agreement`)."""
-        return agreement.exchange(self.strategy, self.share, payload)
+    def tally(self, payload: bytes) -> Tally:
+        """Every host's `payload` compared with host 0's, through the strategy's all-gathers
+        (`feedpipe.tf.agreement`)."""
+        return tally_of(agreement.exchange(self.strategy, self.share, payload))
 
     def stager(self, layout: SlotLayout, stats: StatsRecorder) -> Stager:
         """TensorFlow's copies run inside its own runtime, untimed: `stats` is not used."""

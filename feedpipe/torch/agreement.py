@@ -1,12 +1,13 @@
-"""Agreement over `torch.distributed`: the exchange the processes of a feeder check their
-feeders with (the rule is the core's, `feedpipe.core.agreement`).
+"""Agreement over `torch.distributed`: how the processes of a feeder compare their feeders
+(the rule is the core's, `feedpipe.core.agreement`).
 
 The payloads travel through the process group's key-value store (the `TCPStore` or file store
-`init_process_group` rendezvoused through), each wait bounded by a deadline
-(`feedpipe.core.agreement.exchange_through`). A process that never builds its feeder is then
-named within the deadline, where a collective (`all_gather_object`) would wait for the process
-group's own timeout (30 minutes by default); the store also needs no device, and works the same
-on gloo and NCCL.
+`init_process_group` rendezvoused through): each rank sets, reads and adds to it 3 times where
+the feeders agree (`feedpipe.core.agreement.tally_through`), so the store's work grows as the
+rank count, and every wait is bounded by a deadline. A process that never builds its feeder is
+then named within the deadline, where a collective (`all_gather_object`) would wait for the
+process group's own timeout (30 minutes by default); the store also needs no device, and works
+the same on gloo and NCCL.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import datetime
 from typing import Any
 
 from feedpipe._internals import torch_default_store
-from feedpipe.core.agreement import exchange_through
+from feedpipe.core.agreement import Tally, next_round_key, tally_through
 
 
 class _ProcessGroupStore:
-    """The process group's store, as `exchange_through` reads it."""
+    """The process group's store, as `tally_through` reads it."""
 
     def __init__(self, store: Any):
         self.store = store
@@ -32,11 +33,16 @@ class _ProcessGroupStore:
             self.store.wait([key], datetime.timedelta(seconds=timeout_s))
         except RuntimeError as error:  # torch.distributed.DistStoreError: the wait timed out
             raise TimeoutError(str(error)) from error
-        return bytes(self.store.get(key))
+        # The key is there now: compare_set with an empty expected value returns it
+        # unchanged, in one request, where get() would first wait for it again (two).
+        return bytes(self.store.compare_set(key, b"", b""))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self.store.add(key, amount))
 
 
-def exchange(rank: int, world_size: int, payload: bytes) -> list[bytes]:
-    """Every rank's `payload`, in rank order; `NoAnswer` naming the first rank that did not
-    answer in time."""
+def tally(rank: int, world_size: int, payload: bytes) -> Tally:
+    """Every rank's `payload` compared with rank 0's; `NoAnswer` where a rank did not answer
+    in time."""
     store = _ProcessGroupStore(torch_default_store())
-    return exchange_through(store, rank, list(range(world_size)), payload, "rank")
+    return tally_through(store, rank, list(range(world_size)), payload, "rank", next_round_key())

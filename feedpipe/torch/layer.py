@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from feedpipe.core._sync import poll_then_sleep
+from feedpipe.core.agreement import Tally
 from feedpipe.core.copy_engine import NO_COPY, CopyPath, LinkRate
 from feedpipe.core.pinned import page_locker
 from feedpipe.core.sampler import Step
@@ -223,10 +224,10 @@ class TorchLayer:
         refuse_unstageable(spec, "PyTorch", device, lambda a: from_numpy(a).to(device))
         return spec
 
-    def exchange(self, payload: bytes) -> list[bytes]:
-        """Every rank's `payload`, through the process group's store
+    def tally(self, payload: bytes) -> Tally:
+        """Every rank's `payload` compared with rank 0's, through the process group's store
         (`feedpipe.torch.agreement`)."""
-        return agreement.exchange(self.rank, self.world_size, payload)
+        return agreement.tally(self.rank, self.world_size, payload)
 
     def stager(self, layout: SlotLayout, stats: StatsRecorder) -> Stager:
         stats.copy_path = self.copy_path.name

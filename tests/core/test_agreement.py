@@ -1,34 +1,49 @@
 """The hosts' agreement, the core's one rule: fields that differ are refused by name with each
-host's value, a host that does not answer is named as such, and agreeing hosts pass; any
-framework's exchange (here a list standing for the hosts) gets the same answer."""
+host's value, a host that does not answer is named as such, and agreeing hosts pass, whether
+every host's fields come from a collective (a list standing for the hosts) or through a
+key-value store (an in-memory one, each host a thread with its own counting client), which
+costs at most 3 round trips a host and 4 operations a host at the store."""
 
 from __future__ import annotations
 
+import collections
 import json
+import re
+import threading
+import time
 
 import pytest
 
-from feedpipe.core.agreement import NoAnswer, check_hosts_agree
+from feedpipe.core.agreement import (
+    NoAnswer,
+    Tally,
+    check_hosts_agree,
+    tally_of,
+    tally_through,
+)
 from feedpipe.core.split import HostShare
 
 FIELDS = {"remainder": "pad", "dataset_length": 24, "seed": 0, "steps_per_epoch": 3}
+JOIN_S = 30.0
+"""How long a test waits for its emulated hosts' threads: far past any deadline they have."""
 
 
 def hosts_with(*others: dict):
-    """An exchange in which host 0 sends what it is given and the others send `others`."""
+    """A collective's tally in which host 0 sends what it is given and the others send
+    `others`."""
 
-    def exchange(payload: bytes) -> list[bytes]:
-        return [payload, *(json.dumps({**FIELDS, **other}).encode() for other in others)]
+    def tally(payload: bytes) -> Tally:
+        return tally_of([payload, *(json.dumps({**FIELDS, **other}).encode() for other in others)])
 
-    return exchange
+    return tally
 
 
 def test_a_field_that_differs_is_refused_naming_it_and_each_hosts_value():
     share = HostShare(12, num_hosts=3, host=0, local_replicas=2)
     with pytest.raises(
         ValueError,
-        match=r"differ in `dataset_length`: dataset_length=24 on hosts 0, 2; dataset_length=25 "
-        r"on host 1 \(and in steps_per_epoch\)\..*\(this is host 0 of 3\)",
+        match=r"differ in `dataset_length`: dataset_length=24 on host 0 and 1 other; "
+        r"dataset_length=25 on host 1 \(and in steps_per_epoch\)\..*\(this is host 0 of 3\)",
     ):
         check_hosts_agree(
             hosts_with({"dataset_length": 25, "steps_per_epoch": 4}, {}), share, FIELDS
@@ -36,12 +51,175 @@ def test_a_field_that_differs_is_refused_naming_it_and_each_hosts_value():
 
 
 def test_a_host_that_does_not_answer_is_named_as_such():
-    def exchange(payload: bytes) -> list[bytes]:
+    def tally(payload: bytes) -> Tally:
         raise NoAnswer("process 1 built no feeder within 3 s")
 
     with pytest.raises(RuntimeError, match=r"Host 0 of 2 could not check.*process 1 built no"):
-        check_hosts_agree(exchange, HostShare(8, num_hosts=2, host=0, local_replicas=2), FIELDS)
+        check_hosts_agree(tally, HostShare(8, num_hosts=2, host=0, local_replicas=2), FIELDS)
 
 
 def test_hosts_that_agree_pass():
     check_hosts_agree(hosts_with({}), HostShare(8, num_hosts=2, host=0, local_replicas=2), FIELDS)
+
+
+# ---- through a key-value store ---------------------------------------------------------------
+
+
+class MemoryStore:
+    """A key-value store in memory that every host's client shares, as a coordinator would."""
+
+    def __init__(self):
+        self.values: dict[str, bytes] = {}
+        self.counters: dict[str, int] = {}
+        self.changed = threading.Condition()
+
+    def set(self, key: str, value: bytes) -> None:
+        with self.changed:
+            self.values[key] = value
+            self.changed.notify_all()
+
+    def get(self, key: str, timeout_s: float) -> bytes:
+        with self.changed:
+            if not self.changed.wait_for(lambda: key in self.values, timeout_s):
+                raise TimeoutError(f"key {key} was not set within {timeout_s:.3f} s")
+            return self.values[key]
+
+    def add(self, key: str, amount: int) -> int:
+        with self.changed:
+            self.counters[key] = self.counters.get(key, 0) + amount
+            return self.counters[key]
+
+
+class CountingClient:
+    """One host's client of a `MemoryStore`: each call is one round trip to the store."""
+
+    def __init__(self, store: MemoryStore):
+        self.store = store
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def set(self, key: str, value: bytes) -> None:
+        self.calls["set"] += 1
+        self.store.set(key, value)
+
+    def get(self, key: str, timeout_s: float) -> bytes:
+        self.calls["get"] += 1
+        return self.store.get(key, timeout_s)
+
+    def add(self, key: str, amount: int) -> int:
+        self.calls["add"] += 1
+        return self.store.add(key, amount)
+
+    @property
+    def round_trips(self) -> int:
+        return sum(self.calls.values())
+
+
+def agree_in_threads(fields_of: list[dict | None]) -> tuple[list, list[CountingClient]]:
+    """Each host (a thread, its own client of one store) checks its fields, `fields_of[h]`, or
+    never builds its feeder where that is None; what each raised (None where it passed), and
+    the clients."""
+    store = MemoryStore()
+    count = len(fields_of)
+    clients = [CountingClient(store) for _ in range(count)]
+    outcomes: list = [None] * count
+
+    def host(position: int) -> None:
+        def tally(payload: bytes) -> Tally:
+            hosts = list(range(count))
+            return tally_through(clients[position], position, hosts, payload, "process", "k")
+
+        share = HostShare(count, num_hosts=count, host=position, local_replicas=1)
+        try:
+            check_hosts_agree(tally, share, fields_of[position])
+        except Exception as error:  # the test reads what each host raised
+            outcomes[position] = error
+
+    threads = [
+        threading.Thread(target=host, args=(h,), daemon=True)
+        for h in range(count)
+        if fields_of[h] is not None
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(JOIN_S)
+    assert not any(thread.is_alive() for thread in threads), "a host still waits"
+    return outcomes, clients
+
+
+def test_64_agreeing_hosts_cost_at_most_3_round_trips_each_and_4_operations_a_host():
+    outcomes, clients = agree_in_threads([dict(FIELDS) for _ in range(64)])
+    assert outcomes == [None] * 64
+    assert max(client.round_trips for client in clients) <= 3
+    assert sum(client.round_trips for client in clients) <= 4 * 64
+    assert all(client.calls["add"] == 1 for client in clients), "one barrier, one add a host"
+
+
+def test_one_host_that_differs_is_named_in_every_host_with_both_values():
+    fields_of = [dict(FIELDS) for _ in range(8)]
+    fields_of[5]["seed"] = 1
+    outcomes, _ = agree_in_threads(fields_of)
+    for host, error in enumerate(outcomes):
+        assert isinstance(error, ValueError), (host, error)
+        assert re.match(
+            r"The hosts' feeders differ in `seed`: seed=0 on host 0 and 6 others; seed=1 on "
+            rf"host 5\. .*\(this is host {host} of 8\)\.$",
+            str(error),
+            re.S,
+        ), str(error)
+
+
+def test_several_hosts_that_differ_are_named_in_every_host_with_each_value():
+    fields_of = [dict(FIELDS) for _ in range(8)]
+    fields_of[2]["seed"] = fields_of[3]["seed"] = 1
+    fields_of[6] = {**FIELDS, "seed": 2, "dataset_length": 25}
+    outcomes, _ = agree_in_threads(fields_of)
+    said = {re.sub(r"this is host \d+", "", str(error)) for error in outcomes}
+    assert len(said) == 1, "every host says the same"
+    assert all(isinstance(error, ValueError) for error in outcomes)
+    assert re.match(
+        r"The hosts' feeders differ in `dataset_length`: dataset_length=24 on hosts 0, 2, 3 and "
+        r"4 others; dataset_length=25 on host 6 \(and in seed\)\.",
+        said.pop(),
+    )
+
+
+def test_more_hosts_that_differ_than_a_refusal_shows_are_counted():
+    fields_of = [{**FIELDS, "seed": host if host in range(1, 7) else 0} for host in range(16)]
+    outcomes, _ = agree_in_threads(fields_of)
+    for error in outcomes:
+        assert isinstance(error, ValueError)
+        assert re.match(
+            r"The hosts' feeders differ in `seed`: seed=0 on host 0 and 9 others; "
+            r"(seed=[1-6] on host [1-6]; ){3}1 more value; 2 more hosts differ\.",
+            str(error),
+        ), str(error)
+
+
+def test_a_host_that_never_arrives_is_reported_by_every_other_within_the_deadline(monkeypatch):
+    monkeypatch.setenv("FEEDPIPE_AGREEMENT_TIMEOUT_S", "0.5")
+    started = time.monotonic()
+    outcomes, _ = agree_in_threads([dict(FIELDS)] * 3 + [None])
+    took_s = time.monotonic() - started
+    for host, error in enumerate(outcomes[:3]):
+        assert isinstance(error, RuntimeError), (host, error)
+        assert re.match(
+            rf"Host {host} of 4 could not check.*3 of 4 processes built their feeder within "
+            r"0\.5 s \(FEEDPIPE_AGREEMENT_TIMEOUT_S\)",
+            str(error),
+            re.S,
+        ), str(error)
+    assert took_s < JOIN_S
+
+
+def test_host_0_that_never_arrives_is_named_by_every_other(monkeypatch):
+    monkeypatch.setenv("FEEDPIPE_AGREEMENT_TIMEOUT_S", "0.5")
+    outcomes, _ = agree_in_threads([None] + [dict(FIELDS)] * 3)
+    for host, error in enumerate(outcomes[1:], start=1):
+        assert isinstance(error, RuntimeError), (host, error)
+        assert re.match(
+            rf"Host {host} of 4 could not check.*process 0 built no feeder within 0\.5 s "
+            r"\(FEEDPIPE_AGREEMENT_TIMEOUT_S\); key k/0 was not set",
+            str(error),
+            re.S,
+        ), str(error)

@@ -253,7 +253,7 @@ def test_processes_whose_feeders_differ_are_refused_naming_the_field_and_none_wa
     alone = results[0]["alone"]
     assert alone is not None and re.match(
         r"RuntimeError: Host 0 of 2 could not check that every host built the same feeder.*"
-        rf"process 1 built no feeder within {AGREEMENT_TIMEOUT_S} s "
+        rf"1 of 2 processes built their feeder within {AGREEMENT_TIMEOUT_S} s "
         r"\(FEEDPIPE_AGREEMENT_TIMEOUT_S\)",
         alone,
         re.S,
