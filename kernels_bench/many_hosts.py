@@ -18,6 +18,18 @@ wait and one more request: a `compare_set` now, a `get` before, which waits agai
 the wall time from the hosts' start to the last host's answer. Every host starts at once (a
 barrier in each emulator). Targets, at every H: `ops` <= 4 H and `max_round_trips` <= 3.
 
+order: host 0's order at H = 64, 256, 512 and N = 1e6, 1e8, 1e9 samples, global batch 4096
+(one replica a host: 64, 16 and 8 rows a host), shuffled (a full permutation at 1e6, the lazy
+one above `LAZY_SHUFFLE_ABOVE`), as the feeder's producer reads it: the sampler made and the
+first step of an epoch planned, and of a restore half-way through one, each timed and, apart,
+its traced peak memory (`tracemalloc`, which sees numpy's buffers); then the steady µs a step
+and a row the host makes, over `ORDER_STEPS_TIMED` steps. Targets at N = 1e9: the first batch
+<= 20 ms and <= 16 MB. The order needs no word between hosts, so one process stands in for any.
+
+state: a host's `get_state()` mid-epoch at each N: the position and the order's fields (a
+`Stream`'s state), and with errors="skip" the whole default budget of skips spent (1 % of the
+epoch; `kernels_bench.skip_state.skip_state_bytes`). Target: <= 1 MB.
+
 JAX's coordination service is not emulated: each emulated host would need its own
 `DistributedRuntimeClient`, and each registers with the service (`connect` waits for all H),
 then keeps a heartbeat and an error-polling RPC open for its life, with its own gRPC channel
@@ -27,7 +39,8 @@ the agreement. The agreement makes the same operations there (`key_value_set_byt
 `max_round_trips` are those counted here.
 
 Run: `env -u KERAS_BACKEND .venv-torch/bin/python -m kernels_bench.many_hosts [--quick]
-[--hosts 64,256,512] [--parts agreement]`; writes `kernels_bench/results/many_hosts.json`.
+[--hosts 64,256,512] [--parts agreement,order,state]`; writes
+`kernels_bench/results/many_hosts.json`.
 """
 
 from __future__ import annotations
@@ -36,12 +49,14 @@ import argparse
 import collections
 import contextlib
 import datetime
+import gc
 import json
 import multiprocessing
 import os
 import threading
 import time
-from collections.abc import Callable
+import tracemalloc
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kernels_bench import harness
@@ -364,8 +379,128 @@ def agreement(report: harness.Report, settings: harness.Settings) -> None:
         hosts.close()
 
 
+GLOBAL_BATCH = 4096
+"""The global batch of the order and state parts: 8 rows a host at 512 hosts of one replica."""
+LENGTHS = (10**6, 10**8, 10**9)
+"""Samples an epoch of the order and state parts."""
+TARGET_LENGTH = 10**9
+"""The epoch length the order's targets are set at (<= 20 ms and <= 16 MB to a first batch)."""
+ORDER_STEPS_TIMED = 200
+"""Steps timed after an epoch's first, for the order's steady cost a step."""
+
+
+@contextlib.contextmanager
+def traced() -> Iterator[dict]:
+    """The peak of memory allocated inside the block (numpy's buffers included)."""
+    out: dict = {}
+    gc.collect()
+    tracemalloc.start()
+    try:
+        yield out
+    finally:
+        out["peak_bytes"] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+
+
+def order_rep(length: int, hosts: int, seed: int) -> dict:
+    """Host 0's order at `length` samples among `hosts` hosts: its first batch of an epoch and
+    of a restore half-way through one (the sampler made, then the step planned: the time, then
+    apart, since tracing slows each allocation, the traced peak memory), then its steady cost a
+    step and a row it makes."""
+    from feedpipe.core.sampler import Sampler
+    from feedpipe.core.split import HostShare
+
+    share = HostShare(GLOBAL_BATCH, hosts, 0, 1).rows
+
+    def first_batch(start: int) -> Sampler:
+        sampler = Sampler(length, GLOBAL_BATCH, shuffle=True, seed=seed, share=share)
+        steps = sampler.steps(1, start)
+        next(steps)
+        steps.close()
+        return sampler
+
+    row: dict[str, float] = {}
+    half = -(-length // GLOBAL_BATCH) // 2
+    for name, start in (("epoch", 0), ("restore", half)):
+        started = time.perf_counter()
+        sampler = first_batch(start)
+        row[f"first_{name}_ms"] = 1e3 * (time.perf_counter() - started)
+        with traced() as memory:
+            first_batch(start)
+        row[f"first_{name}_mb"] = memory["peak_bytes"] / 1e6
+    steps = sampler.steps(2)
+    next(steps)
+    started = time.perf_counter()
+    for _ in range(ORDER_STEPS_TIMED):
+        next(steps)
+    row["step_us"] = 1e6 * (time.perf_counter() - started) / ORDER_STEPS_TIMED
+    row["us_per_own_row"] = row["step_us"] / len(share)
+    return row
+
+
+def order(report: harness.Report, settings: harness.Settings) -> None:
+    """What the order costs one host, at each host count and epoch length."""
+    counts = [int(n) for n in settings.args.hosts.split(",")]
+    for length in LENGTHS:
+        for count in counts:
+            order_rep(length, count, settings.seed)  # warm-up: numpy's first calls
+            reps = [order_rep(length, count, settings.seed + rep) for rep in range(settings.reps)]
+            case = f"order, N={length:.0e}, {count} hosts"
+            report.add_case(
+                case,
+                {"length": length, "hosts": count, "global_batch": GLOBAL_BATCH},
+                reps,
+                units={
+                    "first_epoch_ms": "ms",
+                    "first_epoch_mb": "MB",
+                    "first_restore_ms": "ms",
+                    "first_restore_mb": "MB",
+                    "step_us": "µs",
+                    "us_per_own_row": "µs",
+                },
+            )
+            print(f"  {case}: {report.cases[-1]['metrics']['first_epoch_ms']['median']:.1f} ms")
+            for name in ("epoch", "restore") if length == TARGET_LENGTH else ():
+                label = f"first batch of {'an epoch' if name == 'epoch' else 'a restore'}"
+                report.target(case, f"first_{name}_ms", "<=", 20, f"{label}, ms")
+                report.target(case, f"first_{name}_mb", "<=", 16, f"{label}, MB")
+
+
+def state(report: harness.Report, settings: harness.Settings) -> None:
+    """A host's state mid-epoch at each epoch length: the position and the order's fields, and
+    with errors="skip" the default budget of skips spent (`kernels_bench.skip_state`)."""
+    from feedpipe.core.state import Position, Stream
+    from kernels_bench.skip_state import skip_state_bytes
+
+    for length in LENGTHS:
+        steps = -(-length // GLOBAL_BATCH)
+        stream = Stream(length, GLOBAL_BATCH, GLOBAL_BATCH, 1, settings.seed, True, steps)
+        plain = len(json.dumps(stream.state(Position(3, steps // 2))))
+        reps = []
+        for _ in range(settings.reps):
+            skips = skip_state_bytes(length)
+            reps.append(
+                {
+                    "state_bytes": plain,
+                    "with_skips_bytes": plain + skips["state_bytes"],
+                    "skips": skips["budget"],
+                    "skip_ledger_peak_bytes": skips["booking_peak_bytes"],
+                }
+            )
+        case = f"state, N={length:.0e}"
+        report.add_case(
+            case,
+            {"length": length, "global_batch": GLOBAL_BATCH, "max_skipped": 0.01},
+            reps,
+            units={"state_bytes": "B", "with_skips_bytes": "B", "skip_ledger_peak_bytes": "B"},
+        )
+        report.target(case, "with_skips_bytes", "<=", 1e6, "state with skips, bytes")
+
+
 PARTS: dict[str, Callable[[harness.Report, harness.Settings], None]] = {
     "agreement": agreement,
+    "order": order,
+    "state": state,
 }
 """Each part of a many-hosts job measured here, by name."""
 
@@ -380,7 +515,8 @@ def main(argv=None) -> None:
         "many_hosts",
         "what the parts every host shares cost as hosts grow to 512 (emulated by a few "
         "processes against one coordinator): the agreement check's coordinator CPU, store "
-        "operations and round trips, against the check as it was",
+        "operations and round trips, against the check as it was; a host's order (its first "
+        "batch of an epoch or a restore, its steps) and its state, at N = 1e6, 1e8, 1e9",
         settings,
         "kernels_bench.many_hosts",
     )
