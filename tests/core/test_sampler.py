@@ -324,7 +324,7 @@ def test_lazy_shuffle_has_no_stride_and_no_trend():
 @pytest.mark.parametrize("shuffle", [False, True])
 @pytest.mark.parametrize(("length", "remainder"), [(37, "pad"), (40, "pad"), (37, "drop")])
 @pytest.mark.parametrize("chunk_rows", [1, 16, 24, 1 << 16])
-@pytest.mark.filterwarnings("ignore:remainder=\"drop\" leaves out")
+@pytest.mark.filterwarnings('ignore:remainder="drop" leaves out')
 def test_padded_chunks_are_the_padded_rows_a_few_steps_at_a_time(
     monkeypatch, shuffle, length, remainder, chunk_rows
 ):
