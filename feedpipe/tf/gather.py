@@ -194,6 +194,10 @@ def gathered_dataset(
     chunk = [tf.TensorSpec([None], tf.int64), tf.TensorSpec([None, size], tf.int64)]
     chunk += [tf.TensorSpec([None], tf.int64)]
     chunk += [tf.TensorSpec([None, size] + [1] * (rank - 1), tf.float32) for rank in label_ranks]
+    # A generator's iterator keeps its own pass and order (its start begins the pass, its end
+    # frees them), with no function of the dataset instantiated per pass. tf.data cannot
+    # serialise it, so it skips its static rewrites: none applies to these maps (stateful,
+    # and prefetching is set here), as on the handed-over path.
     planned = generator_dataset(chunks, tuple(chunk)).unbatch()
     # One gather at a time is enough: a batch's gather (~50 µs for 400 KB; TensorFlow's Gather
     # spreads a large one over its intra-op threads) is far shorter than a step that uses it,
