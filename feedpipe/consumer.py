@@ -48,8 +48,6 @@ class Pass:
     """For a pass whose batches the framework gathers itself (see `Consumer.gathered_pass`):
     what its consumer took, as the framework's threads record it (`TakenBatches`); None where
     this feeder hands out the batches and counts them as it does."""
-    valid: Any = None
-    """For a gathered pass: each of its batches' count of real samples."""
     measured: dict | None = None
     """For a gathered pass: what `taken` had timed when it began (see `Consumer.gathered`)."""
     counted: bool = False
@@ -310,22 +308,26 @@ class Consumer:
         return this
 
     @_locked
-    def gathered_pass(self, steps: int | None, taken: Any) -> tuple[Pass, Any, Any]:
+    def gathered_pass(self, steps: int | None, taken: Any) -> Pass:
         """Begins a pass of `as_dataset()` whose batches the framework gathers itself from the
-        source's arrays, in its own threads, with no Python per batch: the pass, the rows of
-        each of its `steps` batches (padded as a slot pads: the real rows repeated in
-        order, so `HostSlot.pad` and this agree row for row) and each batch's count of real
-        rows.
+        source's arrays, in its own threads, with no Python per batch; `gathered_rows` plans
+        its batches' rows as the framework reads them.
 
         The consumer's position follows from what `taken` records of the pass (see
         `Pass.catch_up`), read when the pass ends; until then `position` is where it began.
         """
         this = self.begin_pass(fit=True, steps=steps, taken=taken, reader=taken)
         self.assembly.stop()  # nothing the feeder's thread stages is read in such a pass
-        rows, valid = self.assembly.plan.padded_rows(this.start.epoch, this.start.step)
-        this.valid, this.measured = valid, taken.measured()
+        this.measured = taken.measured()
         taken.open(this.number)
-        return this, rows, valid
+        return this
+
+    def gathered_rows(self, this: Pass) -> Iterator[tuple[int, Any, Any]]:
+        """The batches of the gathered pass `this` to its epoch's end, a chunk of steps at a
+        time (`Sampler.padded_chunks`): each chunk's first step, the rows of its batches
+        (padded as a slot pads: the real rows repeated in order, so `HostSlot.pad` and this
+        agree row for row) and each batch's count of real rows."""
+        return self.assembly.plan.padded_chunks(this.start.epoch, this.start.step)
 
     def gathered(self, this: Pass) -> dict:
         """What the consumer of the gathered pass `this` has taken so far, for the stats: its
@@ -343,7 +345,7 @@ class Consumer:
         step_s = (now["step_us"] - then["step_us"]) / 1e6
         return {
             "steps": steps,
-            "samples": int(this.valid[:steps].sum()),
+            "samples": self.assembly.plan.real_samples(this.start.step, this.start.step + steps),
             "wall_s": step_s / intervals * steps if intervals else 0.0,
             "busy_s": (now["busy_us"] - then["busy_us"]) / 1e6,
             "produced": now["made"] - then["made"],

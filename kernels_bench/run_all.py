@@ -32,6 +32,7 @@ SCRIPTS = (
     "monitor_overhead",
     "images",
     "multi_worker",
+    "gathered_plan",
     "data_service",
     "jax_parity",
     "demo",

@@ -4,6 +4,7 @@ and they are the batches, weights and positions of the feeder's own path."""
 from __future__ import annotations
 
 import gc
+import itertools
 import weakref
 
 import keras
@@ -156,8 +157,10 @@ def test_every_function_of_a_gathered_dataset_is_declared_single_device():
             for node in dataset_pipeline(dataset)
             for wrapper in node._functions()
         ]
-        assert declared.count(("SingleDeviceMap", True)) == 3  # plan, gather, take
-        assert set(declared) - {("SingleDeviceMap", True)} <= {("_MapDataset", False)}  # unbatch's
+        assert declared.count(("SingleDeviceMap", True)) == 2  # gather, take
+        assert declared.count(("GeneratorDataset", True)) == 3  # the plan's start, chunk, end
+        declared_single = {("SingleDeviceMap", True), ("GeneratorDataset", True)}
+        assert set(declared) - declared_single <= {("_MapDataset", False)}  # unbatch's
         assert len(list(dataset)) == len(feeder)
 
 
@@ -200,17 +203,16 @@ def test_a_gathered_dataset_holds_depth_batches_ahead_gathered_one_at_a_time(dep
     """Bounded memory on the gathered path: its one buffer is a prefetch of `depth` batches,
     filled by one gather at a time in the prefetch's thread (a parallel map would hold one
     batch more per core)."""
-    from feedpipe._internals import dataset_graph
+    from feedpipe._internals import dataset_pipeline
 
     with fp.Feeder(sources(40)["(x, y)"], 8, depth=depth) as feeder:
         dataset = feeder.as_dataset()
-        graph = dataset_graph(dataset)
-        nodes = {node.name: node for node in graph.node}
-        ops = [node.op for node in graph.node if "Dataset" in node.op]
-        assert ops.count("PrefetchDataset") == 1 and ops.count("MapDataset") >= 3
-        assert not [op for op in ops if "Parallel" in op]
-        (prefetch,) = [node for node in graph.node if node.op == "PrefetchDataset"]
-        assert tf.make_ndarray(nodes[prefetch.input[1]].attr["value"].tensor) == depth
+        nodes = list(dataset_pipeline(dataset))
+        kinds = [type(node).__name__ for node in nodes]
+        assert kinds.count("_PrefetchDataset") == 1 and kinds.count("SingleDeviceMap") == 2
+        assert not [kind for kind in kinds if "Parallel" in kind]
+        (prefetch,) = [node for node in nodes if type(node).__name__ == "_PrefetchDataset"]
+        assert int(prefetch._buffer_size) == depth
         assert len(list(dataset)) == len(feeder)
 
 
@@ -295,3 +297,98 @@ def test_fits_under_op_determinism_train_alike_and_are_timed():
     Python's clock instead, and a dataset made before it says to make it again. It holds for
     the rest of the process, so the fits run in one of their own."""
     run_as_a_user(DETERMINISTIC_FITS)
+
+
+def chunks_of(monkeypatch, steps: int, global_batch: int) -> None:
+    """Every later pass plans `steps` steps of `global_batch` rows a chunk."""
+    monkeypatch.setattr("feedpipe.core.sampler.PADDED_CHUNK_ROWS", steps * global_batch)
+
+
+def planned_rows(monkeypatch) -> list[int]:
+    """The rows of every call of `Sampler.padded_rows` from now on, one entry a call."""
+    planned: list[int] = []
+    plan = fp.core.sampler.Sampler.padded_rows
+
+    def counted(self, *args, **kwargs):
+        rows, valid = plan(self, *args, **kwargs)
+        planned.append(rows.size)
+        return rows, valid
+
+    monkeypatch.setattr("feedpipe.core.sampler.Sampler.padded_rows", counted)
+    return planned
+
+
+def test_a_pass_over_a_long_epoch_plans_only_its_first_chunk_before_its_first_batch(monkeypatch):
+    """The first batch of an epoch or a restore waits for one chunk of steps, whatever the
+    epoch's length: 2e6 samples in 7,813 steps of 256, where the whole epoch's rows were
+    planned before."""
+    from feedpipe.core.sampler import PADDED_CHUNK_ROWS
+
+    length, batch = 2_000_000, 256
+    x = np.arange(length, dtype=np.int32) % 251
+    planned = planned_rows(monkeypatch)
+    with fp.Feeder(x, batch, shuffle=True) as feeder:
+        state = feeder.get_state()
+        assert feeder._gathers() and len(feeder) == 7813
+        first = next(iter(feeder.as_dataset()))
+        assert planned == [PADDED_CHUNK_ROWS] and length // 16 > PADDED_CHUNK_ROWS
+        np.testing.assert_array_equal(first, x[feeder._assembly.plan.order(0)[:batch]])
+        feeder.set_state({**state, "epoch": 4, "step": 5000})
+        planned.clear()
+        next(iter(feeder.as_dataset()))
+        assert planned == [PADDED_CHUNK_ROWS]
+
+
+def mixed_reads(feeder: fp.Feeder) -> list:
+    """Reads across chunk boundaries: a pass left after 3 batches, the whole pass again, a
+    second epoch, and a pass from the middle of a restored epoch; then where a loop over the
+    feeder goes on."""
+
+    def numpy(element):
+        return tf.nest.map_structure(np.asarray, element)
+
+    state, dataset = feeder.get_state(), feeder.as_dataset()
+    read = [numpy(element) for element in itertools.islice(iter(dataset), 3)]
+    read += [numpy(element) for _ in range(2) for element in dataset]
+    feeder.set_state({**state, "epoch": 5, "step": 2})
+    read += [numpy(element) for element in feeder.as_dataset()]
+    batch = next(iter(feeder))
+    return [*read, (batch.epoch, batch.step)]
+
+
+@pytest.mark.parametrize("kind", ["(x, y)", "(x, nested y)", "one array"])
+@pytest.mark.parametrize("order", ["in order", "shuffled", "lazily shuffled"])
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+def test_chunk_boundaries_change_no_batch_weight_or_position(monkeypatch, kind, order, chunk):
+    """Planned `chunk` steps at a time, the gathered batches (their rows, padding and label
+    weights) are the feeder's own path's, in each kind of read; so are the positions."""
+    if order == "lazily shuffled":  # the order computed per chunk, as above 1e7 samples
+        monkeypatch.setattr("feedpipe.core.sampler.LAZY_SHUFFLE_ABOVE", 10)
+    options = {"shuffle": order != "in order", "seed": 3}
+    chunks_of(monkeypatch, chunk, 8)
+    with fp.Feeder(sources(37)[kind], 8, **options) as feeder:
+        assert feeder._gathers() and feeder._assembly.plan.lazy == (order == "lazily shuffled")
+        gathered = mixed_reads(feeder)
+    handed_over(monkeypatch)
+    with fp.Feeder(sources(37)[kind], 8, **options) as feeder:
+        assert not feeder._gathers()
+        handed = mixed_reads(feeder)
+    assert len(gathered) == len(handed) == 3 + 2 * 5 + 3 + 1 and handed[-1] == (6, 0)
+    for mine, theirs in zip(gathered, handed, strict=True):
+        tf.nest.map_structure(np.testing.assert_array_equal, mine, theirs)
+
+
+@pytest.mark.parametrize(("length", "start"), [(37, 0), (37, 1), (40, 2), (33, 4)])
+def test_the_stats_count_the_real_samples_a_gathered_pass_took(monkeypatch, length, start):
+    """Taken one batch at a time across chunks of 3 steps, to the padded epoch's end."""
+    chunks_of(monkeypatch, 3, 8)
+    with fp.Feeder(sources(length)["(x, y)"], 8) as feeder:
+        if start:
+            feeder.set_state({**feeder.get_state(), "step": start})
+        steps = samples = 0
+        for batch in feeder.as_dataset():
+            steps += 1
+            samples += int(np.count_nonzero(batch[2]))  # a real row weighs more than nothing
+            assert (feeder.stats().steps, feeder.stats().samples) == (steps, samples)
+        assert (steps, samples) == (len(feeder) - start, length - 8 * start)
+        assert (feeder.stats().steps, feeder.stats().samples) == (steps, samples)

@@ -30,6 +30,14 @@ costs less than 40 ms and 8 MiB, nothing the lazy one's cost on every step would
 number is part of the order: a length at or under it gets the same order as before lazy
 shuffles existed, and changing it changes the order of the lengths in between."""
 
+PADDED_CHUNK_ROWS = 1 << 16
+"""Rows a chunk of `Sampler.padded_chunks` holds at most (one step where a global batch is
+larger): each chunk is one Python call of the framework's threads (~50 us of hand-offs), and
+the first batch of a pass waits for one. 64K rows take 0.5 MiB of sample indices and, on a
+lazy order, ~3 ms (190 us a step of 4096, see `LAZY_SHUFFLE_ABOVE`): the call is a few
+percent of a chunk, and a pass starts in milliseconds and a few MiB at any length
+(kernels_bench/gathered_plan.py)."""
+
 LAZY_ROWS_PER_CALL = 4096
 """Rows a lazy order is asked for at once, several steps' worth where steps are small: a call
 costs ~25 us for 1 row, ~30 us for 64 and ~190 us for 4096 (kernels_bench/multi_worker.py)."""
@@ -158,11 +166,11 @@ class Sampler:
         where `steps` computes each batch's rows alone)."""
         if self.shuffle and not self.lazy:
             return self._permuted(epoch)
-        return self._locator(epoch)(np.arange(self.length, dtype=np.int64))
+        return self.locator(epoch)(np.arange(self.length, dtype=np.int64))
 
     def steps(self, epoch: int, start: int = 0) -> Iterator[Step]:
         """The global batches of `epoch` from step `start` on."""
-        locate = self._locator(epoch)
+        locate = self.locator(epoch)
         size, share = self.global_batch_size, self.share
         mine = None if share is None else np.arange(share.start, share.stop, dtype=np.int64)
         rows_of_batch = np.arange(size, dtype=np.int64)
@@ -185,16 +193,44 @@ class Sampler:
                     epoch, index, located[end - len(wanted) : end], count, first_row=first_row
                 )
 
-    def padded_rows(self, epoch: int, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """The whole global batches of `epoch` from step `start` on, at once: the sample
-        indices of each batch's rows, `[steps, global_batch_size]`, padded as `steps` pads a
-        host's share, and each batch's count of real samples."""
+    def padded_rows(
+        self,
+        epoch: int,
+        start: int = 0,
+        stop: int | None = None,
+        *,
+        locate: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The global batches of steps [`start`, `stop`) of `epoch` (`stop` None: to its end),
+        at once: the sample indices of each batch's rows, `[steps, global_batch_size]`, padded
+        as `steps` pads a host's share, and each batch's count of real samples. `locate` is the
+        epoch's `locator`, where the caller keeps it from one call to the next."""
         size = self.global_batch_size
-        indices = np.arange(start, len(self), dtype=np.int64)
+        stop = len(self) if stop is None else min(stop, len(self))
+        indices = np.arange(start, max(start, stop), dtype=np.int64)
         counts = np.minimum(size, self.length - indices * size)
         rows = np.arange(size, dtype=np.int64)
         positions = self._positions(indices[:, None], counts[:, None], rows)
-        return self._locator(epoch)(positions.ravel()).reshape(positions.shape), counts
+        locate = self.locator(epoch) if locate is None else locate
+        return locate(positions.ravel()).reshape(positions.shape), counts
+
+    def padded_chunks(
+        self, epoch: int, start: int = 0
+    ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """`padded_rows` of `epoch` from step `start` on, a chunk of steps at a time (about
+        `PADDED_CHUNK_ROWS` rows), each as its first step, rows and counts: a pass plans only
+        the steps its reader reaches, and its first batch waits for one chunk whatever the
+        epoch's length. The epoch's order is set up once, at the first chunk."""
+        locate = self.locator(epoch)
+        steps = max(1, PADDED_CHUNK_ROWS // self.global_batch_size)
+        for lo in range(start, len(self), steps):
+            yield lo, *self.padded_rows(epoch, lo, lo + steps, locate=locate)
+
+    def real_samples(self, start: int, stop: int) -> int:
+        """Real samples in steps [`start`, `stop`) of an epoch: every step is full but the
+        epoch's last, which `remainder="pad"` leaves short."""
+        size, stop = self.global_batch_size, min(stop, len(self))
+        return max(0, min(self.length, stop * size) - min(self.length, start * size))
 
     def _positions(self, index: Any, count: Any, rows: np.ndarray) -> np.ndarray:
         """The positions in the epoch's order of `rows` (int64) of batch `index`, which holds
@@ -202,7 +238,7 @@ class Sampler:
         order."""
         return index * self.global_batch_size + rows % count
 
-    def _locator(self, epoch: int) -> Callable[[np.ndarray], np.ndarray]:
+    def locator(self, epoch: int) -> Callable[[np.ndarray], np.ndarray]:
         """What gives the sample indices at positions of `epoch`'s order."""
         if not self.shuffle:
             return lambda positions: positions

@@ -1,9 +1,11 @@
 """`as_dataset()` over arrays in memory: TensorFlow's own threads gather each batch's rows, in
 the feeder's order, with no Python per batch.
 
-The feeder plans a pass in one Python call (`Consumer.gathered_pass`): every batch's rows and
-real rows. A `map` gathers the rows from tensors made once per feeder, one batch at a time in
-the thread of the `prefetch` after it, and a last, synchronous `map` runs as the consumer takes
+The feeder begins a pass as its iterator starts (`Consumer.gathered_pass`) and plans its
+batches' rows and real rows a chunk of steps at a time as tf.data reads them
+(`Sampler.padded_chunks`), so the first batch waits for one chunk whatever the epoch's length.
+A `map` gathers the rows from tensors made once per feeder, one batch at a time in the thread
+of the `prefetch` after it, and a last, synchronous `map` runs as the consumer takes
 each batch: it refuses a batch of a pass that was superseded and records which batch was taken
 (`TakenBatches`). From that record the feeder learns the consumer's position, as the batches it
 hands out tell it on its own path, and its stats: the steps and samples taken, the time from one
@@ -15,13 +17,14 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import optree
 import tensorflow as tf
 
-from feedpipe._internals import op_determinism_enabled, single_device_map
+from feedpipe._internals import generator_dataset, op_determinism_enabled, single_device_map
 from feedpipe.core.weights import broadcastable, row_weights
 
 GATHER_MAX_BYTES = 1 << 30
@@ -79,10 +82,11 @@ class TakenBatches:
         pass_taken, step = divmod(self._read(_LAST), STEPS_PER_PASS)
         return step if pass_taken == number else None
 
-    def tags(self, number: tf.Tensor, first: tf.Tensor, count: tf.Tensor) -> tf.Tensor:
-        """In the dataset's graph: what each of `count` batches of pass `number`, from step
-        `first` on, records once taken."""
-        return number * STEPS_PER_PASS + first + tf.range(count) + 1
+    @staticmethod
+    def tags(number: int, first: int, count: int) -> np.ndarray:
+        """What each of `count` batches of pass `number`, from step `first` on, records once
+        taken."""
+        return number * STEPS_PER_PASS + np.arange(first, first + count, dtype=np.int64) + 1
 
     def measured(self) -> dict[str, int]:
         """What the graph has timed so far (see `_LAST_AT`), for `Feeder.stats()`."""
@@ -148,10 +152,10 @@ def gathered_dataset(
     size = feeder.options.global_batch_size
     labels = optree.tree_structure(signature[1]) if how == "add" else None
     label_ranks = [] if labels is None else [y.shape.rank for y in optree.tree_leaves(signature[1])]
-    owner = weakref.ref(feeder)  # TensorFlow keeps `plan` for the life of the process
+    owner = weakref.ref(feeder)  # TensorFlow keeps `chunks` for the life of the process
 
-    def plan() -> list[np.ndarray]:
-        """The pass's number, first step and rows, and the weights of each label field."""
+    def chunks() -> Iterator[list[np.ndarray]]:
+        """Begins the pass, then gives its steps a chunk at a time (see `_chunks`)."""
         this = owner()
         if this is None:
             raise RuntimeError(
@@ -165,29 +169,9 @@ def gathered_dataset(
                 "refuses. Make the dataset again, feeder.as_dataset(), or enable op determinism "
                 "first, at the start of the program."
             )
-        this_pass, rows, valid = this._consumer.gathered_pass(steps, taken)
-        planned = [np.int64(this_pass.number), np.int64(this_pass.start.step), rows, valid]
-        if label_ranks:
-            by_count = {v: row_weights(size, slice(v), v, size) for v in set(valid.tolist())}
-            weights = np.stack([by_count[v] for v in valid.tolist()])
-            planned += [broadcastable(weights, rank) for rank in label_ranks]
-        return planned
-
-    def pass_steps(_) -> tuple:
-        """One element per step of the pass: its tag (see `TakenBatches.tags`), its rows and
-        its weights."""
-        types = [tf.int64] * 4 + [tf.float32] * len(label_ranks)
-        number, first, rows, valid, *weights = tf.numpy_function(plan, [], types, stateful=True)
-        rows = tf.ensure_shape(rows, [None, size])
-        count = tf.shape(rows, out_type=tf.int64)[0]
-        element = (taken.tags(number, first, count), rows, tf.ensure_shape(valid, [None]))
-        if labels is None:
-            return element
-        weights = [
-            tf.ensure_shape(w, [None, size] + [1] * (rank - 1))
-            for w, rank in zip(weights, label_ranks, strict=True)
-        ]
-        return (*element, optree.tree_unflatten(labels, weights))
+        this_pass = this._consumer.gathered_pass(steps, taken)
+        planned = this._consumer.gathered_rows(this_pass)
+        return _chunks(planned, this_pass.number, size, label_ranks)
 
     def gather(tag, rows, valid, *weights):
         if real_only:  # the real rows are the first `valid`, as a slot pads
@@ -199,19 +183,46 @@ def gathered_dataset(
             made = taken.made(started, valid)
         with tf.control_dependencies([made]):
             sample = spec.unflatten([tf.identity(array) for array in arrays])
-        return tag, sample if not weights else (*sample, weights[0])
+        if labels is None:
+            return tag, sample
+        return tag, (*sample, optree.tree_unflatten(labels, list(weights)))
 
     def take_batch(tag, sample):
         with tf.control_dependencies([taken.take(tag, superseded)]):
             return tf.nest.map_structure(tf.identity, sample)
 
-    planned = single_device_map(tf.data.Dataset.range(1), pass_steps).unbatch()
+    chunk = [tf.TensorSpec([None], tf.int64), tf.TensorSpec([None, size], tf.int64)]
+    chunk += [tf.TensorSpec([None], tf.int64)]
+    chunk += [tf.TensorSpec([None, size] + [1] * (rank - 1), tf.float32) for rank in label_ranks]
+    # A generator's iterator keeps its own pass and order (its start begins the pass, its end
+    # frees them), with no function of the dataset instantiated per pass. tf.data cannot
+    # serialise it, so it skips its static rewrites: none applies to these maps (stateful,
+    # and prefetching is set here), as on the handed-over path.
+    planned = generator_dataset(chunks, tuple(chunk)).unbatch()
     # One gather at a time is enough: a batch's gather (~50 µs for 400 KB; TensorFlow's Gather
     # spreads a large one over its intra-op threads) is far shorter than a step that uses it,
     # and a second at once (a parallel map runs as many as there are cores without autotuning)
     # only takes a core from the step on a small machine.
     gathered = single_device_map(planned, gather).prefetch(feeder.options.depth)
     return single_device_map(gathered, take_batch, in_calling_thread=True)
+
+
+def _chunks(
+    planned: Iterator[tuple[int, np.ndarray, np.ndarray]],
+    number: int,
+    size: int,
+    label_ranks: list[int],
+) -> Iterator[list[np.ndarray]]:
+    """The chunks of steps `planned` for pass `number` (see `Sampler.padded_chunks`), each as
+    its steps' tags (see `TakenBatches.tags`), rows and counts of real rows, and the weights of
+    each label field of rank in `label_ranks`, for batches of `size` rows."""
+    for first, rows, valid in planned:
+        chunk = [TakenBatches.tags(number, first, len(rows)), rows, valid]
+        if label_ranks:
+            by_count = {v: row_weights(size, slice(v), v, size) for v in set(valid.tolist())}
+            weights = np.stack([by_count[v] for v in valid.tolist()])
+            chunk += [broadcastable(weights, rank) for rank in label_ranks]
+        yield chunk
 
 
 def weight_spec(label: tf.TensorSpec) -> tf.TensorSpec:

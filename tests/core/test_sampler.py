@@ -319,3 +319,38 @@ def test_lazy_shuffle_has_no_stride_and_no_trend():
     expected = np.outer(cells.sum(1), cells.sum(0)) / length
     chi_square = ((cells - expected) ** 2 / expected).sum()
     assert abs(chi_square - 225) < 5 * np.sqrt(2 * 225), chi_square
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize(("length", "remainder"), [(37, "pad"), (40, "pad"), (37, "drop")])
+@pytest.mark.parametrize("chunk_rows", [1, 16, 24, 1 << 16])
+@pytest.mark.filterwarnings('ignore:remainder="drop" leaves out')
+def test_padded_chunks_are_the_padded_rows_a_few_steps_at_a_time(
+    monkeypatch, shuffle, length, remainder, chunk_rows
+):
+    """At every start, chunks of any size (down to one step) give the whole epoch's padded
+    rows and counts; `real_samples` of any range of steps is the sum of their counts."""
+    monkeypatch.setattr("feedpipe.core.sampler.PADDED_CHUNK_ROWS", chunk_rows)
+    sampler = Sampler(length, 8, remainder=remainder, shuffle=shuffle, seed=4)
+    whole, counts = sampler.padded_rows(3)
+    for start in range(len(sampler)):
+        chunks = list(sampler.padded_chunks(3, start))
+        steps = max(1, chunk_rows // 8)
+        assert [first for first, _, _ in chunks] == list(range(start, len(sampler), steps))
+        np.testing.assert_array_equal(
+            np.concatenate([rows for _, rows, _ in chunks]), whole[start:]
+        )
+        np.testing.assert_array_equal(np.concatenate([v for _, _, v in chunks]), counts[start:])
+        for stop in range(start, len(sampler) + 1):
+            assert sampler.real_samples(start, stop) == counts[start:stop].sum()
+
+
+def test_a_lazy_epochs_chunks_are_its_steps_rows_padded():
+    """Above `LAZY_SHUFFLE_ABOVE` the chunks come from the lazy order, as `steps` does."""
+    sampler = Sampler(LAZY_SHUFFLE_ABOVE + 5, 4096, shuffle=True, seed=2)
+    start = len(sampler) - 3
+    (first, rows, valid), *_ = sampler.padded_chunks(1, start)
+    assert sampler.lazy and first == start and rows.shape == (3, 4096)
+    for step, mine, count in zip(sampler.steps(1, start), rows, valid, strict=True):
+        assert step.num_valid == count
+        np.testing.assert_array_equal(mine, step.rows[np.arange(4096) % count])
