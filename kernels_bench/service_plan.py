@@ -17,8 +17,9 @@ JOB_BYTES of them, 38,836 rows, of one job).
 * `restore_ms`, `restore_mb`: the same from a restore at the epoch's middle step.
 * `listed_start_ms`, `listed_start_mb` (no target): the same for the former way: the epoch's
   steps listed, their rows concatenated and the epoch-wide bookkeeping built, then the first
-  job's rows, where it fits this machine (a host's rows of an epoch at most 2e7, 160 MB of
-  indices); at 1e9 samples on 512 hosts once (`--listed-reps`), for it takes seconds.
+  job's rows, up to 1e8 samples where it fits this machine (a host's rows of an epoch at most
+  2e7, 160 MB of indices); at 1e9 samples on 512 hosts once (`--listed-reps`): it takes
+  seconds.
 * `job_rows`, `steps_planned`: the first job's rows and the steps taken from the plan for them.
 
 Targets: at N = 1e9 and B = 4096, on H = 1, 64 and 512 hosts, the first batch of an epoch and of a
@@ -31,6 +32,7 @@ Run: `python -m kernels_bench.service_plan [--quick]`; writes
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import os
@@ -131,10 +133,8 @@ def _streamed(length: int, global_batch: int, hosts: int, step: int) -> Callable
 
         producer._start = record
         first = len(sampler) // 2 if step is None else step
-        try:
+        with contextlib.suppress(_FirstJob):
             next(producer.slots(Position(1, first), _NoSlots()))
-        except _FirstJob:
-            pass
         return {"job_rows": planned[0]}
 
     return plan
@@ -253,7 +253,7 @@ def main(argv=None) -> None:
     for length in LENGTHS:
         for hosts in HOSTS:
             rows = length // hosts
-            listed = rows <= LISTED_ROWS
+            listed = rows <= LISTED_ROWS and length < LENGTHS[-1]
             once = not listed and (length, hosts) == (LENGTHS[-1], HOSTS[-1])
             reps = []
             for rep in range(settings.reps):

@@ -180,7 +180,9 @@ class Sampler:
             ends = np.cumsum(counts if mine is None else np.full(len(indices), len(mine)))
             located = locate(positions[: ends[-1]])
             begin = 0
-            for index, count, end in zip(indices.tolist(), counts.tolist(), ends.tolist()):
+            for index, count, end in zip(
+                indices.tolist(), counts.tolist(), ends.tolist(), strict=True
+            ):
                 yield Step(epoch, index, located[begin:end], count, first_row=first_row)
                 begin = end
 
