@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import math
 import os
 import time
 import tracemalloc
@@ -264,7 +265,7 @@ def main(argv=None) -> None:
             steps_planned = _counted_steps(length, GLOBAL_BATCH, hosts)
             for values in reps:
                 values["steps_planned"] = steps_planned
-            case = f"N={length:.0e}, H={hosts}"
+            case = f"N=1e{round(math.log10(length))}, H={hosts}"
             report.add_case(
                 case,
                 {
