@@ -179,19 +179,20 @@ class Sampler:
         rows = size if share is None else len(share)
         chunk = max(1, LAZY_ROWS_PER_CALL // rows) if self.lazy else 1
         for lo in range(start, len(self), chunk):
-            indices = range(lo, min(lo + chunk, len(self)))
-            counts = [min(size, self.length - index * size) for index in indices]
-            positions = [
-                self._positions(index, count, rows_of_batch[:count] if mine is None else mine)
-                for index, count in zip(indices, counts, strict=True)
-            ]
-            located = locate(np.concatenate(positions))
-            end = 0
-            for index, count, wanted in zip(indices, counts, positions, strict=True):
-                end += len(wanted)
-                yield Step(
-                    epoch, index, located[end - len(wanted) : end], count, first_row=first_row
-                )
+            indices = np.arange(lo, min(lo + chunk, len(self)), dtype=np.int64)
+            counts = np.minimum(size, self.length - indices * size)
+            wanted = rows_of_batch if mine is None else mine
+            positions = self._positions(indices[:, None], counts[:, None], wanted).ravel()
+            # One host reads a batch's real rows alone: fewer than `size` only in the epoch's
+            # last batch, which comes last in its chunk. A share is read whole.
+            ends = np.cumsum(counts if mine is None else np.full(len(indices), len(mine)))
+            located = locate(positions[: ends[-1]])
+            begin = 0
+            for index, count, end in zip(
+                indices.tolist(), counts.tolist(), ends.tolist(), strict=True
+            ):
+                yield Step(epoch, index, located[begin:end], count, first_row=first_row)
+                begin = end
 
     def padded_rows(
         self,

@@ -13,6 +13,7 @@ a value does not depend on the worker.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import itertools
@@ -337,7 +338,7 @@ class ServiceProducer(Producer):
         try:
             for epoch in itertools.count(start.epoch):
                 first = start.step if epoch == start.epoch else 0
-                yield from self._epoch(epoch, list(self.sampler.steps(epoch, first)), supply)
+                yield from self._epoch(epoch, self.sampler.steps(epoch, first), supply)
                 yield EpochEnd(epoch, self.sampler.dropped_per_epoch)
         finally:
             self._release()
@@ -356,18 +357,15 @@ class ServiceProducer(Producer):
         for reader in self._readers:
             reader.join(max(0.0, deadline - time.monotonic()))
 
-    def _epoch(self, epoch: int, steps: list[Step], supply: SlotSupply) -> Iterator:
-        if not steps:
-            return
+    def _epoch(self, epoch: int, steps: Iterator[Step], supply: SlotSupply) -> Iterator:
         rows = _Rows(steps, supply, self.slots_in_flight, self.work.held_rows)
-        indices = np.concatenate([step.rows for step in steps])
         job, patience, last_row = None, STALL_S, time.monotonic()
         waited, lagged = 0.0, False  # for the next step; whether a worker held its rows back
         try:
             while not rows.done():
                 if job is None:  # the next rows still missing, as many as one job carries
-                    missing = rows.missing()[: self.work.rows_per_job]
-                    job = self._start(indices[missing], epoch, missing)
+                    positions, indices = rows.missing(self.work.rows_per_job)
+                    job = self._start(indices, epoch, positions)
                 supply.check_stop()
                 asked = time.perf_counter()
                 item = job.get()
@@ -375,11 +373,14 @@ class ServiceProducer(Producer):
                 if isinstance(item, Failure):
                     lost_s = time.monotonic() - last_row
                     if not _forgotten(item.error) or lost_s > DISPATCHER_LOST_S:
-                        self._note_sample(item.error, indices[rows.missing()], epoch, supply)
+                        # The rows the job still owes come first among those missing.
+                        owed = rows.missing(self.work.rows_per_job)[1]
+                        self._note_sample(item.error, owed, epoch, supply)
                         raise item.error
                     item = _Job.END  # its dispatcher restarted without a journal
                 if item is None:  # nothing yet
-                    if job.idle_s() > patience and self._dispatcher_answers(job, epoch, rows):
+                    step = rows.steps[0].index  # the next to hand on (rows are not done)
+                    if job.idle_s() > patience and self._dispatcher_answers(job, epoch, step):
                         job.abandon()  # a worker died holding rows: ask a new job for them
                         job, lagged = None, True
                         patience *= 2  # unless jobs are slow to start: then wait longer
@@ -423,14 +424,14 @@ class ServiceProducer(Producer):
                 f"error here on the first {tried} of them."
             )
 
-    def _dispatcher_answers(self, job: _Job, epoch: int, rows: _Rows) -> bool:
+    def _dispatcher_answers(self, job: _Job, epoch: int, step: int) -> bool:
         """Whether the dispatcher answers within `ANSWER_S`; raises once it has not for
         `DISPATCHER_LOST_S` without a row."""
         error = dispatcher_error(self.service.removeprefix("grpc://"), ANSWER_S)
         if error is not None and job.idle_s() > DISPATCHER_LOST_S:
             raise ConnectionError(
                 f"the tf.data service dispatcher at {self.service} has not answered for "
-                f"{job.idle_s():.0f} s ({error}), at step {rows.delivered} of epoch {epoch}; "
+                f"{job.idle_s():.0f} s ({error}), at step {step} of epoch {epoch}; "
                 "every batch delivered before was whole. Restart it at the same address "
                 "(`feedpipe service dispatcher --work-dir DIR --fault-tolerant` keeps its jobs) "
                 "and go on from `feeder.get_state()`."
@@ -556,48 +557,82 @@ class _Job:
 class _Rows:
     """An epoch's rows as they arrive, in any order: each is written into its step's slot if
     that slot is open (the next `window` steps, while the pool has slots), else kept until it
-    is; a step is handed on, in order, once all its rows are in.
+    is; a step is handed on, in order, once all its rows are in, and then forgotten.
+
+    Steps are taken from the plan (`Sampler.steps`, lazy) only as far as the rows asked for
+    reach (`missing`), so an epoch's or a restore's first job costs the planning of its own
+    rows, however long the epoch. A row's position counts this host's rows of the epoch from
+    the first step planned.
 
     Invariant: the rows kept outside the slots are at most those of the next `window` steps
     and `held` more (`HELD_BYTES`), each a copy of its own; a row past them is left missing,
-    to be asked for again.
+    to be asked for again. Only the steps not yet handed on are known, as far as the furthest
+    row asked for.
     """
 
-    def __init__(self, steps: list[Step], supply: SlotSupply, window: int, held: int):
-        self.steps = steps
+    def __init__(self, plan: Iterator[Step], supply: SlotSupply, window: int, held: int):
+        self.plan = plan
         self.supply = supply
         self.window = window
         self.held = held
-        self.ends = np.cumsum([len(step.rows) for step in steps])
-        self.step_of = np.repeat(np.arange(len(steps)), [len(step.rows) for step in steps])
-        self.got = np.zeros(int(self.ends[-1]), bool)
+        self.steps: list[Step] = []
+        """The steps planned and not yet handed on, in order."""
+        self.starts: list[int] = []
+        """The position of each one's first row."""
+        self.base = 0
+        """The position of the first one's first row."""
+        self.indices = np.zeros(0, np.int64)
+        """The sample index of each of their rows, from position `base` on."""
+        self.got = np.zeros(0, bool)
+        """Whether each of their rows has arrived, from position `base` on."""
         self.kept: dict[int, list[np.ndarray]] = {}
         self.open: dict[int, HostSlot] = {}
-        self.delivered = 0
+        """Slots open, by the epoch's step number."""
 
     def done(self) -> bool:
-        return self.delivered == len(self.steps)
+        """Whether every step of the epoch has been handed on."""
+        return not self.steps and not self._plan(1)
 
-    def missing(self) -> np.ndarray:
-        """Positions of the rows not yet arrived, to ask for again."""
-        return np.flatnonzero(~self.got)
+    def _plan(self, rows: int) -> int:
+        """Takes steps from the plan until they hold `rows` rows more (fewer at the epoch's
+        end); returns how many they hold."""
+        planned: list[np.ndarray] = []
+        count = 0
+        while count < rows and (step := next(self.plan, None)) is not None:
+            self.starts.append(self.base + len(self.got) + count)
+            self.steps.append(step)
+            planned.append(step.rows)
+            count += len(step.rows)
+        if planned:
+            self.indices = np.concatenate([self.indices, *planned])
+            self.got = np.concatenate([self.got, np.zeros(count, bool)])
+        return count
 
-    def _first(self, step: int) -> int:
-        return int(self.ends[step - 1]) if step else 0
+    def missing(self, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """The positions and sample indices of the first `count` rows not yet arrived (fewer
+        at the epoch's end), planning steps as far as they reach."""
+        owed = np.flatnonzero(~self.got)
+        if len(owed) < count and self._plan(count - len(owed)):
+            owed = np.flatnonzero(~self.got)
+        owed = owed[:count]
+        return self.base + owed, self.indices[owed]
 
     def _slot(self, step: int) -> HostSlot | None:
-        """The open slot of `step`, opened now if it is near and the pool has one free."""
-        if step not in self.open and step < self.delivered + self.window:
+        """The open slot of `self.steps[step]`, opened now if it is near and the pool has one
+        free."""
+        number = self.steps[step].index
+        if number not in self.open and step < self.window:
             slot = self.supply.try_acquire()
             if slot is not None:
                 self._open(step, slot)
-        return self.open.get(step)
+        return self.open.get(number)
 
     def _open(self, step: int, slot: HostSlot) -> None:
-        """Opens `slot` for `step`, writing into it the step's rows kept so far."""
-        self.open[step] = slot
-        lo = self._first(step)
-        for position in [p for p in self.kept if lo <= p < self.ends[step]]:
+        """Opens `slot` for `self.steps[step]`, writing into it the step's rows kept so far."""
+        self.open[self.steps[step].index] = slot
+        lo = self.starts[step]
+        hi = lo + len(self.steps[step].rows)
+        for position in [p for p in self.kept if lo <= p < hi]:
             self._write(slot, position - lo, self.kept.pop(position))
 
     @staticmethod
@@ -608,36 +643,37 @@ class _Rows:
     def arrived(self, positions: np.ndarray, leaves: list[np.ndarray]) -> bool:
         """Takes an element's rows; False if some came too far ahead to keep (see the class):
         a worker lags, holding a row of an earlier step."""
-        limit = self._first(min(self.delivered + self.window, len(self.steps))) + self.held
+        past_window = self.starts[self.window] if len(self.steps) > self.window else None
+        limit = (self.base + len(self.got) if past_window is None else past_window) + self.held
         kept_all = True
         for row, position in enumerate(positions.tolist()):
-            if self.got[position]:  # a row sent twice holds the same value: keep the first
-                continue
+            if position < self.base or self.got[position - self.base]:
+                continue  # a row sent twice holds the same value: keep the first
             if position >= limit:
                 kept_all = False
                 continue
-            self.got[position] = True
-            step = int(self.step_of[position])
+            self.got[position - self.base] = True
+            step = bisect.bisect_right(self.starts, position) - 1
             slot = self._slot(step)
             if slot is None:  # a copy: a view would keep the element's other rows alive
                 self.kept[position] = [leaf[row].copy() for leaf in leaves]
             else:
-                self._write(slot, position - self._first(step), [leaf[row] for leaf in leaves])
+                self._write(slot, position - self.starts[step], [leaf[row] for leaf in leaves])
         return kept_all
 
     def deliver(self) -> Iterator[tuple[Step, HostSlot]]:
         """The next steps whose rows are all in, with their filled slots."""
-        while not self.done():
-            step = self.delivered
-            if not self.got[self._first(step) : self.ends[step]].all():
-                return
-            slot = self._slot(step)
+        while self.steps and self.got[: len(self.steps[0].rows)].all():
+            slot = self._slot(0)
             if slot is None:
-                self._open(step, slot := self.supply.acquire())
-            del self.open[step]
-            self.delivered += 1
-            slot.pad(len(self.steps[step].rows))
-            yield self.steps[step], slot
+                self._open(0, slot := self.supply.acquire())
+            step = self.steps.pop(0)
+            del self.open[step.index], self.starts[0]
+            size = len(step.rows)
+            self.base += size
+            self.indices, self.got = self.indices[size:], self.got[size:]
+            slot.pad(size)
+            yield step, slot
 
     def give_back(self) -> None:
         """Returns the slots of steps that will not be handed on (the stream stopped)."""
