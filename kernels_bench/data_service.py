@@ -224,7 +224,8 @@ class Servers:
             ),
         }
 
-    def _start(self, role: str, args: list[str]) -> subprocess.Popen:
+    def start(self, role: str, args: list[str]) -> subprocess.Popen:
+        """Starts `python -m feedpipe service ROLE ARGS`; `wait_serving` waits for it."""
         with self._lock:
             log = self.logs / f"{role}-{len(self.processes)}.log"
             with open(log, "w") as out:
@@ -246,18 +247,24 @@ class Servers:
         every one serves; returns each cluster's `grpc://localhost:PORT` by worker count."""
         addresses, started = {}, []
         for count in worker_counts:
-            port = _free_loopback_port()
+            port = free_loopback_port()
             addresses[count] = f"grpc://localhost:{port}"
-            started.append((self._start("dispatcher", ["--port", str(port)]), _DISPATCHER_READY))
+            started.append(self.start("dispatcher", ["--port", str(port)]))
             worker_args = ["--dispatcher", f"localhost:{port}", "--port", "0"]
             worker_args += ["--worker-address", "localhost:%port%"]
-            started += [(self._start("worker", worker_args), _WORKER_READY) for _ in range(count)]
+            started += [self.start("worker", worker_args) for _ in range(count)]
+        self.wait_serving(started)
+        return addresses
+
+    def wait_serving(self, started: list[subprocess.Popen]) -> None:
+        """Waits until each of `started` says it serves, up to `READY_DEADLINE_S`."""
+        ready = {"dispatcher": _DISPATCHER_READY, "worker": _WORKER_READY}
         deadline = time.monotonic() + READY_DEADLINE_S
         waiting = list(started)
         while waiting:
-            for process, ready in list(waiting):
-                if ready.search(process.log.read_text(errors="replace")):
-                    waiting.remove((process, ready))
+            for process in list(waiting):
+                if ready[process.role].search(process.log.read_text(errors="replace")):
+                    waiting.remove(process)
                 elif process.poll() is not None:
                     raise RuntimeError(
                         f"`feedpipe service` (pid {process.pid}) exited with "
@@ -266,10 +273,13 @@ class Servers:
             if waiting and time.monotonic() > deadline:
                 raise RuntimeError(
                     f"`feedpipe service` did not serve within {READY_DEADLINE_S:.0f} s:\n"
-                    + "\n".join(_tail(p) for p, _ in waiting)
+                    + "\n".join(_tail(p) for p in waiting)
                 )
             time.sleep(POLL_S)
-        return addresses
+
+    def pids(self, role: str) -> list[int]:
+        """The process ids of the servers of `role`, in the order they were started."""
+        return [p.pid for p in self.processes if p.role == role]  # type: ignore[attr-defined]
 
     def cpu_s(self, role: str) -> float:
         """CPU-seconds the servers of `role` ("dispatcher" or "worker") have used."""
@@ -306,7 +316,7 @@ def _tail(process: subprocess.Popen) -> str:
     return process.log.read_text(errors="replace")[-2000:]  # type: ignore[attr-defined]
 
 
-def _free_loopback_port() -> int:
+def free_loopback_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -516,7 +526,7 @@ def run_peer(
             cpu = time.process_time() - cpu
             dispatcher = servers.cpu_s("dispatcher") - dispatcher
             worker = servers.cpu_s("worker") - worker
-        jobs = getattr(getattr(feeder, "_producer", None), "jobs", None)
+        jobs = getattr(feeder and feeder._assembly.producer, "jobs", None)
         batches.close()
     time.sleep(SETTLE_S)
     plan = Sampler(length, GLOBAL_BATCH, shuffle=True, seed=seed)

@@ -120,8 +120,19 @@ flight (`ELEMENTS_HELD_ELSEWHERE` of `ELEMENT_BYTES`), a starting job (`JOB_COPI
 are larger than `JOB_BYTES`, a job is one split and counts instead. Tested as RSS with a
 worker stopped (tests/test_service.py)."""
 ROWS_PER_SPLIT = 16
-"""Rows the dispatcher hands a worker at a time: one split per row cost the dispatcher 150-210
-µs of CPU a row; 16 to a split, 32-44 µs (kernels_bench/data_service.py)."""
+"""Fewest rows the dispatcher hands a worker at a time (a job of fewer rows is one split). The
+dispatcher pays about 100 µs of CPU per split whatever it holds (92-105 µs at 1, 16 and 256
+rows): one row a split cost it 150-210 µs a row; 16, 32-44 µs (kernels_bench/data_service.py)."""
+MAX_ROWS_PER_SPLIT = 256
+"""Most rows the dispatcher hands a worker at a time: at 100 µs a split, 0.4 µs a row, within
+the 1 µs a row that lets one dispatcher serve hundreds of hosts (kernels_bench/dispatcher.py).
+More would save the dispatcher little and cost balance: a slow worker holds back the rows of
+the split it is making, and 256 rows are 4 elements of `ROWS_PER_ELEMENT`."""
+SPLITS_PER_JOB = 64
+"""Splits a job's rows are shared out in, at least, where they hold `ROWS_PER_SPLIT` each: a
+job's splits are its rows over 64, within `ROWS_PER_SPLIT` and `MAX_ROWS_PER_SPLIT`, so that
+a small job still gives each of up to 16 workers 4 splits or more, and none waits idle while
+one makes a split of every row (`split_rows`)."""
 JOB_SHIFT = 32
 """A row's tag is `job << JOB_SHIFT | position`: its place among the epoch's rows (below
 2**32), and a random number of the job that asked for it. A dispatcher restarted without
@@ -141,6 +152,14 @@ NOTE_SEARCH_S = 10.0
 """Longest the feeder runs `transform` here, on the samples still owed, to name the sample whose
 error a service worker sent; the one that raised is among the first few hundred (the rows the
 workers were making), unless it raises only on the workers."""
+
+
+def split_rows(rows: int) -> int:
+    """Rows of each split of a job of `rows` rows: `rows` over `SPLITS_PER_JOB`, at least
+    `ROWS_PER_SPLIT` and at most `MAX_ROWS_PER_SPLIT` (read when called, so that a benchmark
+    can set them): the dispatcher's CPU goes per split, and balance wants many splits."""
+    per_split = -(-rows // SPLITS_PER_JOB)
+    return max(ROWS_PER_SPLIT, min(MAX_ROWS_PER_SPLIT, per_split))
 
 
 def check_address(service: str) -> str:
@@ -237,18 +256,19 @@ class ServiceWork:
         self, indices: np.ndarray, epoch: int, job: int = 0, in_order: bool = False
     ) -> tf.data.Dataset:
         """Samples `indices` of `epoch`, each after its tag (see `JOB_SHIFT`), shared out
-        `ROWS_PER_SPLIT` at a time (the last split padded with rows tagged -1, dropped), made
-        in parallel in any order, or one after another with `in_order`. The graph holds only
-        these rows of the source's arrays (see `JOB_BYTES`)."""
+        `split_rows(len(indices))` at a time (the last split padded with rows tagged -1,
+        dropped), made in parallel in any order, or one after another with `in_order`. The
+        graph holds only these rows of the source's arrays (see `JOB_BYTES`)."""
         arrays = [tf.constant(np.take(array, indices, axis=0)) for array in self.source.arrays]
         places = np.arange(len(indices), dtype=np.int64)
         tags = (job << JOB_SHIFT) | places
         seeds = sample_seeds(self.seed, epoch, indices)
         rows = np.column_stack([tags, places, seeds]).astype(np.int64)
-        splits = -(-len(rows) // ROWS_PER_SPLIT)
-        padding = [(0, splits * ROWS_PER_SPLIT - len(rows)), (0, 0)]
+        per_split = split_rows(len(rows))
+        splits = -(-len(rows) // per_split)
+        padding = [(0, splits * per_split - len(rows)), (0, 0)]
         padded = np.pad(rows, padding, constant_values=-1)
-        tagged = tf.data.Dataset.from_tensor_slices(padded.reshape(splits, ROWS_PER_SPLIT, -1))
+        tagged = tf.data.Dataset.from_tensor_slices(padded.reshape(splits, per_split, -1))
         return (
             tagged.unbatch()
             .filter(lambda row: row[0] >= 0)
