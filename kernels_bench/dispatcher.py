@@ -1,7 +1,7 @@
 """Can one tf.data service dispatcher serve hundreds of hosts? Its CPU per row, the bytes of
 the source's rows that reach the service's processes, and what the split size costs when one
 worker is slow, with feedpipe's splits of 16 rows (before) and its splits sized from the job
-(`feedpipe.service.client.split_rows`: a job's rows over 64, 16 to 256 rows).
+(`ServiceWork.split_rows`: a job's rows over 64, 16 to 1024 rows).
 
 One dispatcher and 4 workers, each a `python -m feedpipe service` process on 127.0.0.1, started
 by this script, with a counting TCP proxy in front of each: the dispatcher's (which the workers
@@ -13,7 +13,8 @@ split requests) and into their own ports (the tasks the dispatcher pushes, each 
 graph, which holds the job's source rows; this process's small element requests). The bytes
 the dispatcher receives: every request to it, chiefly the jobs' graphs this process registers.
 
-The source: `--rows` (131,072) rows of 8 float32 features and an int64 label, 40 bytes a row;
+The source: `--rows` rows (209,714: two jobs' worth, as each of a host's jobs is full but its
+last) of 8 float32 features and an int64 label, 40 bytes a row;
 the transform `features * 2 + 1` (TensorFlow ops, as light as a transform gets, so that the
 service's own costs show). The jobs are the feeder's own (`ServiceWork.job`, as
 `fp.Feeder(..., service=...)` asks them): an epoch is the plan's order
@@ -38,7 +39,7 @@ SIGSTOP for `--slow-stopped` (0.8) of each 50 ms, SIGCONT for the rest): `slowed
 Targets: `after`'s dispatcher CPU <= 1 µs a row; `after`'s bytes to the workers <= 2x the
 source's; `exact` = 1 for both. The rest is reported.
 
-Run: `python -m kernels_bench.dispatcher [--quick] [--reps N] [--rows 131072]
+Run: `python -m kernels_bench.dispatcher [--quick] [--reps N] [--rows 209714]
 [--slow-stopped 0.8] [--deadline-s 590]`; writes `kernels_bench/results/dispatcher.json`.
 """
 
@@ -63,6 +64,7 @@ from kernels_bench.data_service import Servers, deadline, free_loopback_port
 WORKERS = 4
 GLOBAL_BATCH = 256
 FEATURES = 8
+ROW_BYTES = FEATURES * 4 + 8
 SPLITS = ("before", "after")
 ROWS_PER_SPLIT_BEFORE = 16
 """feedpipe's split size before it was sized from the job: 16 rows, every job."""
@@ -258,7 +260,9 @@ def run_split(
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rows", type=int, default=131072, help="rows of the source (131072)")
+    parser.add_argument(
+        "--rows", type=int, default=None, help="rows of the source (two jobs' worth: 209714)"
+    )
     parser.add_argument(
         "--slow-stopped",
         type=float,
@@ -283,6 +287,9 @@ def main(argv=None) -> None:
         settings,
         "kernels_bench.dispatcher",
     )
+    from feedpipe.service.client import JOB_BYTES
+
+    args.rows = args.rows or 2 * (JOB_BYTES // ROW_BYTES)
     rng = np.random.default_rng(settings.seed)
     arrays = (
         rng.standard_normal((args.rows, FEATURES), dtype=np.float32),
@@ -321,9 +328,11 @@ def main(argv=None) -> None:
     finish(report, args, arrays, rows)
 
 
-def start_cluster(servers: Servers, stack: contextlib.ExitStack) -> dict[str, list[CountingProxy]]:
-    """Starts the dispatcher and its `WORKERS` workers, each behind a counting proxy (closed
-    with `stack`), and waits until they serve."""
+def start_cluster(
+    servers: Servers, stack: contextlib.ExitStack, work_dir: Path | None = None
+) -> dict[str, list[CountingProxy]]:
+    """Starts the dispatcher (keeping its state in `work_dir`, if given) and its `WORKERS`
+    workers, each behind a counting proxy (closed with `stack`), and waits until they serve."""
 
     def proxy(port: int) -> CountingProxy:
         counting = CountingProxy(port)
@@ -331,7 +340,8 @@ def start_cluster(servers: Servers, stack: contextlib.ExitStack) -> dict[str, li
         return counting
 
     port = free_loopback_port()
-    started = [servers.start("dispatcher", ["--port", str(port)])]
+    state = [] if work_dir is None else ["--work-dir", str(work_dir)]
+    started = [servers.start("dispatcher", ["--port", str(port), *state])]
     dispatcher = proxy(port)
     workers = []
     for _ in range(WORKERS):
@@ -345,26 +355,30 @@ def start_cluster(servers: Servers, stack: contextlib.ExitStack) -> dict[str, li
 
 
 def finish(report: harness.Report, args, arrays, rows: list[dict]) -> None:
+    from feedpipe.core.source import as_source
     from feedpipe.service import client
 
     case = "1 dispatcher, 4 workers"
     units = {f"{w}_dispatcher_cpu_us_per_row": "CPU-µs per row" for w in SPLITS}
     units |= {f"{w}_{k}": "s" for w in SPLITS for k in ("epoch_s", "slowed_epoch_s")}
     units |= {f"{w}_{k}": "MB" for w in SPLITS for k in ("worker_mb", "dispatcher_mb")}
-    rows_per_job = client.JOB_BYTES // (FEATURES * 4 + 8)
-    jobs = [min(rows_per_job, args.rows - start) for start in range(0, args.rows, rows_per_job)]
+    work = client.ServiceWork(as_source(arrays), scaled, 0)
+    jobs = [
+        min(work.rows_per_job, args.rows - start)
+        for start in range(0, args.rows, work.rows_per_job)
+    ]
     report.add_case(
         case,
         {
             "rows": args.rows,
-            "row_bytes": FEATURES * 4 + 8,
+            "row_bytes": ROW_BYTES,
             "source_mb": sum(a.nbytes for a in arrays) / 1e6,
             "global_batch": GLOBAL_BATCH,
             "workers": WORKERS,
             "transform": "features * 2 + 1",
             "job_rows": jobs,
             "rows_per_split_before": ROWS_PER_SPLIT_BEFORE,
-            "rows_per_split_after": [client.split_rows(n) for n in jobs],
+            "rows_per_split_after": [work.split_rows(n) for n in jobs],
             "slowed_worker": f"stopped {args.slow_stopped:g} of every {SLOW_PERIOD_S * 1e3:.0f} ms",
             "model_bytes_over_source": WORKERS + 1,
         },
