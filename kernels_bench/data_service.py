@@ -36,7 +36,8 @@ model, no step), on one CPU device:
   through one buffer (epochs mix, so no epoch is checked), timed over as many samples as
   `--epochs` epochs hold after one epoch's worth;
 * `fp_job_1w`, `fp_job_2w`: feedpipe's own job read plainly, without the feeder: each epoch
-  `ServiceWork(...).job(address, Sampler(...).order(epoch), epoch, 0)` (16 rows per split,
+  `ServiceWork(...).job(address, Sampler(...).order(epoch), epoch, 0)` (splits sized from the
+  job, `ServiceWork.split_rows`: 32 rows at 2,048 rows;
   64-row elements) iterated until all its rows are in, as the feeder's reader does, nothing
   written into slots. It splits fp_service's cost into the service's side (fp_job /
   distribute) and the feeder's (fp_service / fp_job);
@@ -70,7 +71,7 @@ while feedpipe's jobs ask for their splits as the map runs, inside it, and the f
 the next epoch's job before the consumer asks. So: whole epochs, a job each, feedpipe against
 `distribute_*` (what training over epochs sees); and the steady state, feedpipe within its
 epochs against `distribute_repeat_*`'s endless job, where `distribute` pays one split per
-sample as it goes and feedpipe one per 16 rows (`feedpipe.service.ROWS_PER_SPLIT`).
+sample as it goes and feedpipe one per 16 rows or more (`ServiceWork.split_rows`).
 
 Exactness, checked in every repetition and recorded: `exact` is 1 where every epoch seen (the
 first and the timed ones) delivered each index exactly once (for the feeders in their plan's
@@ -146,8 +147,8 @@ PEER_NAMES = {
     "through one buffer (epochs mix), 1 service worker: distribute's steady state",
     "distribute_repeat_2w": "the same on 2 service workers",
     "fp_job_1w": "feedpipe's own job, read plainly: ServiceWork(arrays, augment, seed).job("
-    "address, Sampler(N, 64, shuffle=True, seed).order(epoch), epoch, 0) (64-row elements, 16 "
-    "rows per split), iterated until all its rows are in, no slots: the service's side of "
+    "address, Sampler(N, 64, shuffle=True, seed).order(epoch), epoch, 0) (64-row elements, "
+    "splits sized from the job), iterated until all its rows are in, no slots: the service's side of "
     "fp_service alone; 1 service worker",
     "fp_job_2w": "the same on 2 service workers",
     "fp_service_1w": "fp.Feeder(arrays, 64, shuffle=True, transform=augment, service=address): "

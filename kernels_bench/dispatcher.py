@@ -358,7 +358,7 @@ def finish(report: harness.Report, args, arrays, rows: list[dict]) -> None:
     from feedpipe.core.source import as_source
     from feedpipe.service import client
 
-    case = "1 dispatcher, 4 workers"
+    case = "4 workers"
     units = {f"{w}_dispatcher_cpu_us_per_row": "CPU-µs per row" for w in SPLITS}
     units |= {f"{w}_{k}": "s" for w in SPLITS for k in ("epoch_s", "slowed_epoch_s")}
     units |= {f"{w}_{k}": "MB" for w in SPLITS for k in ("worker_mb", "dispatcher_mb")}

@@ -33,6 +33,7 @@ SCRIPTS = (
     "images",
     "multi_worker",
     "data_service",
+    "dispatcher",
     "jax_parity",
     "demo",
 )
