@@ -148,8 +148,8 @@ PEER_NAMES = {
     "distribute_repeat_2w": "the same on 2 service workers",
     "fp_job_1w": "feedpipe's own job, read plainly: ServiceWork(arrays, augment, seed).job("
     "address, Sampler(N, 64, shuffle=True, seed).order(epoch), epoch, 0) (64-row elements, "
-    "splits sized from the job), iterated until all its rows are in, no slots: the service's side of "
-    "fp_service alone; 1 service worker",
+    "splits sized from the job), iterated until all its rows are in, no slots: the service's "
+    "side of fp_service alone; 1 service worker",
     "fp_job_2w": "the same on 2 service workers",
     "fp_service_1w": "fp.Feeder(arrays, 64, shuffle=True, transform=augment, service=address): "
     "1 service worker, 64-row elements, one job per epoch",

@@ -270,8 +270,8 @@ class ServiceWork:
         `split_rows(len(indices))` at a time, made in parallel in any order, or one after
         another with `in_order`. The graph holds only these rows of the source's arrays (see
         `JOB_BYTES`), and their sample indices where `transform` takes a seed: a row's place,
-        tag and seed are worked out on the worker from a split's number, for every byte of
-        the graph costs the dispatcher CPU once, and once more for each worker it goes to
+        tag and seed are worked out on the worker from its split's number, for every byte of
+        the graph costs the dispatcher CPU and goes to every worker
         (kernels_bench/dispatcher.py)."""
         arrays = [tf.constant(np.take(array, indices, axis=0)) for array in self.source.arrays]
         count = len(indices)
