@@ -94,9 +94,13 @@ class CountingProxy:
         while not self._closed.is_set():
             try:
                 client, _ = self._listener.accept()
-                upstream = socket.create_connection(("127.0.0.1", self.target_port))
             except OSError:
-                return
+                return  # closed
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            except OSError:  # the target does not serve yet: the caller dials again
+                client.close()
+                continue
             with self._lock:
                 self._sockets += [client, upstream]
             for source, sink, to_target in ((client, upstream, True), (upstream, client, False)):

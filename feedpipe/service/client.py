@@ -128,10 +128,10 @@ MAX_ROWS_PER_SPLIT = 1024
 """Most rows the dispatcher hands a worker at a time. Besides its ~100 µs a split, the
 dispatcher pays for each job (~35 ms here, 4 workers) and for each byte of the job's graph
 (~12 ns: the source rows it carries; epochs of 16,384 rows of 40, 264 and 1,032 bytes cost it
-45, 100 and 253 ms), so rows of 40 bytes in jobs of `JOB_BYTES` cost it about 1.2 µs each at
-256 rows a split and 0.8 µs at 1024 (kernels_bench/dispatcher.py: 7-9 µs at 16). More would
-save it little and cost balance: a slow worker holds back the rows of the split it is making
-(see `SPLITS_HELD`)."""
+45, 100 and 253 ms). Rows of 40 bytes in jobs of `JOB_BYTES` cost it 0.8 µs each at 1024
+rows a split, 7.2 µs at 16 (kernels_bench/dispatcher.py, 1 dispatcher and 4 workers), and by
+those costs about 1.2 µs at 256. More would save it little and cost balance: a slow worker
+holds back the rows of the split it is making (see `SPLITS_HELD`)."""
 SPLITS_PER_JOB = 64
 """Splits a job's rows are shared out in, at least, where they hold `ROWS_PER_SPLIT` each: so
 that a small job still gives each of up to 16 workers 4 splits or more, and none waits idle
