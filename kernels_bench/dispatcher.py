@@ -154,12 +154,9 @@ def split_size(which: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def slowed(pid: int | None, stopped: float) -> Iterator[None]:
-    """Process `pid` stopped for `stopped` of every `SLOW_PERIOD_S` meanwhile (None: no
-    process slowed); always continued at the end."""
-    if pid is None:
-        yield
-        return
+def slowed(pid: int, stopped: float) -> Iterator[None]:
+    """Process `pid` stopped for `stopped` of every `SLOW_PERIOD_S` meanwhile; always
+    continued at the end."""
     done = threading.Event()
 
     def cycle() -> None:
@@ -332,11 +329,9 @@ def main(argv=None) -> None:
     finish(report, args, arrays, rows)
 
 
-def start_cluster(
-    servers: Servers, stack: contextlib.ExitStack, work_dir: Path | None = None
-) -> dict[str, list[CountingProxy]]:
-    """Starts the dispatcher (keeping its state in `work_dir`, if given) and its `WORKERS`
-    workers, each behind a counting proxy (closed with `stack`), and waits until they serve."""
+def start_cluster(servers: Servers, stack: contextlib.ExitStack) -> dict[str, list[CountingProxy]]:
+    """Starts the dispatcher and its `WORKERS` workers, each behind a counting proxy (closed
+    with `stack`), and waits until they serve."""
 
     def proxy(port: int) -> CountingProxy:
         counting = CountingProxy(port)
@@ -344,8 +339,7 @@ def start_cluster(
         return counting
 
     port = free_loopback_port()
-    state = [] if work_dir is None else ["--work-dir", str(work_dir)]
-    started = [servers.start("dispatcher", ["--port", str(port), *state])]
+    started = [servers.start("dispatcher", ["--port", str(port)])]
     dispatcher = proxy(port)
     workers = []
     for _ in range(WORKERS):
