@@ -36,7 +36,8 @@ model, no step), on one CPU device:
   through one buffer (epochs mix, so no epoch is checked), timed over as many samples as
   `--epochs` epochs hold after one epoch's worth;
 * `fp_job_1w`, `fp_job_2w`: feedpipe's own job read plainly, without the feeder: each epoch
-  `ServiceWork(...).job(address, Sampler(...).order(epoch), epoch, 0)` (16 rows per split,
+  `ServiceWork(...).job(address, Sampler(...).order(epoch), epoch, 0)` (splits sized from the
+  job, `ServiceWork.split_rows`: 32 rows at 2,048 rows;
   64-row elements) iterated until all its rows are in, as the feeder's reader does, nothing
   written into slots. It splits fp_service's cost into the service's side (fp_job /
   distribute) and the feeder's (fp_service / fp_job);
@@ -70,7 +71,7 @@ while feedpipe's jobs ask for their splits as the map runs, inside it, and the f
 the next epoch's job before the consumer asks. So: whole epochs, a job each, feedpipe against
 `distribute_*` (what training over epochs sees); and the steady state, feedpipe within its
 epochs against `distribute_repeat_*`'s endless job, where `distribute` pays one split per
-sample as it goes and feedpipe one per 16 rows (`feedpipe.service.ROWS_PER_SPLIT`).
+sample as it goes and feedpipe one per 16 rows or more (`ServiceWork.split_rows`).
 
 Exactness, checked in every repetition and recorded: `exact` is 1 where every epoch seen (the
 first and the timed ones) delivered each index exactly once (for the feeders in their plan's
@@ -146,9 +147,9 @@ PEER_NAMES = {
     "through one buffer (epochs mix), 1 service worker: distribute's steady state",
     "distribute_repeat_2w": "the same on 2 service workers",
     "fp_job_1w": "feedpipe's own job, read plainly: ServiceWork(arrays, augment, seed).job("
-    "address, Sampler(N, 64, shuffle=True, seed).order(epoch), epoch, 0) (64-row elements, 16 "
-    "rows per split), iterated until all its rows are in, no slots: the service's side of "
-    "fp_service alone; 1 service worker",
+    "address, Sampler(N, 64, shuffle=True, seed).order(epoch), epoch, 0) (64-row elements, "
+    "splits sized from the job), iterated until all its rows are in, no slots: the service's "
+    "side of fp_service alone; 1 service worker",
     "fp_job_2w": "the same on 2 service workers",
     "fp_service_1w": "fp.Feeder(arrays, 64, shuffle=True, transform=augment, service=address): "
     "1 service worker, 64-row elements, one job per epoch",
@@ -224,7 +225,8 @@ class Servers:
             ),
         }
 
-    def _start(self, role: str, args: list[str]) -> subprocess.Popen:
+    def start(self, role: str, args: list[str]) -> subprocess.Popen:
+        """Starts `python -m feedpipe service ROLE ARGS`; `wait_serving` waits for it."""
         with self._lock:
             log = self.logs / f"{role}-{len(self.processes)}.log"
             with open(log, "w") as out:
@@ -246,18 +248,24 @@ class Servers:
         every one serves; returns each cluster's `grpc://localhost:PORT` by worker count."""
         addresses, started = {}, []
         for count in worker_counts:
-            port = _free_loopback_port()
+            port = free_loopback_port()
             addresses[count] = f"grpc://localhost:{port}"
-            started.append((self._start("dispatcher", ["--port", str(port)]), _DISPATCHER_READY))
+            started.append(self.start("dispatcher", ["--port", str(port)]))
             worker_args = ["--dispatcher", f"localhost:{port}", "--port", "0"]
             worker_args += ["--worker-address", "localhost:%port%"]
-            started += [(self._start("worker", worker_args), _WORKER_READY) for _ in range(count)]
+            started += [self.start("worker", worker_args) for _ in range(count)]
+        self.wait_serving(started)
+        return addresses
+
+    def wait_serving(self, started: list[subprocess.Popen]) -> None:
+        """Waits until each of `started` says it serves, up to `READY_DEADLINE_S`."""
+        ready = {"dispatcher": _DISPATCHER_READY, "worker": _WORKER_READY}
         deadline = time.monotonic() + READY_DEADLINE_S
         waiting = list(started)
         while waiting:
-            for process, ready in list(waiting):
-                if ready.search(process.log.read_text(errors="replace")):
-                    waiting.remove((process, ready))
+            for process in list(waiting):
+                if ready[process.role].search(process.log.read_text(errors="replace")):
+                    waiting.remove(process)
                 elif process.poll() is not None:
                     raise RuntimeError(
                         f"`feedpipe service` (pid {process.pid}) exited with "
@@ -266,10 +274,13 @@ class Servers:
             if waiting and time.monotonic() > deadline:
                 raise RuntimeError(
                     f"`feedpipe service` did not serve within {READY_DEADLINE_S:.0f} s:\n"
-                    + "\n".join(_tail(p) for p, _ in waiting)
+                    + "\n".join(_tail(p) for p in waiting)
                 )
             time.sleep(POLL_S)
-        return addresses
+
+    def pids(self, role: str) -> list[int]:
+        """The process ids of the servers of `role`, in the order they were started."""
+        return [p.pid for p in self.processes if p.role == role]  # type: ignore[attr-defined]
 
     def cpu_s(self, role: str) -> float:
         """CPU-seconds the servers of `role` ("dispatcher" or "worker") have used."""
@@ -306,7 +317,7 @@ def _tail(process: subprocess.Popen) -> str:
     return process.log.read_text(errors="replace")[-2000:]  # type: ignore[attr-defined]
 
 
-def _free_loopback_port() -> int:
+def free_loopback_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -516,7 +527,7 @@ def run_peer(
             cpu = time.process_time() - cpu
             dispatcher = servers.cpu_s("dispatcher") - dispatcher
             worker = servers.cpu_s("worker") - worker
-        jobs = getattr(getattr(feeder, "_producer", None), "jobs", None)
+        jobs = getattr(feeder and feeder._assembly.producer, "jobs", None)
         batches.close()
     time.sleep(SETTLE_S)
     plan = Sampler(length, GLOBAL_BATCH, shuffle=True, seed=seed)

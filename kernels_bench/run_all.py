@@ -34,6 +34,7 @@ SCRIPTS = (
     "multi_worker",
     "gathered_plan",
     "data_service",
+    "dispatcher",
     "jax_parity",
     "demo",
     "skip_state",

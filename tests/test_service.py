@@ -25,7 +25,9 @@ import tensorflow as tf
 from tensorflow.python.data.experimental.ops import testing
 
 import feedpipe as fp
+from feedpipe._internals import dataset_graph
 from feedpipe.core.handoff import Handoff
+from feedpipe.core.source import as_source
 from feedpipe.service import client as service_module
 from tests.service_cluster import service_cluster
 from tests.test_fit_checkpoints import InterruptAfter
@@ -655,6 +657,35 @@ def test_a_dispatcher_that_stops_answering_fails_within_the_bound(tmp_path, devi
         wait_for_the_readers_to_end()
     # DISPATCHER_LOST_S without a row, an unanswered check (ANSWER_S), the jobs' release.
     assert waited < 4.0 + 2.0 + 3.0 + 5.0, f"raised {waited:.1f} s after the dispatcher stopped"
+
+
+def test_a_jobs_splits_grow_with_its_rows_within_the_bounds():
+    """The dispatcher pays per split, so a large job's splits are large; a small job's still
+    number `SPLITS_PER_JOB`, and rows so wide that `SPLITS_HELD` splits would pass
+    `HELD_BYTES` go fewer to a split."""
+    work = service_module.ServiceWork(as_source(records(64)), scaled, seed=0)
+    per_job = service_module.SPLITS_PER_JOB
+    assert work.split_rows(1) == service_module.ROWS_PER_SPLIT
+    assert work.split_rows(per_job * 100) == 100
+    assert work.split_rows(10**7) == service_module.MAX_ROWS_PER_SPLIT
+    wide = (np.zeros((4, 256, 256), np.float32), np.arange(4))  # 256 KiB rows, and a label
+    held = service_module.HELD_BYTES // (service_module.SPLITS_HELD * (256 * 256 * 4 + 8))
+    assert service_module.ServiceWork(as_source(wide), None, 0).split_rows(10**7) == held
+
+
+@pytest.mark.parametrize("transform", [scaled, jittered])
+def test_a_jobs_graph_carries_its_source_rows_and_little_else(transform):
+    """Every byte of a job's graph costs the dispatcher CPU and goes to every worker, so a
+    row's tag and place are worked out on the worker: the graph holds the source rows, and
+    each row's sample index where `transform` takes a seed (for its seed)."""
+    length = 4096
+    features, labels = records(length)
+    work = service_module.ServiceWork(as_source((features, labels)), transform, seed=0)
+    indices = np.random.default_rng(0).permutation(length)
+    graph = dataset_graph(work._rows(indices, epoch=1, job=7))
+    source_bytes = features.nbytes + labels.nbytes
+    per_row = 8 if transform is jittered else 0
+    assert graph.ByteSize() < source_bytes + per_row * length + 16384
 
 
 def test_rows_of_another_job_served_under_a_reused_task_number_are_left_out():

@@ -121,8 +121,26 @@ flight (`ELEMENTS_HELD_ELSEWHERE` of `ELEMENT_BYTES`), a starting job (`JOB_COPI
 are larger than `JOB_BYTES`, a job is one split and counts instead. Tested as RSS with a
 worker stopped (tests/test_service.py)."""
 ROWS_PER_SPLIT = 16
-"""Rows the dispatcher hands a worker at a time: one split per row cost the dispatcher 150-210
-µs of CPU a row; 16 to a split, 32-44 µs (kernels_bench/data_service.py)."""
+"""Fewest rows the dispatcher hands a worker at a time (a job of fewer rows is one split). The
+dispatcher pays about 100 µs of CPU per split whatever it holds (92-105 µs at 1, 16 and 256
+rows): one row a split cost it 150-210 µs a row; 16, 32-44 µs (kernels_bench/data_service.py);
+so splits grow with the job, up to `MAX_ROWS_PER_SPLIT`."""
+MAX_ROWS_PER_SPLIT = 1024
+"""Most rows the dispatcher hands a worker at a time. Besides its ~100 µs a split, the
+dispatcher pays for each job (~35 ms here, 4 workers) and for each byte of the job's graph
+(~12 ns: the source rows it carries; epochs of 16,384 rows of 40, 264 and 1,032 bytes cost it
+45, 100 and 253 ms). Rows of 40 bytes in jobs of `JOB_BYTES` cost it 0.8 µs each at 1024
+rows a split, 7.2 µs at 16 (kernels_bench/dispatcher.py, 1 dispatcher and 4 workers), and by
+those costs about 1.2 µs at 256. More would save it little and cost balance: a slow worker
+holds back the rows of the split it is making (see `SPLITS_HELD`)."""
+SPLITS_PER_JOB = 64
+"""Splits a job's rows are shared out in, at least, where they hold `ROWS_PER_SPLIT` each: so
+that a small job still gives each of up to 16 workers 4 splits or more, and none waits idle
+while another makes a split of every row (`ServiceWork.split_rows`)."""
+SPLITS_HELD = 8
+"""Splits' worth of transformed rows `HELD_BYTES` holds at least, where that leaves a split
+`ROWS_PER_SPLIT` rows: while a slow worker makes one split, the others' rows of later steps are
+held rather than asked for again (64 KiB rows: splits of 128 rows)."""
 JOB_SHIFT = 32
 """A row's tag is `job << JOB_SHIFT | position`: its place among the epoch's rows (below
 2**32), and a random number of the job that asked for it. A dispatcher restarted without
@@ -196,6 +214,9 @@ class ServiceWork:
         source_row_bytes = max(1, sum(_row_bytes(array) for array in source.arrays))
         self.rows_per_job = max(ROWS_PER_SPLIT, JOB_BYTES // source_row_bytes)
         """Rows asked of one job at most: their source rows travel in its graph (`JOB_BYTES`)."""
+        self.most_split_rows = ROWS_PER_SPLIT
+        """Most rows in a split (`MAX_ROWS_PER_SPLIT`, `SPLITS_HELD`), once a row's bytes are
+        known (the probe below is one row)."""
         try:
             self._probe = self._rows(np.zeros(1, np.int64), epoch=0)
             """Sample 0 of epoch 0, traced once: its structure, then its value."""
@@ -216,9 +237,18 @@ class ServiceWork:
         """Rows in one element the service sends (`ELEMENT_BYTES`)."""
         self.held_rows = max(self.rows_per_element, HELD_BYTES // self.row_bytes)
         """Rows of later steps kept outside the slots at most (`HELD_BYTES`)."""
+        held_split = HELD_BYTES // (SPLITS_HELD * self.row_bytes)
+        self.most_split_rows = max(ROWS_PER_SPLIT, min(MAX_ROWS_PER_SPLIT, held_split))
+
+    def split_rows(self, rows: int) -> int:
+        """Rows of each split of a job of `rows` rows: `rows` over `SPLITS_PER_JOB`, at least
+        `ROWS_PER_SPLIT` and at most `most_split_rows`: the dispatcher's CPU goes per split,
+        and balance wants many splits, and small ones."""
+        per_split = -(-rows // SPLITS_PER_JOB)
+        return max(ROWS_PER_SPLIT, min(self.most_split_rows, per_split))
 
     def _sample(
-        self, arrays: list[tf.Tensor], index: tf.Tensor, seed: tf.Tensor
+        self, arrays: list[tf.Tensor], index: tf.Tensor, seed: tf.Tensor | None
     ) -> list[tf.Tensor]:
         fields = [tf.gather(array, index) for array in arrays]
         sample = optree.tree_unflatten(self.source.treespec, fields)
@@ -238,23 +268,37 @@ class ServiceWork:
         self, indices: np.ndarray, epoch: int, job: int = 0, in_order: bool = False
     ) -> tf.data.Dataset:
         """Samples `indices` of `epoch`, each after its tag (see `JOB_SHIFT`), shared out
-        `ROWS_PER_SPLIT` at a time (the last split padded with rows tagged -1, dropped), made
-        in parallel in any order, or one after another with `in_order`. The graph holds only
-        these rows of the source's arrays (see `JOB_BYTES`)."""
+        `split_rows(len(indices))` at a time, made in parallel in any order, or one after
+        another with `in_order`. The graph holds only these rows of the source's arrays (see
+        `JOB_BYTES`), and their sample indices where `transform` takes a seed: a row's place,
+        tag and seed are worked out on the worker from its split's number, for every byte of
+        the graph costs the dispatcher CPU and goes to every worker
+        (kernels_bench/dispatcher.py)."""
         arrays = [tf.constant(np.take(array, indices, axis=0)) for array in self.source.arrays]
-        places = np.arange(len(indices), dtype=np.int64)
-        tags = (job << JOB_SHIFT) | places
-        seeds = sample_seeds(self.seed, epoch, indices)
-        rows = np.column_stack([tags, places, seeds]).astype(np.int64)
-        splits = -(-len(rows) // ROWS_PER_SPLIT)
-        padding = [(0, splits * ROWS_PER_SPLIT - len(rows)), (0, 0)]
-        padded = np.pad(rows, padding, constant_values=-1)
-        tagged = tf.data.Dataset.from_tensor_slices(padded.reshape(splits, ROWS_PER_SPLIT, -1))
+        count = len(indices)
+        per_split = self.split_rows(count)
+        sample_index = tf.constant(np.asarray(indices, np.int64)) if self.with_seed else None
+        first_seed = sample_seeds(self.seed, epoch, np.zeros(1, np.int64))[0]
+
+        def split_places(split: tf.Tensor) -> tf.Tensor:
+            return split * per_split + tf.range(per_split, dtype=tf.int64)
+
+        def made(place: tf.Tensor) -> tuple:
+            seed = None
+            if sample_index is not None:  # as `sample_seeds`, from the sample's index
+                seed = tf.constant(first_seed) + tf.stack([0, tf.gather(sample_index, place)])
+            tag = tf.bitwise.bitwise_or(
+                tf.bitwise.left_shift(tf.constant(job, tf.int64), JOB_SHIFT), place
+            )
+            return (tag, *self._sample(arrays, place, seed))
+
+        splits = tf.data.Dataset.range(-(-count // per_split))
         return (
-            tagged.unbatch()
-            .filter(lambda row: row[0] >= 0)
+            splits.map(split_places)
+            .unbatch()
+            .filter(lambda place: place < count)
             .map(
-                lambda row: (row[0], *self._sample(arrays, row[1], row[2:])),
+                made,
                 **({} if in_order else {"num_parallel_calls": tf.data.AUTOTUNE}),
                 deterministic=None if in_order else False,
             )
