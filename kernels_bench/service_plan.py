@@ -46,7 +46,7 @@ import numpy as np
 from kernels_bench import harness
 
 LENGTHS = (10**6, 10**8, 10**9)
-HOSTS = (1, 64, 512)
+HOSTS = (1, 64, 256, 512)
 GLOBAL_BATCH = 4096
 PATH_CHARACTERS = 100
 """Characters of each path of the source: the rows one job asks for follow from its bytes."""
