@@ -290,3 +290,46 @@ def test_a_state_past_the_records_kept_resumes_with_the_same_count_and_digest(
         assert resumed.get_state() == states[20]
         loop.close()
     assert len(json.dumps(states[20]["skipped"])) < 1000
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_skips_past_the_records_kept_count_once_across_breaks_asides_and_a_step_that_raised(
+    devices, workers, monkeypatch
+):
+    # A consumer that goes back (a break, a block read aside, a `with batch:` step that raised
+    # and was read again) folds only the skips of batches it cannot go back to: its state at
+    # each point equals that of a feeder read straight to the same batch.
+    monkeypatch.setattr(skips, "RECORDS_KEPT", 2)
+    bad = tuple(range(0, 200, 3))
+    options = {"devices": devices, "workers": workers, "errors": "skip", "max_skipped": 0.5}
+
+    def build():
+        return fp.Feeder(index_pairs(200), BATCH, transform=FailsOn(bad), **options)
+
+    def take(feeder, count):
+        loop = iter(feeder)
+        for _ in range(count):
+            next(loop)
+        loop.close()
+
+    seen = []
+    with build() as feeder:
+        take(feeder, 5)  # a break
+        seen.append(json.loads(json.dumps(feeder.get_state())))
+        with feeder.set_aside():  # reads that train nothing: the position comes back
+            take(feeder, 3)
+        seen.append(json.loads(json.dumps(feeder.get_state())))
+        with pytest.raises(ValueError, match="the step failed"):
+            for batch in feeder:
+                with batch:
+                    if batch.step == 9:
+                        raise ValueError("the step failed")
+        seen.append(json.loads(json.dumps(feeder.get_state())))  # at step 9, given back
+        take(feeder, 12)  # from the batch given back, step 9, to step 21
+        seen.append(json.loads(json.dumps(feeder.get_state())))
+    assert [(s["epoch"], s["step"]) for s in seen] == [(0, 5), (0, 5), (0, 9), (0, 21)]
+    for state in seen:
+        with build() as straight:
+            take(straight, state["step"])
+            assert straight.get_state() == state
+    assert seen[-1]["skipped_count"] == sum(1 for i in bad if i < 21 * BATCH)
