@@ -261,3 +261,37 @@ def test_fit_on_a_feeder_gathering_arrays_in_threads_trains_as_fit_on_the_arrays
     assert len(submitted) >= 6, "the fit's batches were gathered in the threads"
     assert int(fed.optimizer.iterations) == int(plain.optimizer.iterations) == 6
     assert_same_weights(fed, plain)
+
+
+def test_fit_past_the_skips_a_state_keeps_counts_them_as_a_loop_to_the_same_batch(
+    keras, monkeypatch
+):
+    # A fit reads batches ahead of the steps it trains: the skips it folds are those before
+    # what it trained, so its state equals that of a loop taken straight to the same batch.
+    from feedpipe.core import skips
+    from tests.worker_fakes import FailsOn, index_pairs
+
+    monkeypatch.setattr(skips, "RECORDS_KEPT", 2)
+    bad = range(0, 96, 3)
+    options = {"devices": jax.devices()[:1], "errors": "skip", "max_skipped": 0.5}
+
+    def build():
+        return fp.Feeder(index_pairs(96), 8, transform=FailsOn(bad), **options)
+
+    net = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    net.compile(optimizer="sgd", loss="mse")
+    class StopAfterFive(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            self.model.stop_training = batch == 4
+
+    with build() as feeder:
+        callbacks = [feeder.fit_callback(), StopAfterFive()]
+        net.fit(feeder, epochs=1, callbacks=callbacks, verbose=0)
+        fitted = feeder.get_state()
+    with build() as straight:
+        loop = iter(straight)
+        for _ in range(5):
+            next(loop)
+        loop.close()
+        assert straight.get_state() == fitted
+    assert fitted["step"] == 5 and fitted["skipped_count"] == 14 > len(fitted["skipped"]) == 2
