@@ -280,6 +280,7 @@ def test_fit_past_the_skips_a_state_keeps_counts_them_as_a_loop_to_the_same_batc
 
     net = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     net.compile(optimizer="sgd", loss="mse")
+
     class StopAfterFive(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             self.model.stop_training = batch == 4
