@@ -22,8 +22,8 @@ JOB_BYTES of them, 38,836 rows, of one job).
   seconds.
 * `job_rows`, `steps_planned`: the first job's rows and the steps taken from the plan for them.
 
-Targets: at N = 1e9 and B = 4096, on H = 1, 64, 256 and 512 hosts, the first batch of an epoch and of a
-restore planned in <= 20 ms and <= 16 MB. `first_plan(length, global_batch, hosts)` is the
+Targets: at N = 1e9 and B = 4096, on H = 1, 64, 256 and 512 hosts, the first batch of an epoch
+and of a restore planned in <= 20 ms and <= 16 MB. `first_plan(length, global_batch, hosts)` is the
 measurement alone, for other benchmarks (`kernels_bench.many_hosts`).
 
 Run: `python -m kernels_bench.service_plan [--quick]`; writes
