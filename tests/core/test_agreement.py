@@ -197,7 +197,8 @@ def test_more_hosts_that_differ_than_a_refusal_shows_are_counted():
 
 
 def test_a_host_that_never_arrives_is_reported_by_every_other_within_the_deadline(monkeypatch):
-    monkeypatch.setenv("FEEDPIPE_AGREEMENT_TIMEOUT_S", "0.5")
+    # 2 s: on a loaded machine, a host thread started late still arrives within the deadline.
+    monkeypatch.setenv("FEEDPIPE_AGREEMENT_TIMEOUT_S", "2")
     started = time.monotonic()
     outcomes, _ = agree_in_threads([dict(FIELDS)] * 3 + [None])
     took_s = time.monotonic() - started
@@ -205,7 +206,7 @@ def test_a_host_that_never_arrives_is_reported_by_every_other_within_the_deadlin
         assert isinstance(error, RuntimeError), (host, error)
         assert re.match(
             rf"Host {host} of 4 could not check.*3 of 4 processes built their feeder within "
-            r"0\.5 s \(FEEDPIPE_AGREEMENT_TIMEOUT_S\)",
+            r"2 s \(FEEDPIPE_AGREEMENT_TIMEOUT_S\)",
             str(error),
             re.S,
         ), str(error)
