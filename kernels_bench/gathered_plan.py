@@ -24,9 +24,6 @@ Run: `python -m kernels_bench.gathered_plan [--quick] [--batch 4096]`; writes
 from __future__ import annotations
 
 import argparse
-import gc
-import time
-import tracemalloc
 from collections.abc import Callable
 
 from kernels_bench import harness
@@ -43,17 +40,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def measured(plan: Callable[[], object]) -> dict:
     """Seconds of one call of `plan`, then the peak bytes of another, traced."""
-    gc.collect()
-    started = time.perf_counter()
-    plan()
-    seconds = time.perf_counter() - started
-    gc.collect()
-    tracemalloc.start()
-    try:
-        plan()
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    _, seconds, peak = harness.timed_then_traced(plan)
     return {"ms": seconds * 1e3, "mb": peak / 1e6}
 
 

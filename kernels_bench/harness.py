@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import hashlib
 import json
 import os
@@ -20,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -235,6 +237,32 @@ def endless(feeder) -> Iterator:
 
 
 # ---- repetition and statistics ---------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def traced() -> Iterator[dict]:
+    """The peak of memory allocated inside the block (`tracemalloc`, which sees numpy's
+    buffers), as `peak_bytes` of the dict it yields."""
+    out: dict = {}
+    gc.collect()
+    tracemalloc.start()
+    try:
+        yield out
+    finally:
+        out["peak_bytes"] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+
+
+def timed_then_traced(call: Callable[[], Any]) -> tuple[Any, float, int]:
+    """What one call of `call` returns and its seconds, then the peak bytes of another call,
+    traced apart: tracing slows each allocation, so a traced call's time would mean little."""
+    gc.collect()
+    started = time.perf_counter()
+    made = call()
+    seconds = time.perf_counter() - started
+    with traced() as memory:
+        call()
+    return made, seconds, memory["peak_bytes"]
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -49,14 +49,13 @@ import argparse
 import collections
 import contextlib
 import datetime
-import gc
+import functools
 import json
 import multiprocessing
 import os
 import threading
 import time
-import tracemalloc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from kernels_bench import harness
@@ -389,19 +388,6 @@ ORDER_STEPS_TIMED = 200
 """Steps timed after an epoch's first, for the order's steady cost a step."""
 
 
-@contextlib.contextmanager
-def traced() -> Iterator[dict]:
-    """The peak of memory allocated inside the block (numpy's buffers included)."""
-    out: dict = {}
-    gc.collect()
-    tracemalloc.start()
-    try:
-        yield out
-    finally:
-        out["peak_bytes"] = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-
-
 def order_rep(length: int, hosts: int, seed: int) -> dict:
     """Host 0's order at `length` samples among `hosts` hosts: its first batch of an epoch and
     of a restore half-way through one (the sampler made, then the step planned: the time, then
@@ -422,12 +408,8 @@ def order_rep(length: int, hosts: int, seed: int) -> dict:
     row: dict[str, float] = {}
     half = -(-length // GLOBAL_BATCH) // 2
     for name, start in (("epoch", 0), ("restore", half)):
-        started = time.perf_counter()
-        sampler = first_batch(start)
-        row[f"first_{name}_ms"] = 1e3 * (time.perf_counter() - started)
-        with traced() as memory:
-            first_batch(start)
-        row[f"first_{name}_mb"] = memory["peak_bytes"] / 1e6
+        sampler, seconds, peak = harness.timed_then_traced(functools.partial(first_batch, start))
+        row[f"first_{name}_ms"], row[f"first_{name}_mb"] = 1e3 * seconds, peak / 1e6
     steps = sampler.steps(2)
     next(steps)
     started = time.perf_counter()

@@ -120,7 +120,6 @@ import sys
 import tempfile
 import threading
 import time
-import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -631,19 +630,6 @@ def lazy_plan() -> tuple[Any, str]:
     )
 
 
-@contextlib.contextmanager
-def traced() -> Iterator[dict]:
-    """Measures the peak of memory allocated inside the block (numpy buffers included)."""
-    out: dict = {}
-    gc.collect()
-    tracemalloc.start()
-    try:
-        yield out
-    finally:
-        out["peak_bytes"] = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-
-
 def plan_rep(length: int, lazy: Any, with_steps: bool, seed: int) -> dict:
     """One repetition of the plan's cost at `length` samples (epoch 0 of `seed`)."""
     from feedpipe.core.sampler import Sampler
@@ -655,7 +641,7 @@ def plan_rep(length: int, lazy: Any, with_steps: bool, seed: int) -> dict:
         # The full permutation that the lazy plan replaces at this length, for comparison.
         sampler.lazy = False
     row: dict[str, float | None] = {}
-    with traced() as memory:
+    with harness.traced() as memory:
         started = time.perf_counter()
         order = sampler.order(epoch)
         row["order_s"] = time.perf_counter() - started
@@ -677,7 +663,7 @@ def plan_rep(length: int, lazy: Any, with_steps: bool, seed: int) -> dict:
             next(steps)
         row["steps_step_us"] = 1e6 * (time.perf_counter() - started) / timed
         steps.close()
-        with traced() as memory:  # apart: tracing slows each small allocation
+        with harness.traced() as memory:  # apart: tracing slows each small allocation
             steps = shared.steps(epoch)
             for _ in range(timed + 1):
                 next(steps)
@@ -698,7 +684,7 @@ def plan_rep(length: int, lazy: Any, with_steps: bool, seed: int) -> dict:
 
         build_s, steps_s = lazy_steps()
         row["lazy_build_s"], row["lazy_step_us"] = build_s, 1e6 * steps_s / timed
-        with traced() as memory:  # apart, as above
+        with harness.traced() as memory:  # apart, as above
             lazy_steps()
         row["lazy_peak_bytes"] = memory["peak_bytes"]
         row["lazy_epoch_s"] = row["lazy_step_us"] * len(sampler) / 1e6

@@ -34,11 +34,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import math
 import os
-import time
-import tracemalloc
 from collections.abc import Callable
 
 import numpy as np
@@ -164,17 +161,7 @@ def _listed(length: int, global_batch: int, hosts: int) -> Callable[[], dict]:
 
 def _measured(plan: Callable[[], dict]) -> dict:
     """`plan()` timed, then run again under `tracemalloc` for its peak bytes."""
-    gc.collect()
-    started = time.perf_counter()
-    made = plan()
-    seconds = time.perf_counter() - started
-    gc.collect()
-    tracemalloc.start()
-    try:
-        plan()
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    made, seconds, peak = harness.timed_then_traced(plan)
     return {**made, "ms": seconds * 1e3, "mb": peak / 1e6}
 
 

@@ -23,7 +23,6 @@ Run: `python -m kernels_bench.skip_state [--quick]`; writes
 from __future__ import annotations
 
 import json
-import tracemalloc
 
 import numpy as np
 
@@ -67,16 +66,14 @@ def skip_state_bytes(
     stride = length // budget
     booked = min(budget, BOOKED_MAX)
     ledger = SkipLedger(policy, length)
-    tracemalloc.start()
-    for k in range(booked):
-        index = k * stride
-        error = _error(index)
-        kind, message = describe(error)
-        step = index // global_batch
-        ledger.record(SkippedSample(0, index, step, kind, message), error)
-        ledger.fold_before(Position(0, step))  # a consumer settled at the batch under way
-    booking_peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
+    with harness.traced() as booking:
+        for k in range(booked):
+            index = k * stride
+            error = _error(index)
+            kind, message = describe(error)
+            step = index // global_batch
+            ledger.record(SkippedSample(0, index, step, kind, message), error)
+            ledger.fold_before(Position(0, step))  # a consumer settled at the batch under way
     end = Position(0, -(-length // global_batch))
     state = ledger.state(end)
     records = state["skipped"]
@@ -88,10 +85,8 @@ def skip_state_bytes(
     whole = {"epoch": 0, **state, "skipped_count": budget}
     whole["skipped_digest"] = f"{digest % 2**64:016x}"
     restored = SkipLedger(policy, length)
-    tracemalloc.start()
-    restored.restore(whole)
-    restore_peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
+    with harness.traced() as restoring:
+        restored.restore(whole)
     measured = restored.state(end)
     if measured != {key: whole[key] for key in measured}:
         raise RuntimeError(f"the restored ledger's state differs from the one restored at {end}")
@@ -103,8 +98,8 @@ def skip_state_bytes(
         "state_bytes": len(json.dumps(measured)),
         "state_records": len(records),
         "records_kept": RECORDS_KEPT,
-        "booking_peak_bytes": booking_peak,
-        "restore_peak_bytes": restore_peak,
+        "booking_peak_bytes": booking["peak_bytes"],
+        "restore_peak_bytes": restoring["peak_bytes"],
         "old_bytes_per_record": per_record,
         "old_state_bytes": per_record * budget,
     }
