@@ -763,14 +763,16 @@ def test_a_step_read_ahead_of_that_raised_counts_once_the_loop_goes_on(devices):
 
 
 def test_unpacking_a_batch_names_what_to_read_instead(devices):
-    with fp.Feeder(index_arrays(16), 8, devices=devices[:1]) as feeder:
-        with pytest.raises(
+    with (
+        fp.Feeder(index_arrays(16), 8, devices=devices[:1]) as feeder,
+        pytest.raises(
             TypeError,
             match=r"cannot be unpacked \(as in `for x, y in feeder`\).*batch\.real_rows\(\).*"
             r"batch\.distributed\(\).*batch\.replicas\[i\]",
-        ):
-            for _x, _y in feeder:
-                pass
+        ),
+    ):
+        for _x, _y in feeder:
+            pass
 
 
 def test_real_rows_are_the_sources_real_rows_and_refused_on_several_devices(devices):
@@ -781,8 +783,9 @@ def test_real_rows_are_the_sources_real_rows_and_refused_on_several_devices(devi
     np.testing.assert_array_equal(np.concatenate([x.numpy() for x, _ in rows]), features)
     np.testing.assert_array_equal(np.concatenate([y.numpy() for _, y in rows]), labels)
     with fp.Feeder((features, labels), 8, devices=devices[:2]) as feeder:
+        batch = next(iter(feeder))
         with pytest.raises(ValueError, match=r"spans 2 devices.*batch\.distributed\(\)"):
-            next(iter(feeder)).real_rows()
+            batch.real_rows()
 
 
 @pytest.mark.parametrize(
