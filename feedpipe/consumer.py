@@ -168,8 +168,8 @@ class Consumer:
         `evaluate`), a whole epoch read aside: the current one from its first batch where the
         position is at an epoch's start, else the next, and the position stays where it was.
 
-        A loop left early keeps its position (the next loop resumes there), the batch under
-        whose `with` block raised given back (see `block_ended`). A `fit` pass
+        A loop left early keeps its position (the next loop resumes there), a batch whose
+        `with` block raised given back with every batch after it (see `block_ended`). A `fit` pass
         (`as_dataset`, Keras's adapter) left early does not count unless a `FitTracker` says
         which of its batches the step used, because TensorFlow prefetches batches the step never
         takes and Keras peeks at a batch to build the model: the next pass starts again where
