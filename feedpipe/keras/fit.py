@@ -344,7 +344,7 @@ class StepGuard:
         if ours:
             signal.signal(signal.SIGINT, self.previous)
         self.previous(signum, frame)
-        if ours:
+        if ours and signal.getsignal(signal.SIGINT) == self.previous:  # none set since
             signal.signal(signal.SIGINT, self._handle)
 
 
