@@ -6,8 +6,11 @@ The dataset is map-style, as a `DataLoader` takes it (`blobs.py`). Two worker pr
 its `__getitem__` (the per-sample work) and write each sample into the host buffer its batch is
 staged from, so the loop receives tensors already on this process's device (its GPU where
 there is one). 1,000 samples in batches of 64 leave a last batch of 40 real
-rows, padded to 64: the mask zeroes the padding's loss, and dividing by `batch.num_valid` makes
-each step the mean over its real samples, as a `DataLoader`'s short last batch would.
+rows, padded to 64. On one device the step takes `batch.real_rows()`, those 40 rows alone, as
+a `DataLoader`'s short last batch is: a model with Dropout or BatchNorm then trains exactly as
+it would on the loader. With several processes (`torch_ddp.py`) every process keeps its padded
+rows, so that their shapes agree: the mask zeroes the padding's loss, and dividing by
+`batch.num_valid` makes each step the mean over the real samples.
 
 Partway through the second epoch the run stops, as a preempted job would, after saving
 `feeder.state_dict()` with `torch.save` beside the model's and the optimizer's. A new model,
@@ -31,8 +34,21 @@ def make_model(device: torch.device) -> torch.nn.Module:
     return torch.nn.Sequential(*layers).to(device)
 
 
+def step(model, optimizer, batch) -> torch.Tensor:
+    """One step on the batch's real rows alone; their summed loss, correct answers and count."""
+    x, y = batch.real_rows()  # the padded last batch as its real rows: a DataLoader's batch
+    logits = model(x)
+    loss = torch.nn.functional.cross_entropy(logits, y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    correct = (logits.argmax(1) == y).sum().float()
+    return torch.stack([loss.detach() * len(y), correct, correct.new_tensor(len(y))])
+
+
 def masked_step(model, optimizer, batch, world_size: int = 1) -> torch.Tensor:
-    """One step on the batch's real rows; their summed loss, correct answers and count."""
+    """One step on the batch's rows, padding weighted zero, as every process of a
+    `DistributedDataParallel` model takes them; their summed loss, correct answers and count."""
     (x, y), mask = batch.distributed()
     logits = model(x)
     summed = torch.where(mask, torch.nn.functional.cross_entropy(logits, y, reduction="none"), 0)
@@ -63,7 +79,7 @@ def train(path: str, epochs: int, stop_at: tuple[int, int] | None = None) -> Non
         for epoch in range(feeder.state_dict()["epoch"], epochs):
             first, totals = feeder.state_dict()["step"], torch.zeros(3, device=device)
             for batch in feeder:
-                totals += masked_step(model, optimizer, batch)
+                totals += step(model, optimizer, batch)
                 if (batch.epoch, batch.step) == stop_at:
                     break
             loss, correct, seen = totals.tolist()

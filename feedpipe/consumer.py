@@ -4,8 +4,9 @@ The position is what the consumer has taken, never what was produced: batches st
 taken are made again after a restore. Each loop over the feeder is a pass over the rest of the
 current epoch; a pass a framework's `fit` reads (`as_dataset`, Keras's adapter) counts only what
 the fit trained on, which its ledger (`feedpipe.keras.ledger`) says. A user's loop counts a
-batch once it takes it, and takes it back where the batch's `with` block raised (see
-`Consumer.give_back`). A failure in the pipeline closes the feeder and is raised by every later
+batch once it takes it, takes it back with every batch taken after it where the batch's `with`
+block raised, and takes it again where a later `with` block on it ends well (see
+`Consumer.block_ended`). A failure in the pipeline closes the feeder and is raised by every later
 read.
 """
 
@@ -59,7 +60,11 @@ class Pass:
     """A pass read aside (`predict`, `evaluate`): a whole epoch that leaves the consumer's
     position, and its stats, as they were."""
     given_back: Position | None = None
-    """For a user's loop whose batch under way was given back: the position it had taken."""
+    """For a user's loop whose batches were given back (see `Consumer.block_ended`): the
+    position it had taken, which it takes again once it asks for its next batch."""
+    redone: set[int] = dataclasses.field(default_factory=set)
+    """For a user's loop whose batches were given back: the steps of those whose `with` block
+    has since ended well (a retry), taken again once every batch before them is."""
 
     def catch_up(self, steps_per_epoch: int) -> None:
         """Reads how far the consumer of a gathered pass has got: `handed`, and `end` once it
@@ -122,9 +127,9 @@ class Consumer:
         the passes of `as_dataset` while the user's thread ends a fit or reads the state."""
         self.fits = FitLedger(self)
         """What the fits reading this feeder trained on."""
-        self.under_way: tuple[Pass, Position] | None = None
-        """The batch a user's loop was handed last, and that loop, until it asks for the next
-        one or another pass begins: the batch `give_back` may take back."""
+        self.lent: Pass | None = None
+        """The user's loop that handed out batches last, until another pass begins or the
+        position is set: the loop whose batches a `with` block may give back."""
         self.begun_at = self.position
         """Where the last pass began: a loop that raises gives back batches from there on."""
         self.aside_from: Position | None = None
@@ -163,8 +168,8 @@ class Consumer:
         `evaluate`), a whole epoch read aside: the current one from its first batch where the
         position is at an epoch's start, else the next, and the position stays where it was.
 
-        A loop left early keeps its position (the next loop resumes there), the batch under
-        way given back where its `with` block raised (see `give_back`). A `fit` pass
+        A loop left early keeps its position (the next loop resumes there), a batch whose
+        `with` block raised given back with every batch after it (see `block_ended`). A `fit` pass
         (`as_dataset`, Keras's adapter) left early does not count unless a `FitTracker` says
         which of its batches the step used, because TensorFlow prefetches batches the step never
         takes and Keras peeks at a batch to build the model: the next pass starts again where
@@ -198,8 +203,8 @@ class Consumer:
                     this.handed += 1
                     item.handed_over()
                     if not fit:
-                        self.under_way = (this, Position(item.epoch, item.step))
-                        item._lender = (weakref.WeakMethod(self.give_back), this)
+                        self.lent = this
+                        item._lender = (weakref.WeakMethod(self.block_ended), this)
                 if plan is None:
                     # A source of unknown length learns its epoch's end by reading on: it is
                     # read before the batch goes, so that the state after an epoch's last step
@@ -236,30 +241,58 @@ class Consumer:
                         self.assembly.stop()  # staged batches are made again by the next loop
                         self.settle()
 
-    @_locked
-    def give_back(self, loop: Pass, epoch: int, step: int) -> None:
-        """The step on batch `step` of `epoch` raised, its `with` block left by an exception:
-        if it is still the batch under way of the user's `loop`, the consumer goes on from it
-        (`get_state()`, the next loop) until that loop asks for the next batch."""
-        batch = Position(epoch, step)
-        if self.under_way != (loop, batch) or loop.given_back is not None:
-            return
-        loop.given_back, self.position = self.position, batch
-        if self.active is not loop:  # its epoch was over: the pipeline runs on into the next
-            self.assembly.stop()
-            self.settle()
+    def block_ended(self, loop: Pass, epoch: int, step: int, *, failed: bool) -> None:
+        """A `with` block on batch `step` of `epoch`, handed out by the user's `loop`, ended.
+
+        Where it `failed` (an exception left it: Ctrl-C, an error in the step), that batch and
+        every batch the loop took after it are given back: `get_state()` and the next loop go
+        on from it, also where the loop took the next batch before the step (one batch read
+        ahead) or its epoch is over. Where it ended well after a give-back (a retry), the batch
+        counts as taken again, and once every batch given back is, the loop's position is whole
+        again. The loop asking for its next batch takes back everything given back: the loop
+        went on, past the step that raised.
+        """
+        if not failed and loop.given_back is None:
+            return  # the step as every step ends: nothing to take again
+        with self.lock:
+            if self.lent is not loop or not self._handed_by(loop, epoch, step):
+                return
+            if failed:
+                if loop.given_back is None:
+                    loop.given_back = self.position
+                if Position(epoch, step) < self.position:
+                    self.position = Position(epoch, step)
+                loop.redone = {done for done in loop.redone if done < step}
+            else:
+                if loop.given_back is None or (epoch, step) < tuple(self.position):
+                    return
+                loop.redone.add(step)
+                at = self.position.step
+                while at in loop.redone:
+                    at += 1
+                if at == loop.start.step + loop.handed:  # every batch given back is taken again
+                    self.position, loop.given_back, loop.redone = loop.given_back, None, set()
+                else:
+                    self.position = Position(epoch, at)
+            if self.active is not loop:  # its epoch was over: the pipeline runs on into the next
+                self.assembly.stop()
+                self.settle()
+
+    @staticmethod
+    def _handed_by(loop: Pass, epoch: int, step: int) -> bool:
+        """Whether batch `step` of `epoch` is one of the batches `loop` handed out."""
+        first = loop.start.step
+        return epoch == loop.start.epoch and first <= step < first + loop.handed
 
     @_locked
     def _asks_for_next(self, loop: Pass) -> None:
-        """The user's `loop` asks for the batch after the one under way: that one is done,
-        its step over, even where its `with` block raised (the loop went on)."""
-        if self.under_way is None or self.under_way[0] is not loop:
+        """The user's `loop` asks for its next batch: what it gave back is taken again, the
+        steps that raised over (the loop went on, past the error)."""
+        if loop.given_back is None or self.lent is not loop:
             return
-        self.under_way = None
-        if loop.given_back is not None:
-            self.position, loop.given_back = loop.given_back, None
-            if self.active is not loop:
-                self.settle()
+        self.position, loop.given_back, loop.redone = loop.given_back, None, set()
+        if self.active is not loop:
+            self.settle()
 
     @_locked
     def begin_pass(
@@ -301,7 +334,7 @@ class Consumer:
         this = Pass(fit, start, counters, self.passes, taken=taken, reader=reader, aside=aside)
         self.begun_at = start
         self.active = this
-        self.under_way = None
+        self.lent = None
         if fit and not aside:
             self.last_fit = this
             self.fits.begun(ahead)
@@ -428,7 +461,7 @@ class Consumer:
         """Folds the skips of the batches that no pass goes back to into their epoch's count
         (`SkipLedger.fold_before`): those before every position the consumer may return to,
         where it was settled, the start of the last pass (a loop that raised gives its batches
-        back), the batch under way, what a tracked fit trained, where a block read aside ends."""
+        back), what a tracked fit trained, where a block read aside ends."""
         if self.assembly.skips is None:
             return
         returns = [self.position, self.begun_at]
@@ -436,8 +469,6 @@ class Consumer:
             returns.append(self._settled[0])
         else:
             returns.append(self.fits.tracked())
-        if self.under_way is not None:
-            returns.append(self.under_way[1])
         if self.aside_from is not None:
             returns.append(self.aside_from)
         self.assembly.skips.fold_before(min(returns))
@@ -528,7 +559,7 @@ class Consumer:
         self.active = None
         assembly.stop()
         self.position = position
-        self.under_way = None
+        self.lent = None
         self.fits.interrupted_at = None
         assembly.producer.restore(self.position, state.get("source"))
         if assembly.skips is not None:

@@ -659,6 +659,135 @@ def test_a_batch_whose_step_raised_counts_once_its_loop_goes_on(devices):
         assert [i for b in feeder for i in real_ids(b)] == list(range(32, 48))
 
 
+class StepFailed(Exception):
+    """An error in a training step, raised on purpose."""
+
+
+def test_a_batch_whose_with_block_raised_and_then_ended_well_counts_as_taken(devices):
+    # A retry: the step on batch 2 raises in one `with batch:` block and succeeds in a second.
+    # The batch is trained then, so a checkpoint written after it goes on with batch 3.
+    with fp.Feeder(index_arrays(48), 8, devices=devices) as feeder:
+        trained, saved = [], None
+        for batch in feeder:
+            with contextlib.suppress(StepFailed), batch:
+                if batch.step == 2:
+                    raise StepFailed("the first try")
+                trained.append(batch.step)
+            if batch.step == 2:
+                assert (feeder.get_state()["step"]) == 2, "given back while it failed"
+                with batch:
+                    trained.append(batch.step)
+                saved = json.loads(json.dumps(feeder.get_state()))
+                break
+    assert trained == [0, 1, 2]
+    assert (saved["epoch"], saved["step"]) == (0, 3)
+    with fp.Feeder(index_arrays(48), 8, devices=devices) as resumed:
+        resumed.set_state(saved)
+        assert [b.step for b in resumed] == [3, 4, 5]
+
+
+def test_retried_batches_count_once_every_batch_given_back_ended_well(devices):
+    # Two batches given back by nested blocks (gradients accumulated over two batches) count
+    # again once both retries end well, in either order.
+    with fp.Feeder(index_arrays(48), 8, devices=devices) as feeder:
+        loop = iter(feeder)
+        first, second = next(loop), next(loop)
+        with contextlib.suppress(StepFailed), first, second:
+            raise StepFailed("the accumulated step")
+        assert feeder.get_state()["step"] == 0
+        with second:
+            pass
+        assert feeder.get_state()["step"] == 0, "batch 0 is not trained yet"
+        with first:
+            pass
+        assert feeder.get_state()["step"] == 2
+        assert next(loop).step == 2
+        loop.close()
+
+
+def prefetching_steps(feeder, fails_on: int) -> list[int]:
+    """A loop that takes the next batch before it steps on the current one; the step on batch
+    `fails_on` raises StepFailed. The steps trained, in order."""
+    trained = []
+    batches = iter(feeder)
+    current = next(batches)
+    try:
+        while current is not None:
+            upcoming = next(batches, None)  # read ahead of the step
+            with current:
+                if current.step == fails_on:
+                    raise StepFailed(f"the step on batch {fails_on}")
+                trained.append(current.step)
+            current = upcoming
+    finally:
+        batches.close()
+    return trained
+
+
+@pytest.mark.parametrize("fails_on", [2, 5], ids=["mid-epoch", "last batch"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_step_that_raised_on_a_batch_read_ahead_of_gives_back_every_batch_from_it(
+    devices, fails_on, workers
+):
+    def build():
+        return fp.Feeder(IndexSource(48), 8, devices=devices, workers=workers, shuffle=True, seed=4)
+
+    with build() as feeder:
+        stream = take(feeder, 6)
+    with build() as feeder:
+        with pytest.raises(StepFailed):
+            prefetching_steps(feeder, fails_on)
+        saved = json.loads(json.dumps(feeder.get_state()))
+        assert (saved["epoch"], saved["step"]) == (0, fails_on)
+        assert take(feeder, 6 - fails_on) == stream[fails_on:]
+    with build() as resumed:
+        resumed.set_state(saved)
+        assert take(resumed, 6 - fails_on) == stream[fails_on:]
+
+
+def test_a_step_read_ahead_of_that_raised_counts_once_the_loop_goes_on(devices):
+    # As in a plain loop, an error caught and gone past counts the batch as trained.
+    with fp.Feeder(index_arrays(48), 8, devices=devices) as feeder:
+        batches = iter(feeder)
+        current = next(batches)
+        upcoming = next(batches)
+        with contextlib.suppress(StepFailed), current:
+            raise StepFailed("the step on batch 0")
+        assert feeder.get_state()["step"] == 0
+        assert next(batches).step == 2
+        assert feeder.get_state()["step"] == 3
+        with upcoming:
+            pass
+        assert feeder.get_state()["step"] == 3
+        batches.close()
+
+
+def test_unpacking_a_batch_names_what_to_read_instead(devices):
+    with (
+        fp.Feeder(index_arrays(16), 8, devices=devices[:1]) as feeder,
+        pytest.raises(
+            TypeError,
+            match=r"cannot be unpacked \(as in `for x, y in feeder`\).*batch\.real_rows\(\).*"
+            r"batch\.distributed\(\).*batch\.replicas\[i\]",
+        ),
+    ):
+        for _x, _y in feeder:
+            pass
+
+
+def test_real_rows_are_the_sources_real_rows_and_refused_on_several_devices(devices):
+    features, labels = index_arrays(20)
+    with fp.Feeder((features, labels), 8, devices=devices[:1]) as feeder:
+        rows = [batch.real_rows() for batch in feeder]
+    assert [len(x) for x, _ in rows] == [8, 8, 4]
+    np.testing.assert_array_equal(np.concatenate([x.numpy() for x, _ in rows]), features)
+    np.testing.assert_array_equal(np.concatenate([y.numpy() for _, y in rows]), labels)
+    with fp.Feeder((features, labels), 8, devices=devices[:2]) as feeder:
+        batch = next(iter(feeder))
+        with pytest.raises(ValueError, match=r"spans 2 devices.*batch\.distributed\(\)"):
+            batch.real_rows()
+
+
 @pytest.mark.parametrize(
     ("field", "changes"),
     [

@@ -409,6 +409,52 @@ def test_a_checkpoint_saved_in_the_ctrl_c_handler_restores_to_where_the_feeder_g
         assert rest_of_epoch(restored) == goes_on
 
 
+SAFETY_S = 120.0
+"""How long a step that waits for a second Ctrl-C blocks at most: past it the step returns, and
+the test fails (a second Ctrl-C lands within milliseconds)."""
+
+
+class CtrlCTwiceInStep(keras.layers.Layer):
+    """In the eager step on the batch holding sample `index`, once: a Ctrl-C that the feeder's
+    guard holds, then a second one from another thread while the step blocks on an event that
+    nothing sets, for `SAFETY_S` at most. `completed` records a step that came out of it."""
+
+    def __init__(self, index: int, **kwargs):
+        super().__init__(**kwargs)
+        self.index = index
+        self.pressed = False
+        self.completed = False
+
+    def call(self, x):
+        if tf.executing_eagerly() and not self.pressed and self.index in x.numpy():
+            self.pressed = True
+            signal.raise_signal(signal.SIGINT)  # handled before this returns: held
+            threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGINT)).start()
+            threading.Event().wait(SAFETY_S)
+            self.completed = True
+        return x
+
+
+@pytest.mark.parametrize("entry", ["as_dataset", "feeder"])
+def test_a_second_ctrl_c_interrupts_a_step_at_once_and_leaves_the_handler_the_fit_found(entry):
+    handler = signal.getsignal(signal.SIGINT)
+    with fp.Feeder(ids_data(), BATCH) as feeder:
+        data = feeder.as_dataset() if entry == "as_dataset" else feeder
+        pressing = CtrlCTwiceInStep(3 * BATCH)
+        model = keras.Sequential([keras.Input((1,)), pressing, keras.layers.Dense(1)])
+        model.compile("sgd", "mse", run_eagerly=True)
+        with pytest.raises(KeyboardInterrupt):
+            model.fit(data, epochs=1, verbose=0, callbacks=[feeder.fit_callback()])
+        assert pressing.pressed and not pressing.completed, "the step ran to its end"
+        assert signal.getsignal(signal.SIGINT) is handler
+        state = feeder.get_state()
+        assert (state["epoch"], state["step"]) == (0, 3), "the step under way never returned"
+        # The notebook's next cell trains the rest of the epoch, under the same handler.
+        model.fit(feeder, epochs=1, verbose=0, callbacks=[feeder.fit_callback()])
+        assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (1, 0)
+        assert signal.getsignal(signal.SIGINT) is handler
+
+
 @pytest.mark.parametrize("entry", ["as_dataset", "feeder"])
 def test_a_generator_fit_of_several_epochs_from_mid_epoch_is_refused_with_the_fit_that_finishes_it(
     entry,

@@ -12,6 +12,10 @@ provides only the comparison's transport, as a `Tally`: TensorFlow's all-gathers
 (`feedpipe.tf.agreement`, every host's fields on every host, `tally_of`), or a key-value store
 (`feedpipe.jax.agreement`, `feedpipe.torch.agreement`: `tally_through`, whose cost grows as the
 host count, not its square). A layer says that a host did not answer by raising `NoAnswer`.
+
+Through a store, each agreement meets under a key of its own (`RoundKeys`), which no earlier
+run against the same store used: a host that starts again must not read the records of a
+round its earlier life took part in.
 """
 
 from __future__ import annotations
@@ -102,20 +106,41 @@ class KeyValueStore(Protocol):
         the sum, atomically."""
 
 
-_rounds = itertools.count()
-"""Agreements this process has taken part in: every process builds its multi-process feeders
-in the same order (as for any collective), so the n-th of each meets the others' n-th."""
+class RoundKeys:
+    """The store keys under which one process's agreements meet the other processes'.
+
+    Every process builds its multi-process feeders in the same order (as for any collective),
+    so the n-th agreement of each meets the others' n-th: the key counts them. A count kept in
+    the process alone starts again at 0 when the process does, and would meet the records its
+    earlier life left in a store that outlived it (a `TCPStore` or file store kept across
+    restarts): told "agreed" by them, whatever its fields. So the key also carries the
+    process's life, numbered by the store: at its first agreement each process adds 1 to a
+    counter of its host's lives (one more round trip, once), and every host that starts anew
+    together takes the next number, as its first life took 1. A host that starts again alone
+    meets no one and is told so within the deadline, rather than agreed by stale records; so
+    are hosts started again together where one's earlier life ended before its first agreement
+    (their counts of lives differ): a fresh store starts them all at 1 again.
+    """
+
+    def __init__(self):
+        self._rounds = itertools.count()
+        self._life: int | None = None
+
+    def next(self, store: KeyValueStore, host: int) -> str:
+        """The key of this process's next agreement, as host `host` of `store`."""
+        if self._life is None:
+            self._life = store.add(f"feedpipe/agreement/lives/{host}", 1)
+        return f"feedpipe/agreement/{self._life}/{next(self._rounds)}"
 
 
-def next_round_key() -> str:
-    """The store key under which this process's next agreement meets the other processes'."""
-    return f"feedpipe/agreement/{next(_rounds)}"
+ROUND_KEYS = RoundKeys()
+"""This process's agreement keys."""
 
 
 def tally_through(
     store: KeyValueStore, host: int, hosts: list[int], payload: bytes, name: str, key: str
 ) -> Tally:
-    """The tally of every host's `payload` through `store`, under `key` (`next_round_key()`),
+    """The tally of every host's `payload` through `store`, under `key` (`RoundKeys.next`),
     at most 3 round trips from each host and 3 operations a host at the store where the hosts
     agree; `host` is this host's id among `hosts` (host 0 is `hosts[0]`).
 

@@ -3,7 +3,8 @@
 
 The payloads travel through the distributed runtime's key-value store, the coordination
 service `jax.distributed.initialize` connects every process to: each process sets, reads and
-adds to it 3 times where the feeders agree (`feedpipe.core.agreement.tally_through`), so the
+adds to it 3 times where the feeders agree (`feedpipe.core.agreement.tally_through`), and once
+more at its first agreement (`RoundKeys`: keys no earlier run against the service used), so the
 service's work grows as the process count, and every read is bounded by a deadline. A process
 that never builds its feeder (it failed before, or runs other code) is then named within
 `timeout_s()` instead of leaving the others waiting forever, which a compiled collective
@@ -18,7 +19,7 @@ from typing import Any
 import jax
 
 from feedpipe._internals import jax_distributed_client
-from feedpipe.core.agreement import Tally, next_round_key, tally_through
+from feedpipe.core.agreement import ROUND_KEYS, Tally, tally_through
 
 
 class _CoordinationStore:
@@ -44,6 +45,5 @@ def tally(processes: list[int], payload: bytes) -> Tally:
     """Every process's `payload` compared with the first's of `processes` (the mesh's, which
     this process is among); `NoAnswer` where a process did not answer in time."""
     store = _CoordinationStore(jax_distributed_client())
-    return tally_through(
-        store, jax.process_index(), processes, payload, "process", next_round_key()
-    )
+    host = jax.process_index()
+    return tally_through(store, host, processes, payload, "process", ROUND_KEYS.next(store, host))

@@ -71,3 +71,9 @@ class Batch(core.Batch):
         if sharding is None:
             return self._inputs, self._mask
         return jax.device_put((self._inputs, self._mask), sharding)
+
+    def _hosts(self) -> int:
+        return len(self._layer.processes)
+
+    def _rows(self, replica: Any, mask: Any) -> Any:
+        return optree.tree_map(lambda field: field[mask], replica)

@@ -275,6 +275,14 @@ class StepGuard:
     validation, the fit's end), when Keras has kept the state. The wait for a batch is not held
     (on JAX it is in the step, before the state is donated), so Ctrl-C stops a slow source at
     once.
+
+    One Ctrl-C is held, never more: a second one while the first waits reaches the replaced
+    handler at once, as it would without the guard (Python's raises `KeyboardInterrupt` in the
+    step), for a step that hangs. The step under way may then have applied its update or not,
+    and the feeder goes on from its batch (it counts the steps that returned). Whenever a held
+    or second Ctrl-C reaches the replaced handler, that handler is put back first: a
+    `KeyboardInterrupt` leaves the handler the fit found, as a notebook's next cell expects; a
+    handler that returns (the fit goes on) has this one put back after it.
     """
 
     def __init__(self, tracker: FitTracker):
@@ -311,17 +319,33 @@ class StepGuard:
         self.held = False
         pending, self.pending = self.pending, None
         if pending is not None:
-            self.previous(signal.SIGINT, pending)
+            self._deliver(signal.SIGINT, pending)
 
     def _handle(self, signum: int, frame: Any) -> None:
         # A fit that raised out of a step (an error, or a callback's KeyboardInterrupt) leaves
         # `held` set and this handler in place until the feeder is next read: only that fit,
-        # still running, holds.
-        if self.held and in_keras_fit_with(self.tracker(), frame):
+        # still running, holds. A second SIGINT while one is held is not held: both go on.
+        if self.held and self.pending is None and in_keras_fit_with(self.tracker(), frame):
             self.pending = frame
             return
-        self.held = False
+        self.held, held, self.pending = False, self.pending, None
+        if held is not None:
+            self._deliver(signum, held)
+        self._deliver(signum, frame)
+
+    def _deliver(self, signum: int, frame: Any) -> None:
+        """Hands a SIGINT to the handler this one replaced, put back for it: its
+        `KeyboardInterrupt` leaves that handler in place; where it returns, the fit goes on
+        under this one again."""
+        ours = (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) == self._handle
+        )
+        if ours:
+            signal.signal(signal.SIGINT, self.previous)
         self.previous(signum, frame)
+        if ours and signal.getsignal(signal.SIGINT) == self.previous:  # none set since
+            signal.signal(signal.SIGINT, self._handle)
 
 
 class Handing(Iterator):

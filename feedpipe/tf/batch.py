@@ -61,3 +61,9 @@ class Batch(core.Batch):
             return self.replicas[replica], self.masks[replica]
 
         return strategy.experimental_distribute_values_from_function(local)
+
+    def _hosts(self) -> int:
+        return 1 if self._share is None else self._share.num_hosts
+
+    def _rows(self, replica: Any, mask: Any) -> Any:
+        return tf.nest.map_structure(lambda field: tf.boolean_mask(field, mask), replica)

@@ -3,11 +3,12 @@
 
 The payloads travel through the process group's key-value store (the `TCPStore` or file store
 `init_process_group` rendezvoused through): each rank sets, reads and adds to it 3 times where
-the feeders agree (`feedpipe.core.agreement.tally_through`), so the store's work grows as the
-rank count, and every wait is bounded by a deadline. A process that never builds its feeder is
-then named within the deadline, where a collective (`all_gather_object`) would wait for the
-process group's own timeout (30 minutes by default); the store also needs no device, and works
-the same on gloo and NCCL.
+the feeders agree (`feedpipe.core.agreement.tally_through`), and once more at its process's
+first agreement (`RoundKeys`: keys no earlier run against the same store used), so the store's
+work grows as the rank count, and every wait is bounded by a deadline. A process that never
+builds its feeder is then named within the deadline, where a collective (`all_gather_object`)
+would wait for the process group's own timeout (30 minutes by default); the store also needs
+no device, and works the same on gloo and NCCL.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import datetime
 from typing import Any
 
 from feedpipe._internals import torch_default_store
-from feedpipe.core.agreement import Tally, next_round_key, tally_through
+from feedpipe.core.agreement import ROUND_KEYS, RoundKeys, Tally, tally_through
 
 
 class _ProcessGroupStore:
@@ -44,5 +45,11 @@ class _ProcessGroupStore:
 def tally(rank: int, world_size: int, payload: bytes) -> Tally:
     """Every rank's `payload` compared with rank 0's; `NoAnswer` where a rank did not answer
     in time."""
-    store = _ProcessGroupStore(torch_default_store())
-    return tally_through(store, rank, list(range(world_size)), payload, "rank", next_round_key())
+    return tally_in(torch_default_store(), rank, world_size, payload, ROUND_KEYS)
+
+
+def tally_in(store: Any, rank: int, world_size: int, payload: bytes, keys: RoundKeys) -> Tally:
+    """`tally` through the `torch.distributed` store `store`, under the next of `keys`."""
+    store = _ProcessGroupStore(store)
+    ranks = list(range(world_size))
+    return tally_through(store, rank, ranks, payload, "rank", keys.next(store, rank))

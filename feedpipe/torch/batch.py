@@ -61,3 +61,10 @@ class Batch(core.Batch):
                 "each."
             )
         return self.replicas[0], self.masks[0]
+
+    def _hosts(self) -> int:
+        dist = torch.distributed  # a feeder is shared by every rank of an initialized group
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    def _rows(self, replica: Any, mask: Any) -> Any:
+        return optree.tree_map(lambda field: field[mask], replica)

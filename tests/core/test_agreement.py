@@ -2,7 +2,9 @@
 host's value, a host that does not answer is named as such, and agreeing hosts pass, whether
 every host's fields come from a collective (a list standing for the hosts) or through a
 key-value store (an in-memory one, each host a thread with its own counting client), which
-costs at most 3 round trips a host and 4 operations a host at the store."""
+costs at most 3 round trips a host and 4 operations a host at the store, and one add more at a
+process's first agreement, which numbers its life: a host that starts again against the same
+store never meets the records of its earlier life's rounds."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import pytest
 
 from feedpipe.core.agreement import (
     NoAnswer,
+    RoundKeys,
     Tally,
     check_hosts_agree,
     tally_of,
@@ -96,6 +99,8 @@ class CountingClient:
     def __init__(self, store: MemoryStore):
         self.store = store
         self.calls: collections.Counter[str] = collections.Counter()
+        self.keys: list[str] = []
+        """The keys this host's agreements met under."""
 
     def set(self, key: str, value: bytes) -> None:
         self.calls["set"] += 1
@@ -114,19 +119,24 @@ class CountingClient:
         return sum(self.calls.values())
 
 
-def agree_in_threads(fields_of: list[dict | None]) -> tuple[list, list[CountingClient]]:
+def agree_in_threads(
+    fields_of: list[dict | None], store: MemoryStore | None = None, keys: list | None = None
+) -> tuple[list, list[CountingClient]]:
     """Each host (a thread, its own client of one store) checks its fields, `fields_of[h]`, or
-    never builds its feeder where that is None; what each raised (None where it passed), and
-    the clients."""
-    store = MemoryStore()
+    never builds its feeder where that is None, under the key "k", or with `keys` the next of
+    its own `keys[h]` (a `RoundKeys`: the process it stands for); what each raised (None where
+    it passed), and the clients."""
+    store = MemoryStore() if store is None else store
     count = len(fields_of)
     clients = [CountingClient(store) for _ in range(count)]
     outcomes: list = [None] * count
 
     def host(position: int) -> None:
         def tally(payload: bytes) -> Tally:
-            hosts = list(range(count))
-            return tally_through(clients[position], position, hosts, payload, "process", "k")
+            hosts, client = list(range(count)), clients[position]
+            key = "k" if keys is None else keys[position].next(client, position)
+            client.keys.append(key)
+            return tally_through(client, position, hosts, payload, "process", key)
 
         share = HostShare(count, num_hosts=count, host=position, local_replicas=1)
         try:
@@ -224,3 +234,44 @@ def test_host_0_that_never_arrives_is_named_by_every_other(monkeypatch):
             str(error),
             re.S,
         ), str(error)
+
+
+# ---- rounds, and hosts that start again ------------------------------------------------------
+
+
+def test_every_host_meets_under_the_same_key_each_round_and_only_the_first_costs_an_add_more():
+    store, count = MemoryStore(), 8
+    keys = [RoundKeys() for _ in range(count)]
+    first, clients = agree_in_threads([dict(FIELDS)] * count, store, keys)
+    second, again = agree_in_threads([dict(FIELDS)] * count, store, keys)
+    assert first == second == [None] * count
+    assert len({client.keys[0] for client in clients}) == 1
+    assert len({client.keys[0] for client in again}) == 1
+    assert clients[0].keys != again[0].keys
+    assert max(client.round_trips for client in clients) <= 4, "one add numbers the life"
+    assert max(client.round_trips for client in again) <= 3
+    assert sum(client.round_trips for client in again) <= 4 * count
+
+
+def test_a_host_that_starts_again_alone_is_not_agreed_by_its_earlier_lifes_records(monkeypatch):
+    monkeypatch.setenv("FEEDPIPE_AGREEMENT_TIMEOUT_S", "1")
+    store = MemoryStore()
+    outcomes, _ = agree_in_threads([dict(FIELDS)] * 3, store, [RoundKeys() for _ in range(3)])
+    assert outcomes == [None] * 3
+    # Host 2 starts again, its count of agreements back at 0, with another seed; hosts 0 and
+    # 1 build no feeder meanwhile.
+    restarted = [None, None, {**FIELDS, "seed": 7}]
+    outcomes, _ = agree_in_threads(restarted, store, [RoundKeys() for _ in range(3)])
+    assert isinstance(outcomes[2], RuntimeError), outcomes[2]
+    assert re.match(r"Host 2 of 3 could not check.*process 0 built no feeder", str(outcomes[2]))
+
+
+def test_hosts_that_start_again_together_compare_their_new_fields():
+    store = MemoryStore()
+    outcomes, _ = agree_in_threads([dict(FIELDS)] * 3, store, [RoundKeys() for _ in range(3)])
+    assert outcomes == [None] * 3
+    again = [dict(FIELDS), dict(FIELDS), {**FIELDS, "seed": 7}]
+    outcomes, _ = agree_in_threads(again, store, [RoundKeys() for _ in range(3)])
+    for host, error in enumerate(outcomes):
+        assert isinstance(error, ValueError), (host, error)
+        assert "seed=0 on host 0 and 1 other; seed=7 on host 2" in str(error)

@@ -35,3 +35,21 @@ def test_four_devices_train_the_same_parameters_as_one(devices):
     # Training moved the parameters: the comparison is of something learnt.
     start = loop.init(jax.random.key(0), 20, 10)
     assert not np.allclose(np.asarray(one["w2"]), np.asarray(start["w2"]))
+
+
+def test_real_rows_are_the_sources_rows_and_refused_on_several_devices(devices):
+    import feedpipe as fp
+
+    x = np.arange(40, dtype=np.float32).reshape(20, 2)
+    y = np.arange(20, dtype=np.int32)
+    with fp.Feeder((x, y), 8, devices=devices[:1]) as feeder:
+        rows = [batch.real_rows() for batch in feeder]
+    assert [len(bx) for bx, _ in rows] == [8, 8, 4]
+    np.testing.assert_array_equal(np.concatenate([np.asarray(bx) for bx, _ in rows]), x)
+    np.testing.assert_array_equal(np.concatenate([np.asarray(by) for _, by in rows]), y)
+    with fp.Feeder((x, y), 8, devices=devices[:2]) as feeder:
+        batch = next(iter(feeder))
+        with pytest.raises(ValueError, match=r"spans 2 devices.*batch\.distributed\(\)"):
+            batch.real_rows()
+        with pytest.raises(TypeError, match=r"batch\.real_rows\(\).*batch\.distributed\(\)"):
+            _bx, _by = batch

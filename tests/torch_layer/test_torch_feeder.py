@@ -315,3 +315,63 @@ def test_ctrl_c_in_a_loop_with_workers_leaves_a_state_and_a_feeder_that_go_on():
     with _feeder(index_pairs(48), 8, shuffle=True, seed=4) as again:
         again.load_state_dict(saved)
         assert [label for batch in again for label in _real_labels(batch)] == rest
+
+
+def _dropout_batchnorm_model() -> torch.nn.Module:
+    """A small model whose training step reads every row it is given: Dropout draws a mask per
+    row, BatchNorm takes the rows' mean and variance."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(2, 16),
+        torch.nn.BatchNorm1d(16),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.5),
+        torch.nn.Linear(16, 1),
+    )
+
+
+def _train_epoch(batches) -> tuple[list[float], dict]:
+    """One epoch of SGD over `(x, y)` batches, seeded: each step's loss, and the weights."""
+    model = _dropout_batchnorm_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(1)  # Dropout's masks
+    losses = []
+    for x, y in batches:
+        loss = torch.nn.functional.mse_loss(model(x).squeeze(1), y.float())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def test_real_rows_train_as_a_dataloaders_short_last_batch_bit_for_bit():
+    # 37 rows in batches of 8: the last batch has 5 real rows, padded to 8 by the feeder.
+    x, y = index_pairs(37)
+    x = x / 37
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y)),
+        batch_size=8,
+        generator=torch.Generator(),  # the loader draws its seed there, not from Dropout's
+    )
+    expected_losses, expected = _train_epoch(loader)
+    with fp.Feeder((x, y), 8, devices=["cpu"], framework="torch") as feeder:
+        losses, trained = _train_epoch(batch.real_rows() for batch in feeder)
+    assert losses == expected_losses
+    assert len(losses) == 5
+    for name, value in expected.items():
+        assert torch.equal(trained[name], value), name
+
+
+def test_real_rows_are_refused_on_several_devices_naming_the_masks():
+    with _feeder(index_pairs(16), 8) as feeder:
+        batch = next(iter(feeder))
+        with pytest.raises(ValueError, match=r"spans 2 devices.*batch\.masks\[i\]"):
+            batch.real_rows()
+
+
+def test_unpacking_a_torch_batch_names_what_to_read_instead():
+    with fp.Feeder(index_pairs(16), 8, devices=["cpu"], framework="torch") as feeder:
+        batch = next(iter(feeder))
+        with pytest.raises(TypeError, match=r"batch\.real_rows\(\).*batch\.distributed\(\)"):
+            _x, _y = batch
