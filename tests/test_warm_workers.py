@@ -29,9 +29,9 @@ GLOBAL_BATCH = 8
 def warm_on(monkeypatch):
     """Warm workers on (the other tests keep them off), and none left for the leak check."""
     monkeypatch.setenv(warm.COUNT_ENV, "4")
-    warm.drain()
+    warm.release()
     yield
-    warm.drain()
+    warm.release()
 
 
 def worker_pids(feeder) -> list[int]:
@@ -292,7 +292,7 @@ def test_a_second_feeder_over_the_same_arrays_maps_the_kept_copy(devices):
         got = batches(second)
         assert shared_arrays(worker_pids(second)) == copied
     assert got == expected
-    warm.drain()
+    warm.release()
     assert _arrays.kept_nbytes() == 0
 
 
