@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import importlib.util
 import math
 import os
 import signal
@@ -520,6 +521,7 @@ def test_a_module_reloaded_without_an_edit_is_not_run_by_a_warm_worker(
 
 LAZY_MODULE = """
 import importlib
+import importlib.util
 
 
 class Source:
@@ -600,3 +602,18 @@ def test_a_kept_copy_older_than_the_idle_time_is_not_handed_over(devices, monkey
         assert _arrays.kept_nbytes() == 0
     with feed(source, devices) as second:
         assert shared_arrays(worker_pids(second)).isdisjoint(copied)
+
+
+def test_a_lazily_imported_module_is_not_loaded_by_a_feeder(devices, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "lazy_user_module.py").write_text("import os\nos.environ['LAZY_RAN'] = '1'\n")
+    importlib.invalidate_caches()
+    spec = importlib.util.find_spec("lazy_user_module")
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "lazy_user_module", module)
+    spec.loader.exec_module(module)
+    monkeypatch.delenv("LAZY_RAN", raising=False)
+    with feed(wf.IndexSource(64), devices) as feeder:
+        list(feeder)
+    assert "LAZY_RAN" not in os.environ

@@ -83,8 +83,21 @@ class Imports(NamedTuple):
 
     @classmethod
     def now(cls) -> Imports:
+        """This process's imports now; none where no worker is kept (it costs milliseconds
+        with a framework's thousands of modules loaded)."""
+        if not capacity():
+            return cls({}, ())
         modules = list(sys.modules.items())  # another thread may import meanwhile
-        return cls({name: getattr(module, "__spec__", None) for name, module in modules}, _path())
+        return cls({name: _spec(module) for name, module in modules}, _path())
+
+
+def _spec(module: object) -> object:
+    """A module's `__spec__`, read without running its code: a lazy module
+    (`importlib.util.LazyLoader`) loads on any attribute asked of it."""
+    try:
+        return object.__getattribute__(module, "__dict__").get("__spec__")
+    except AttributeError:  # not a module: something a package put in `sys.modules`
+        return None
 
 
 def _path() -> tuple[str, ...]:
@@ -101,11 +114,10 @@ def runs_current_code(worker: Spawned) -> bool:
     for name, imported in worker.imported.items():
         if imported.path != path or file_state(imported.file) != imported.state:
             return False
-        module = sys.modules.get(name)
-        if imported.spec is not None and getattr(module, "__spec__", None) is not imported.spec:
+        spec = _spec(sys.modules.get(name))
+        if imported.spec is not None and spec is not imported.spec:
             return False
-        origin = getattr(getattr(module, "__spec__", None), "origin", None)
-        if module is not None and origin not in (None, imported.file):
+        if getattr(spec, "origin", None) not in (None, imported.file):
             return False
     return True
 
