@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+import zipfile
 
 import numpy as np
 import psutil
@@ -617,3 +618,22 @@ def test_a_lazily_imported_module_is_not_loaded_by_a_feeder(devices, tmp_path, m
     with feed(wf.IndexSource(64), devices) as feeder:
         list(feeder)
     assert "LAZY_RAN" not in os.environ
+
+
+def test_a_worker_that_imported_a_module_from_a_zip_file_is_not_adopted(
+    devices, tmp_path, monkeypatch
+):
+    archive = tmp_path / "zipped.zip"
+    with zipfile.ZipFile(archive, "w") as zipped:  # no file of its own to prove unchanged
+        zipped.writestr("zipped_source.py", MODULE.format(factor=1))
+    monkeypatch.syspath_prepend(str(archive))
+    module = importlib.import_module("zipped_source")
+    try:
+        with feed(module.Source(), devices) as first:
+            expected = values_of(first)
+            pids = worker_pids(first)
+        with feed(module.Source(), devices) as second:
+            assert values_of(second) == expected
+            assert set(worker_pids(second)).isdisjoint(pids)
+    finally:
+        sys.modules.pop("zipped_source")

@@ -182,13 +182,13 @@ class TensorFlowWatch(importlib.abc.MetaPathFinder):
         )
 
 
-def file_state(path: str) -> tuple[int, int]:
-    """What tells a module's file from an edited one: its mtime in ns and size ((-1, -1): none
-    can be read, which matches no file)."""
+def file_state(path: str) -> tuple[int, int] | None:
+    """What tells a module's file from an edited one: its mtime in ns and size (None where it
+    cannot be read, a module in a zip file say: nothing then proves it unchanged)."""
     try:
         stat = os.stat(path)
     except OSError:
-        return -1, -1
+        return None
     return stat.st_mtime_ns, stat.st_size
 
 
@@ -200,7 +200,7 @@ class ImportedFiles(importlib.abc.MetaPathFinder):
     it; a module with no file (built in, frozen, a namespace) has no code to go stale."""
 
     def __init__(self):
-        self.files: dict[str, tuple[str, tuple[int, int]]] = {}
+        self.files: dict[str, tuple[str, tuple[int, int] | None]] = {}
 
     def find_spec(self, name, path=None, target=None):
         finders = sys.meta_path
@@ -213,7 +213,7 @@ class ImportedFiles(importlib.abc.MetaPathFinder):
                 return spec
         return None
 
-    def news(self) -> dict[str, tuple[str, tuple[int, int]]]:
+    def news(self) -> dict[str, tuple[str, tuple[int, int] | None]]:
         """The files of the modules imported since the last call (and imported still)."""
         news = {name: file for name, file in self.files.items() if name in sys.modules}
         self.files.clear()

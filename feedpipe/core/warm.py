@@ -60,7 +60,7 @@ class Imported(NamedTuple):
     new import replaces; None if it had not imported it) and where imports resolved."""
 
     file: str
-    state: tuple[int, int]
+    state: tuple[int, int] | None
     spec: object
     path: tuple[str, ...]
 
@@ -112,7 +112,8 @@ def runs_current_code(worker: Spawned) -> bool:
     has not reloaded or imported anew a module it held when the worker imported it."""
     path = _path()
     for name, imported in worker.imported.items():
-        if imported.path != path or file_state(imported.file) != imported.state:
+        state = file_state(imported.file)
+        if imported.path != path or state is None or state != imported.state:
             return False
         spec = _spec(sys.modules.get(name))
         if imported.spec is not None and spec is not imported.spec:
