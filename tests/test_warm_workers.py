@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -637,3 +638,15 @@ def test_a_worker_that_imported_a_module_from_a_zip_file_is_not_adopted(
             assert set(worker_pids(second)).isdisjoint(pids)
     finally:
         sys.modules.pop("zipped_source")
+
+
+def test_a_worker_is_not_adopted_once_the_import_path_changes(devices, user_module, monkeypatch):
+    user_module("path_source", factor=1)
+    module = importlib.import_module("path_source")
+    with feed(module.Source(), devices) as first:
+        list(first)
+        pids = worker_pids(first)
+    monkeypatch.syspath_prepend(str(Path(module.__file__).parent / "elsewhere"))
+    with feed(module.Source(), devices) as second:
+        list(second)
+        assert set(worker_pids(second)).isdisjoint(pids)
