@@ -49,6 +49,7 @@ _EXPORTS = {
     "WorkerError": "feedpipe.core.workers",
     "diagnose": "feedpipe.diagnostics.diagnosis",
     "from_generator": "feedpipe.core.source",
+    "release": "feedpipe.core.warm",
     "train": "feedpipe.tf.training",
     "warm_workers": "feedpipe.core.warm",
 }
@@ -67,6 +68,7 @@ __all__ = [
     "WorkerError",
     "diagnose",
     "from_generator",
+    "release",
     "train",
     "warm_workers",
 ]
@@ -76,7 +78,7 @@ if TYPE_CHECKING:
     from feedpipe.core.description import FeederDescription
     from feedpipe.core.source import from_generator
     from feedpipe.core.stats import FeedStats
-    from feedpipe.core.warm import warm_workers
+    from feedpipe.core.warm import release, warm_workers
     from feedpipe.core.workers import WorkerError
     from feedpipe.diagnostics.diagnosis import Diagnosis, diagnose
     from feedpipe.diagnostics.monitor import StarvationMonitor

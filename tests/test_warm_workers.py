@@ -4,11 +4,17 @@ ones are capped and end by themselves, and none outlives the process, SIGKILL in
 
 from __future__ import annotations
 
+import gc
+import importlib
+import importlib.util
 import math
 import os
 import signal
+import sys
 import threading
 import time
+import zipfile
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -19,6 +25,7 @@ from feedpipe.core import _arrays, auto, warm
 from feedpipe.core._shm import NAME_PATTERN
 from feedpipe.core.cost import SampleCost, Setting
 from tests import worker_fakes as wf
+from tests.conftest import wait_for_no_feedpipe_threads
 from tests.fakes import all_ids
 from tests.test_worker_faults import run_isolated, wait_gone
 
@@ -29,9 +36,9 @@ GLOBAL_BATCH = 8
 def warm_on(monkeypatch):
     """Warm workers on (the other tests keep them off), and none left for the leak check."""
     monkeypatch.setenv(warm.COUNT_ENV, "4")
-    warm.drain()
+    warm.release()
     yield
-    warm.drain()
+    warm.release()
 
 
 def worker_pids(feeder) -> list[int]:
@@ -292,7 +299,7 @@ def test_a_second_feeder_over_the_same_arrays_maps_the_kept_copy(devices):
         got = batches(second)
         assert shared_arrays(worker_pids(second)) == copied
     assert got == expected
-    warm.drain()
+    warm.release()
     assert _arrays.kept_nbytes() == 0
 
 
@@ -311,7 +318,7 @@ def test_arrays_changed_between_feeders_are_copied_again(devices):
     assert 999 in {value for _, rows in got for value in rows}
 
 
-def test_read_only_arrays_are_not_compared_and_give_exact_batches(devices):
+def test_read_only_arrays_give_exact_batches(devices):
     source = wf.HeldArraySource(256, 4096)
     source.rows.flags.writeable = False
     with feed(source, devices) as first:
@@ -320,6 +327,56 @@ def test_read_only_arrays_are_not_compared_and_give_exact_batches(devices):
         expected = rows_of(reference)
     with feed(source, devices) as second:
         assert rows_of(second) == expected
+
+
+def edit_through_the_base(source: wf.HeldArraySource) -> None:
+    """The source's rows become a read-only view; row 5 is then written through its base."""
+    base = source.rows
+    source.rows = base.view()
+    source.rows.flags.writeable = False
+    yield
+    base[5] = -1
+
+
+def edit_between_flags(source: wf.HeldArraySource) -> None:
+    """The source's rows are read-only; row 5 is written with the flag switched on and off."""
+    source.rows.flags.writeable = False
+    yield
+    source.rows.flags.writeable = True
+    source.rows[5] = -1
+    source.rows.flags.writeable = False
+
+
+@pytest.mark.parametrize("edit", [edit_through_the_base, edit_between_flags])
+def test_read_only_arrays_edited_between_feeders_give_the_batches_of_workers0(devices, edit):
+    source = wf.HeldArraySource(256, 4096)
+    editing = edit(source)
+    next(editing)
+    with feed(source, devices) as first:
+        list(first)
+    next(editing, None)
+    assert not source.rows.flags.writeable and (source.rows[5] == -1).all()
+    with feed(source, devices, workers=0) as reference:
+        expected = rows_of(reference)
+    with feed(source, devices) as second:
+        got = rows_of(second)
+    assert got == expected
+    assert -1 in {value for _, rows in got for value in rows}
+
+
+def test_arrays_over_bytes_are_handed_over_without_a_comparison(devices):
+    source = wf.HeldArraySource(256, 4096)
+    source.rows = np.frombuffer(source.rows.tobytes(), np.int64).reshape(source.rows.shape)
+    with feed(source, devices) as first:
+        list(first)
+        copied = shared_arrays(worker_pids(first))
+    with feed(source, devices, workers=0) as reference:
+        expected = rows_of(reference)
+    with feed(source, devices) as second:
+        got = rows_of(second)
+        assert shared_arrays(worker_pids(second)) == copied
+    assert got == expected
+    assert _arrays.current()._view is None  # the kept copy was never mapped to compare
 
 
 def test_no_copy_is_kept_with_warm_workers_off(devices, monkeypatch):
@@ -384,3 +441,212 @@ def test_a_worker_whose_source_imported_a_framework_is_not_reused(devices):
         pids = worker_pids(first)
     assert warm.idle_pids() == []
     assert wait_gone(pids)[0] == []
+
+
+MODULE = """
+import os
+
+import numpy as np
+
+SCALE = int(os.environ.get("FEEDPIPE_TEST_SCALE", "1"))
+
+
+class Source:
+    \"\"\"Sample i is (i, i * {factor} * SCALE).\"\"\"
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, index):
+        return np.int64(index), np.int64(index * {factor} * SCALE)
+"""
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """Writes the module `name` (sample i is (i, i * factor)) into a folder on `sys.path`, as
+    a user's own file, and forgets it after the test."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    written = []
+
+    def write(name: str, factor: int):
+        (tmp_path / f"{name}.py").write_text(MODULE.format(factor=factor))
+        importlib.invalidate_caches()
+        written.append(name)
+
+    yield write
+    for name in written:
+        sys.modules.pop(name, None)
+
+
+def values_of(feeder) -> list[int]:
+    return [value for _, values in batches(feeder) for value in values]
+
+
+def test_an_edited_and_reloaded_module_is_not_run_by_a_warm_worker(devices, user_module):
+    user_module("edited_source", factor=1)
+    module = importlib.import_module("edited_source")
+    with feed(module.Source(), devices) as first:
+        assert values_of(first)[:4] == [0, 1, 2, 3]
+        pids = worker_pids(first)
+    assert sorted(warm.idle_pids()) == sorted(pids)
+    user_module("edited_source", factor=100)
+    importlib.reload(module)
+    assert module.Source()[3][1] == 300
+    with feed(module.Source(), devices, workers=0) as reference:
+        expected = values_of(reference)
+    with feed(module.Source(), devices) as second:
+        got = values_of(second)
+        assert set(worker_pids(second)).isdisjoint(pids)  # fresh workers
+    assert got == expected
+    assert got[:4] == [0, 100, 200, 300]
+
+
+def test_a_module_reloaded_without_an_edit_is_not_run_by_a_warm_worker(
+    devices, user_module, monkeypatch
+):
+    user_module("reloaded_source", factor=1)
+    module = importlib.import_module("reloaded_source")
+    with feed(module.Source(), devices) as first:
+        list(first)
+        pids = worker_pids(first)
+    monkeypatch.setenv("FEEDPIPE_TEST_SCALE", "100")  # read when the module runs
+    importlib.reload(module)
+    with feed(module.Source(), devices, workers=0) as reference:
+        expected = values_of(reference)
+    with feed(module.Source(), devices) as second:
+        got = values_of(second)
+        assert set(worker_pids(second)).isdisjoint(pids)
+    assert got == expected
+    assert got[:4] == [0, 100, 200, 300]
+
+
+LAZY_MODULE = """
+import importlib
+import importlib.util
+
+
+class Source:
+    \"\"\"Sample i is the module {inner}'s sample i, that module imported where the sample is
+    made: the training process never imports it.\"\"\"
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, index):
+        return importlib.import_module("{inner}").Source()[index]
+"""
+
+
+def test_an_edited_module_that_only_the_workers_imported_is_not_run_by_a_warm_worker(
+    devices, user_module, tmp_path
+):
+    user_module("imported_by_workers", factor=1)
+    (tmp_path / "importing_source.py").write_text(LAZY_MODULE.format(inner="imported_by_workers"))
+    module = importlib.import_module("importing_source")
+    with feed(module.Source(), devices) as first:
+        list(first)
+        pids = worker_pids(first)
+    assert "imported_by_workers" not in sys.modules
+    user_module("imported_by_workers", factor=100)
+    with feed(module.Source(), devices) as second:
+        got = values_of(second)
+        assert set(worker_pids(second)).isdisjoint(pids)
+    with feed(module.Source(), devices, workers=0) as reference:
+        assert values_of(reference) == got
+    assert got[:4] == [0, 100, 200, 300]
+    sys.modules.pop("importing_source")
+
+
+def test_an_unchanged_module_is_run_by_the_warm_workers(devices, user_module):
+    user_module("unchanged_source", factor=1)
+    module = importlib.import_module("unchanged_source")
+    with feed(module.Source(), devices) as first:
+        expected = values_of(first)
+        pids = worker_pids(first)
+    with feed(module.Source(), devices) as second:
+        got = values_of(second)
+        assert sorted(worker_pids(second)) == sorted(pids)
+    assert got == expected
+
+
+def test_a_dataset_of_a_collected_feeder_leaves_no_thread(devices):
+    source = wf.HeldArraySource(256, 4096)
+    feeder = feed(source, devices)
+    for _ in feeder.as_dataset().take(2):
+        pass
+    del feeder
+    gc.collect()
+    assert wait_for_no_feedpipe_threads() == []
+    assert _arrays.kept_nbytes() >= source.rows.nbytes  # kept: memory alone, no thread
+    fp.release()
+    assert _arrays.kept_nbytes() == 0
+
+
+def test_release_ends_the_idle_workers_and_the_kept_copy_at_once(devices):
+    source = wf.HeldArraySource(256, 4096)
+    with feed(source, devices) as feeder:
+        list(feeder)
+        pids = worker_pids(feeder)
+    assert sorted(warm.idle_pids()) == sorted(pids) and _arrays.kept_nbytes() > 0
+    fp.release()
+    assert warm.idle_pids() == [] and _arrays.kept_nbytes() == 0
+    assert wait_gone(pids)[0] == []
+
+
+def test_a_kept_copy_older_than_the_idle_time_is_not_handed_over(devices, monkeypatch):
+    source = wf.HeldArraySource(256, 4096)
+    with feed(source, devices) as first:
+        list(first)
+        copied = shared_arrays(worker_pids(first))
+    with monkeypatch.context() as later:
+        later.setattr(time, "monotonic", lambda: math.inf)  # the idle time has passed
+        assert _arrays.kept_nbytes() == 0
+    with feed(source, devices) as second:
+        assert shared_arrays(worker_pids(second)).isdisjoint(copied)
+
+
+def test_a_lazily_imported_module_is_not_loaded_by_a_feeder(devices, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "lazy_user_module.py").write_text("import os\nos.environ['LAZY_RAN'] = '1'\n")
+    importlib.invalidate_caches()
+    spec = importlib.util.find_spec("lazy_user_module")
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "lazy_user_module", module)
+    spec.loader.exec_module(module)
+    monkeypatch.delenv("LAZY_RAN", raising=False)
+    with feed(wf.IndexSource(64), devices) as feeder:
+        list(feeder)
+    assert "LAZY_RAN" not in os.environ
+
+
+def test_a_worker_that_imported_a_module_from_a_zip_file_is_not_adopted(
+    devices, tmp_path, monkeypatch
+):
+    archive = tmp_path / "zipped.zip"
+    with zipfile.ZipFile(archive, "w") as zipped:  # no file of its own to prove unchanged
+        zipped.writestr("zipped_source.py", MODULE.format(factor=1))
+    monkeypatch.syspath_prepend(str(archive))
+    module = importlib.import_module("zipped_source")
+    try:
+        with feed(module.Source(), devices) as first:
+            expected = values_of(first)
+            pids = worker_pids(first)
+        with feed(module.Source(), devices) as second:
+            assert values_of(second) == expected
+            assert set(worker_pids(second)).isdisjoint(pids)
+    finally:
+        sys.modules.pop("zipped_source")
+
+
+def test_a_worker_is_not_adopted_once_the_import_path_changes(devices, user_module, monkeypatch):
+    user_module("path_source", factor=1)
+    module = importlib.import_module("path_source")
+    with feed(module.Source(), devices) as first:
+        list(first)
+        pids = worker_pids(first)
+    monkeypatch.syspath_prepend(str(Path(module.__file__).parent / "elsewhere"))
+    with feed(module.Source(), devices) as second:
+        list(second)
+        assert set(worker_pids(second)).isdisjoint(pids)

@@ -10,11 +10,17 @@ large copy is split into one file per thread (`parts`), written in parallel.
 
 That copy is memory (as much again as the arrays, while a feeder uses it) and time (giving a
 file new pages costs about as much as the copy itself), so with warm workers on, the last copy
-is kept for the next feeder over the same arrays, for `FEEDPIPE_WARM_IDLE_S` at most: the same
-array objects, at the same addresses, hand over the kept copy, provided their bytes have not
-changed since (read-only arrays cannot have changed; writable ones are compared with the copy,
-which reads both once and writes nothing). Arrays changed in between get a new copy; a copy in
-use is never written again.
+is kept for the next feeder over the same arrays: the same array objects, at the same
+addresses, hand over the kept copy, provided their bytes have not changed since. Only an array
+over immutable memory (its chain of bases ends in `bytes`) cannot have changed; every other one
+is compared with the copy, which reads both once and writes nothing (memcmp, several times
+faster than the copy, and than hashing the array). A read-only flag proves nothing: the array's
+base may be written, or the flag switched off, the array edited and the flag switched back on.
+Arrays changed in between get a new copy; a copy in use is never written again.
+
+The kept copy is dropped when one of its arrays is collected, by the first feeder (or
+`warm.drain`) that finds it older than `FEEDPIPE_WARM_IDLE_S`, and at exit; no thread waits to
+drop it, so none outlives a feeder.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import ctypes
 import mmap
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import NamedTuple
@@ -130,7 +137,7 @@ class _Kept:
         for raw, owner, key in zip(raws, self.owners, self.keys, strict=True):
             if owner() is not raw.obj or (_address(raw), raw.nbytes) != key:
                 return False
-        if all(raw.readonly for raw in raws):
+        if all(_immutable(raw) for raw in raws):
             return True
         if self._view is None:
             fds = [os.dup(buffer.fd) for buffer in self.buffers]
@@ -141,23 +148,31 @@ class _Kept:
             return not any(
                 _libc.memcmp(run + at, _address(raws[i]) + skip, length)
                 for i, skip, at, length in _pieces(raws, self.spans, first, end)
-                if not raws[i].readonly
+                if not _immutable(raws[i])
             )
 
         return all(_in_parallel(self.sizes, same))
 
 
+def _immutable(raw: memoryview) -> bool:
+    """Whether nobody can write the bytes of `raw`: its array's chain of bases (arrays and
+    memory views) ends in a `bytes` object, which numpy never lets be written."""
+    owner = raw.obj
+    while isinstance(owner, np.ndarray | memoryview):
+        owner = owner.base if isinstance(owner, np.ndarray) else owner.obj
+    return isinstance(owner, bytes)
+
+
 _lock = threading.Lock()
 _kept: _Kept | None = None
-_expiry: threading.Timer | None = None
+_until = 0.0  # monotonic seconds after which the kept copy is not handed over
 
 
 def share(raws: list[memoryview], keep_s: float | None) -> Shared:
     """The bytes of `raws` in shared files: the kept copy if it holds them unchanged, else a
     new copy, which is kept for `keep_s` seconds (None: not kept)."""
     global _kept
-    with _lock:
-        kept = _kept
+    kept = current()
     if kept is not None and kept.holds(raws):
         _keep_until(keep_s)
         return _hand(kept.buffers, kept.spans)
@@ -172,11 +187,8 @@ def share(raws: list[memoryview], keep_s: float | None) -> Shared:
     _in_parallel(sizes, copy)
     made = _Kept(buffers, spans, raws) if keep_s is not None and _weak(raws) else None
     with _lock:
-        _kept = made
-    if made is None:
-        forget()  # a new copy goes with its last mapping
-    else:
-        _keep_until(keep_s)
+        _kept = made  # a copy not kept goes with its last mapping
+    _keep_until(keep_s)
     return _hand(buffers, spans)
 
 
@@ -197,16 +209,20 @@ def _weak(raws: list[memoryview]) -> bool:
 
 
 def _keep_until(keep_s: float | None) -> None:
-    global _expiry
-    if keep_s is None:
-        return
-    timer = threading.Timer(keep_s, forget)
-    timer.name, timer.daemon = "feedpipe-kept-arrays", True
+    global _until
+    if keep_s is not None:
+        with _lock:
+            _until = time.monotonic() + keep_s
+
+
+def current() -> _Kept | None:
+    """The kept copy, dropped first (and None) if it has been kept longer than it was meant to
+    be: called by every feeder with workers, so no thread need wait to drop it."""
+    global _kept
     with _lock:
-        previous, _expiry = _expiry, timer
-    if previous is not None:
-        previous.cancel()
-    timer.start()
+        if _kept is not None and time.monotonic() >= _until:
+            _kept = None
+        return _kept
 
 
 def _owner_gone(_ref) -> None:
@@ -218,16 +234,12 @@ def _owner_gone(_ref) -> None:
 
 def forget() -> None:
     """Drops the kept copy now: its memory goes once no worker maps it."""
-    global _kept, _expiry
+    global _kept
     with _lock:
-        _kept, timer, _expiry = None, _expiry, None
-    if timer is not None:
-        timer.cancel()
-        if timer is not threading.current_thread():
-            timer.join()
+        _kept = None
 
 
 def kept_nbytes() -> int:
-    """The bytes of the kept copy (0: none)."""
-    with _lock:
-        return 0 if _kept is None else sum(_kept.sizes)
+    """The bytes of the kept copy (0: none, or kept for too long and dropped now)."""
+    kept = current()
+    return 0 if kept is None else sum(kept.sizes)

@@ -10,7 +10,8 @@ before it stops.
 
 When its feeder closes it may be asked to let go of the feeder instead of ending: it drops the
 source, the slots and every shared mapping, checks that none of them is left (`leftovers`),
-says so, and waits for the next feeder's setup, ending by itself if none comes in time.
+says so with the files of the modules it has imported meanwhile (`ImportedFiles`), and waits
+for the next feeder's setup, ending by itself if none comes in time.
 
 It ignores SIGINT: Ctrl-C reaches every process of the terminal's process group, and it is meant
 for the training loop, not for the pool that feeds it. It exits when told to, when the socket
@@ -181,6 +182,44 @@ class TensorFlowWatch(importlib.abc.MetaPathFinder):
         )
 
 
+def file_state(path: str) -> tuple[int, int] | None:
+    """What tells a module's file from an edited one: its mtime in ns and size (None where it
+    cannot be read, a module in a zip file say: nothing then proves it unchanged)."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_mtime_ns, stat.st_size
+
+
+class ImportedFiles(importlib.abc.MetaPathFinder):
+    """Notes the file of each module imported here, and its state just before it is read: what
+    the process that adopts this worker compares with the file then, to tell that a new worker
+    would run the same code (see `feedpipe.core.warm`). Installed when the worker starts, it
+    notes only the modules imported beyond those it started with, found by the finders after
+    it; a module with no file (built in, frozen, a namespace) has no code to go stale."""
+
+    def __init__(self):
+        self.files: dict[str, tuple[str, tuple[int, int] | None]] = {}
+
+    def find_spec(self, name, path=None, target=None):
+        finders = sys.meta_path
+        for finder in finders[finders.index(self) + 1 :] if self in finders else []:
+            find = getattr(finder, "find_spec", None)
+            spec = None if find is None else find(name, path, target)
+            if spec is not None:
+                if spec.has_location and spec.origin:
+                    self.files[name] = (spec.origin, file_state(spec.origin))
+                return spec
+        return None
+
+    def news(self) -> dict[str, tuple[str, tuple[int, int] | None]]:
+        """The files of the modules imported since the last call (and imported still)."""
+        news = {name: file for name, file in self.files.items() if name in sys.modules}
+        self.files.clear()
+        return news
+
+
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
@@ -334,8 +373,8 @@ def main(argv: list[str]) -> int:
     name, fd, parent, kernel = argv[1], int(argv[2]), int(argv[3]), argv[4] == "1"
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent, kernel)
-    watch = TensorFlowWatch()
-    sys.meta_path.insert(0, watch)
+    watch, imported = TensorFlowWatch(), ImportedFiles()
+    sys.meta_path[:0] = [watch, imported]
     conn = Connection(fd)
     # Started for a feeder, it waits for it; started ahead (`warm_workers`), for so long.
     wait_s = float(argv[5]) if len(argv) > 5 else None
@@ -363,7 +402,7 @@ def main(argv: list[str]) -> int:
         del runner
         held = leftovers(watched)
         try:
-            conn.send(("released", None, held))
+            conn.send(("released", None, held, imported.news()))
         except OSError:
             return 0
         if held:

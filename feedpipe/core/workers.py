@@ -237,11 +237,6 @@ class _Pool:
         """Gives up on an overdue worker, which is stuck in user code."""
 
 
-def _stop_processes(procs: list[subprocess.Popen], conns: list[Connection]) -> None:
-    """Closes every socket (a waiting worker exits), then kills what is still running."""
-    warm.stop([warm.Spawned(proc, conn) for proc, conn in zip(procs, conns, strict=True)])
-
-
 class ProcessWorkers(_Pool):
     """`count` worker processes named `feedpipe-worker-<i>`, idle ones adopted (see
     `feedpipe.core.warm`) and the rest started at once.
@@ -258,13 +253,16 @@ class ProcessWorkers(_Pool):
         self._status_buffer = SharedBuffer(count * 3 * 8, "status")
         status = self._status_buffer.array.view(np.float64).reshape(count, 3)
         super().__init__(count, status, timeout_s, setup["num_shards"])
+        # What the workers import from here on is checked against this when they are reused.
+        self._imports = warm.Imports.now()
         # New interpreters start first: the arrays are copied while they import.
-        spawned = warm.take(self.names)
-        self.procs: list[subprocess.Popen] = [worker.proc for worker in spawned]
-        self.conns: list[Connection] = [worker.conn for worker in spawned]
+        self._spawned = warm.take(self.names)
+        self.procs: list[subprocess.Popen] = [worker.proc for worker in self._spawned]
+        self.conns: list[Connection] = [worker.conn for worker in self._spawned]
         self._failed: set[int] = set()
         self._known: list[set[int]] = [set() for _ in range(count)]
-        self._finalizer = weakref.finalize(self, _stop_processes, self.procs, self.conns)
+        # Closes every socket (a waiting worker exits), then kills what is still running.
+        self._finalizer = weakref.finalize(self, warm.stop, self._spawned)
         payload, data = _pack(setup)
         # None, not [] or 0 bytes, says no files follow: arrays may all be empty.
         data_sizes = None if data is None else data.sizes
@@ -381,9 +379,8 @@ class ProcessWorkers(_Pool):
         """Gives the healthy workers back to the warm workers (which may keep them) and ends
         the others; idempotent."""
         if self._finalizer.detach() is not None:
-            spawned = [warm.Spawned(p, c) for p, c in zip(self.procs, self.conns, strict=True)]
             healthy = [worker not in self._failed for worker in range(self.count)]
-            warm.give_back(spawned, healthy)
+            warm.give_back(self._spawned, healthy, self._imports)
         # The shared status goes now, not when this object is collected (a dataset that
         # outlives its feeder may keep it): its last rows stay readable in a private copy.
         self.status = self.watchdog.status = self.status.copy()
