@@ -29,12 +29,13 @@ batch, and `second_start_s` the first less the second: what starting costs beyon
 
 Held arrays: the source wrapped to hold `--held-mb` MB of numpy arrays
 (`kernels_bench.gil_source.Holding`), against the bare source, both as first feeders (no warm
-worker) and both as second feeders, and, as a second feeder, the same arrays as read-only views
-(`frozen_second`: the kept copy is handed over without a comparison). `fresh_pages_s` (no
-target) is the time to write that many bytes into new shared files, as feedpipe splits them
-(one a core): what any design sharing the arrays with spawned workers through memory pays
-once; a fork shares them without a copy. `copy_alone_over_bare_first` is that time over the bare
-source's first batch: the least `held_over_bare_first` can be; so is
+worker) and both as second feeders, and, as a second feeder, the same arrays over immutable
+`bytes` (`frozen_second`: memory no one can write, so the kept copy is handed over without a
+comparison; read-only views of writable memory are compared as writable arrays are).
+`fresh_pages_s` (no target) is the time to write that many bytes into new shared files, as
+feedpipe splits them (one a core): what any design sharing the arrays with spawned workers
+through memory pays once; a fork shares them without a copy. `copy_alone_over_bare_first` is
+that time over the bare source's first batch: the least `held_over_bare_first` can be; so is
 `held_cpu_floor_over_bare_first`, the CPU the held source's first batch takes (this process and
 its workers) spread over every core, over the bare source's first batch.
 
@@ -200,12 +201,13 @@ def fresh_pages_s(nbytes: int) -> float:
 
 
 def frozen(held: Holding) -> Holding:
-    """`held` with read-only views of its arrays (`flags.writeable = False`)."""
-    views = Holding(held.source, 0)
-    views.nbytes, views.arrays = held.nbytes, [array.view() for array in held.arrays]
-    for view in views.arrays:
-        view.flags.writeable = False
-    return views
+    """`held` with its arrays' values over immutable `bytes`, which no one can write."""
+    frozen = Holding(held.source, 0)
+    frozen.nbytes = held.nbytes
+    frozen.arrays = [
+        np.frombuffer(array.tobytes(), array.dtype).reshape(array.shape) for array in held.arrays
+    ]
+    return frozen
 
 
 def held_arrays(peer: str, sources: dict, batch: int, workers: int) -> dict:
@@ -369,7 +371,7 @@ def main(argv=None) -> None:
                 "held_first": "the source holding the arrays, first feeder",
                 "bare_second": "the bare source, second feeder (warm workers adopted)",
                 "held_second": "the source holding the arrays, second feeder",
-                "frozen_second": "the same arrays as read-only views, second feeder",
+                "frozen_second": "the same arrays over immutable bytes, second feeder",
                 "fresh_pages": "the held bytes written into a new memfd (no target)",
             },
         },
