@@ -44,11 +44,13 @@ class FitLedger:
     def track(self, tracker: Any) -> None:
         """A tracked `fit` begins: passes of `as_dataset` since the position was last settled
         were Keras's look at a batch to build the model, not training. A fit on the same
-        dataset that raised goes on from what it trained."""
+        dataset that raised goes on from what it trained. No pass begun before it is one of
+        its own, where the epochs' length is unknown and passes mark their ends (`tracked`)."""
         with self.consumer.lock:
             self.end_interrupted()
             self.consumer.forget_unsettled()
             self.fit_start = self.consumer.position
+            tracker.first_pass = self.consumer.passes  # an earlier fit's passes are not its
             self.tracker = tracker
 
     def untrack(self, tracker: Any) -> None:
