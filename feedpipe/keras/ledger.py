@@ -131,6 +131,23 @@ class FitLedger:
                 "feeder's state saved with the model first, feeder.set_state(state)."
             )
 
+    def pass_length(self, steps: int | None, epoch_steps: int | None) -> float:
+        """Batches of the pass the tracked `fit`'s Keras epoch reads: `steps` where known, else
+        (a source of unknown length, read to its end: Keras's `epoch_steps` unset) its batches
+        handed once its last one has gone, which the feeder learns as it hands that one over;
+        else unbounded."""
+        if steps is not None:
+            return steps
+        last = self.consumer.last_fit
+        if (
+            epoch_steps is not None
+            or last is None
+            or last.number <= self.tracker.first_pass
+            or last.end is None
+        ):
+            return float("inf")
+        return last.handed
+
     def steps_left(self) -> int | None:
         """Batches left in the epoch the tracked `fit` trains next (None where the length is
         unknown): its next pass serves those."""
