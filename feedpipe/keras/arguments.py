@@ -4,7 +4,9 @@ Keras hands a custom data adapter none of the call's `y`, `sample_weight` or `cl
 (`get_data_adapter` returns it before it looks at them): a fit given them would train as if
 they were not. A feeder's samples carry their labels and weights, so `y` and `sample_weight`
 are refused, naming the source that carries them; `class_weight` is applied as Keras applies
-it to arrays, on the devices, with Keras's own ops.
+it to arrays, on the devices, with Keras's own ops. Nor has such a fit a `batch_size`, by which
+Keras batches validation arrays where `validation_batch_size` is unset: they are batched by the
+feeder's global batch, as `fit(x, y, batch_size=B)` batches them.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from feedpipe.core.weights import labelled
 def keras_arguments(feeder: Any) -> tuple[str | None, dict | None]:
     """Which of Keras's `fit`, `evaluate` or `predict` reads `feeder` now (None: another
     reader), and the `class_weight` it trains with (None: none), once its arguments are found
-    to be ones a feeder takes."""
+    to be ones a feeder takes (and a fit's validation arrays batched by the feeder's batch)."""
     call = keras_call(feeder)
     if call is None:
         return None, None
