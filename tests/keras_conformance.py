@@ -736,6 +736,17 @@ def test_class_weight_keras_would_refuse_is_refused_naming_the_way(keras, keras_
         assert int(net.optimizer.iterations) == 0
 
 
+def test_class_weight_that_is_not_a_dict_is_refused_naming_the_dict_that_works(
+    keras, keras_devices
+):
+    samples = Structure()
+    net = samples.model(keras)
+    with fp.Feeder(MapStyle(samples), BATCH, devices=keras_devices) as feeder:
+        with pytest.raises(ValueError, match=r"class_weight.*got a list.*dict\(enumerate"):
+            net.fit(feeder, class_weight=[1.0, 2.0], callbacks=[feeder.fit_callback()], verbose=0)
+        assert int(net.optimizer.iterations) == 0
+
+
 def test_the_fit_callback_in_a_fit_on_other_data_is_refused(keras, keras_devices):
     samples = Structure()
     net = samples.model(keras)
