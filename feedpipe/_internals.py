@@ -516,6 +516,53 @@ def keras_validation_input(model: Any) -> Any:
     return getattr(adapter, "_dataset", adapter)
 
 
+def batch_keras_validation_arrays(adapter: Any, batch_size: int) -> None:
+    """Makes the Keras `fit` that trains on `adapter` batch its validation arrays by
+    `batch_size` where it was given no `validation_batch_size`, as `fit(x, y,
+    batch_size=batch_size)` batches them.
+
+    Keras batches them by `validation_batch_size or batch_size`, `fit`'s locals alone, and a fit
+    on a data adapter has no `batch_size`, so 32 would apply. `fit` makes the validation's
+    epoch iterator at its first validation unless the model holds one already
+    (`_eval_epoch_iterator`, emptied as each fit begins); no public name sets either. It is
+    made here, before that, as `fit` makes it, with `batch_size`.
+    """
+    for frame in _keras_trainer_frames(sys._getframe(1), ("fit",)):
+        given = frame.f_locals
+        model = given.get("self")
+        if (
+            given.get("x") is not adapter
+            or given.get("validation_data") is None
+            or given.get("validation_batch_size") is not None
+            or getattr(model, "_eval_epoch_iterator", None) is not None
+        ):
+            return
+        from keras import backend
+        from keras.src.trainers.data_adapters.array_data_adapter import can_convert_arrays
+
+        data = {name: given.get(f"val_{name}") for name in ("x", "y", "sample_weight")}
+        if not can_convert_arrays(tuple(data.values())):
+            return  # a dataset, a generator or a feeder: Keras reads its own batches
+        options = {}
+        if backend.backend() == "tensorflow":
+            from keras.src.backend.tensorflow.trainer import TFEpochIterator as EpochIterator
+
+            options["distribute_strategy"] = model.distribute_strategy
+        elif backend.backend() == "jax":
+            from keras.src.backend.jax.trainer import JAXEpochIterator as EpochIterator
+        else:
+            from keras.src.backend.torch.trainer import TorchEpochIterator as EpochIterator
+        model._eval_epoch_iterator = EpochIterator(
+            **data,
+            batch_size=batch_size,
+            steps_per_execution=model.steps_per_execution,
+            steps_per_epoch=given.get("validation_steps"),
+            shuffle=False,
+            **options,
+        )
+        return
+
+
 def keras_data_adapter() -> type:
     """Keras 3's `DataAdapter` base class: `model.fit` takes an instance of it as it is (its
     `get_data_adapter` returns "a custom data adapter" unchanged). No public name exports it."""

@@ -366,6 +366,23 @@ def test_class_weight_weighs_each_row_as_on_arrays(keras, keras_devices, kind):
     assert_same_fit(fed, fit_arrays(keras, samples, class_weight=class_weight))
 
 
+@pytest.mark.parametrize("keys", ["numpy integers", "numpy floats", "negative"])
+def test_class_weight_keyed_as_numpy_gives_them_weighs_each_row_as_on_arrays(
+    keras, keras_devices, keys
+):
+    # scikit-learn's recipe, dict(zip(np.unique(y), weights)): Keras finds each class's weight
+    # with class_weight.get(int(label)), so any key equal to the class counts.
+    samples = Structure()
+    classes = np.unique(samples.y)
+    if keys == "numpy floats":
+        classes = classes.astype("float32")
+    elif keys == "negative":  # a key no label has, below the table's usual start
+        classes = classes - 3
+    class_weight = dict(zip(classes, 1.0 + classes % 4, strict=True))
+    fed = fit_feeder(keras, keras_devices, samples, class_weight=class_weight)[:2]
+    assert_same_fit(fed, fit_arrays(keras, samples, class_weight=class_weight))
+
+
 @pytest.mark.parametrize(
     "compile",
     [
@@ -411,6 +428,50 @@ def test_initial_epoch_on_a_fresh_feeder_goes_on_from_that_epoch(keras, keras_de
     assert int(net.optimizer.iterations) == int(theirs.optimizer.iterations)
 
 
+ONE_EPOCH_A_FIT = [
+    ("map", "the same feeder"),
+    ("generator", "the same feeder"),
+    ("generator", "the same feeder restored"),
+    ("generator", "a new feeder restored"),
+]
+
+
+@pytest.mark.parametrize(
+    "kind, resume", ONE_EPOCH_A_FIT, ids=[f"{k}-{r}" for k, r in ONE_EPOCH_A_FIT]
+)
+def test_fits_of_one_epoch_each_from_the_states_epoch_train_what_fits_on_arrays_train(
+    keras, keras_devices, kind, resume
+):
+    # As a notebook fits: one epoch a cell, initial_epoch the epoch the feeder's state names.
+    samples = Structure()
+    net = samples.model(keras, "adam")
+    feeder = fp.Feeder(source(keras, samples, kind), BATCH, devices=keras_devices)
+    try:
+        for _ in range(3):
+            state = json.loads(json.dumps(feeder.get_state()))
+            if resume == "a new feeder restored":
+                feeder.close()
+                feeder = fp.Feeder(source(keras, samples, kind), BATCH, devices=keras_devices)
+            if resume != "the same feeder":
+                feeder.set_state(state)
+            epoch = state["epoch"]
+            callbacks = [feeder.fit_callback()]
+            net.fit(feeder, initial_epoch=epoch, epochs=epoch + 1, callbacks=callbacks, verbose=0)
+        state = feeder.get_state()
+    finally:
+        feeder.close()
+    assert (state["epoch"], state["step"]) == (3, 0)
+    theirs = samples.model(keras, "adam")
+    x, y, _ = samples.arrays()
+    for epoch in range(3):
+        theirs.fit(
+            x, y, batch_size=BATCH, shuffle=False, initial_epoch=epoch, epochs=epoch + 1, verbose=0
+        )
+    for mine, other in zip(net.get_weights(), theirs.get_weights(), strict=True):
+        np.testing.assert_array_equal(mine, other)
+    assert steps_applied(net) == steps_applied(theirs)
+
+
 def test_a_shuffled_feeder_trains_its_order_written_out_as_arrays(keras, keras_devices):
     samples = Structure()
     options = {"shuffle": True, "seed": 5}
@@ -440,6 +501,73 @@ def test_validation_data_gives_the_history_of_fit_on_arrays(keras, keras_devices
             assert val.get_state() == {**val.get_state(), "epoch": 0, "step": 0}
     assert "val_loss" in fed[1].history
     assert_same_fit(fed, expected)
+
+
+def held_out_arrays() -> tuple[np.ndarray, np.ndarray]:
+    held_out = Structure()
+    held_out.x = features(seed=7)
+    return held_out.x, held_out.y
+
+
+@pytest.mark.parametrize("validation_steps", [1, None])
+def test_validation_arrays_are_batched_by_the_feeders_batch_as_fit_on_arrays_batches_them(
+    keras, keras_devices, validation_steps
+):
+    # fit(x, y, batch_size=B) batches validation arrays by B; a fit on a feeder has no
+    # batch_size, and Keras would take 32.
+    samples, batch = Structure(), SHORT_BATCH
+    options = {"validation_data": held_out_arrays(), "validation_steps": validation_steps}
+    expected = samples.model(keras)
+    x, y, _ = samples.arrays()
+    their_history = expected.fit(
+        x, y, batch_size=batch, shuffle=False, epochs=2, verbose=0, **options
+    )
+    net = samples.model(keras)
+    with fp.Feeder(MapStyle(samples), batch, devices=keras_devices) as feeder:
+        history = net.fit(feeder, epochs=2, callbacks=[feeder.fit_callback()], verbose=0, **options)
+    assert "val_loss" in history.history
+    assert_same_fit((net, history), (expected, their_history))
+
+
+class UnseededDropout(Structure):
+    """Dropout with no seed: on PyTorch it draws its masks from torch's global generator,
+    which each iterator of the DataLoader that `fit(x, y)` reads draws from too."""
+
+    name = "unseeded-dropout"
+
+    def model(self, keras, optimizer="sgd", **compile_options):
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((FEATURES,))
+        hidden = keras.layers.Dropout(0.5)(keras.layers.Dense(16)(inputs))
+        net = keras.Model(inputs, keras.layers.Dense(self.length)(hidden))
+        return self.compiled(keras, net, optimizer, compile_options)
+
+
+@pytest.mark.parametrize("kind", ["arrays", "generator"])
+def test_an_unseeded_dropout_draws_the_masks_it_draws_on_arrays(keras, keras_devices, kind):
+    # Every random draw of Keras's own path is made again, at the same points: each epoch's,
+    # validation's, evaluate's and predict's; a second fit checks the draws of the calls before.
+    samples = UnseededDropout()
+    options = {"epochs": 2, "validation_data": held_out_arrays(), "verbose": 0}
+    x, y, _ = samples.arrays()
+    theirs = samples.model(keras)
+    keras.utils.set_random_seed(5)  # torch.manual_seed(5) on PyTorch
+    expected = theirs.fit(x, y, batch_size=BATCH, shuffle=False, **options)
+    their_scores = theirs.evaluate(x, y, batch_size=BATCH, verbose=0)
+    theirs.predict(x, batch_size=BATCH, verbose=0)
+    expected_again = theirs.fit(x, y, batch_size=BATCH, shuffle=False, **options)
+    net = samples.model(keras)
+    with fp.Feeder(source(keras, samples, kind), BATCH, devices=keras_devices) as feeder:
+        keras.utils.set_random_seed(5)
+        callbacks = [feeder.fit_callback()]
+        history = net.fit(feeder, callbacks=callbacks, **options)
+        scores = net.evaluate(feeder, verbose=0)
+        net.predict(feeder, verbose=0)
+        again = net.fit(feeder, callbacks=callbacks, **options)
+    np.testing.assert_allclose(scores, their_scores, rtol=1e-6)
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-6)
+    np.testing.assert_allclose(history.history["val_loss"], expected.history["val_loss"], rtol=1e-6)
+    assert_same_fit((net, again), (theirs, expected_again))
 
 
 def test_early_stopping_stops_where_it_stops_on_arrays(keras, keras_devices):
@@ -605,6 +733,17 @@ def test_class_weight_keras_would_refuse_is_refused_naming_the_way(keras, keras_
     with fp.Feeder(MapStyle(samples), BATCH, devices=keras_devices) as feeder:
         with pytest.raises(ValueError, match=r"class_weight.*(third field|single output)"):
             net.fit(feeder, class_weight={0: 2.0}, callbacks=[feeder.fit_callback()], verbose=0)
+        assert int(net.optimizer.iterations) == 0
+
+
+def test_class_weight_that_is_not_a_dict_is_refused_naming_the_dict_that_works(
+    keras, keras_devices
+):
+    samples = Structure()
+    net = samples.model(keras)
+    with fp.Feeder(MapStyle(samples), BATCH, devices=keras_devices) as feeder:
+        with pytest.raises(ValueError, match=r"class_weight.*got a list.*dict\(enumerate"):
+            net.fit(feeder, class_weight=[1.0, 2.0], callbacks=[feeder.fit_callback()], verbose=0)
         assert int(net.optimizer.iterations) == 0
 
 

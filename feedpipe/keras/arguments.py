@@ -4,21 +4,24 @@ Keras hands a custom data adapter none of the call's `y`, `sample_weight` or `cl
 (`get_data_adapter` returns it before it looks at them): a fit given them would train as if
 they were not. A feeder's samples carry their labels and weights, so `y` and `sample_weight`
 are refused, naming the source that carries them; `class_weight` is applied as Keras applies
-it to arrays, on the devices, with Keras's own ops.
+it to arrays, on the devices, with Keras's own ops. Nor has such a fit a `batch_size`, by which
+Keras batches validation arrays where `validation_batch_size` is unset: they are batched by the
+feeder's global batch, as `fit(x, y, batch_size=B)` batches them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from feedpipe._internals import keras_call
+from feedpipe._internals import batch_keras_validation_arrays, keras_call
 from feedpipe.core.weights import labelled
 
 
 def keras_arguments(feeder: Any) -> tuple[str | None, dict | None]:
     """Which of Keras's `fit`, `evaluate` or `predict` reads `feeder` now (None: another
     reader), and the `class_weight` it trains with (None: none), once its arguments are found
-    to be ones a feeder takes."""
+    to be ones a feeder takes (and a fit's validation arrays batched by the feeder's batch)."""
     call = keras_call(feeder)
     if call is None:
         return None, None
@@ -39,6 +42,8 @@ def keras_arguments(feeder: Any) -> tuple[str | None, dict | None]:
     class_weight = given.get("class_weight") or None
     if class_weight is not None:
         _check_class_weight(feeder.spec.treespec, class_weight)
+    if reading == "fit":
+        batch_keras_validation_arrays(feeder, feeder.options.global_batch_size)
     return reading, class_weight
 
 
@@ -64,26 +69,40 @@ def _check_class_weight(treespec: Any, class_weight: Any) -> None:
             f"{treespec.children()[1].num_leaves} fields; give per-sample weights as the "
             "samples' third field, fp.Feeder((x, y, w), ...)."
         )
-    if not isinstance(class_weight, dict) or not all(
-        isinstance(k, int) and not isinstance(k, bool) for k in class_weight
-    ):
+    if not isinstance(class_weight, Mapping):
         raise ValueError(
-            f"`class_weight` must be a dict from class index (an int) to weight; got "
-            f"{class_weight!r}."
+            f"model.fit(feeder, class_weight=...) takes a dict from class index to weight, as "
+            f"Keras does; got a {type(class_weight).__name__}, {class_weight!r}. Pass "
+            "class_weight=dict(enumerate(weights)), or dict(zip(classes, weights))."
         )
+
+
+def _class_index(key: Any) -> int | None:
+    """The class `key` stands for where Keras looks a class up, `class_weight.get(c)` with `c`
+    a Python int: any key equal to an int (a numpy integer from `np.unique(y)`, a float 2.0, a
+    bool), else None (a key Keras never finds)."""
+    try:
+        index = int(key)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return index if key == index else None
 
 
 class ClassWeights:
     """Each row's weight by its class, as Keras weighs arrays
     (`data_adapter_utils.class_weight_to_sample_weights`): a one-hot row's class is its
-    argmax, any other's its rounded value, and a class not in `class_weight` weighs 1. In
-    Keras's ops, so the weights are made where the labels are, on any backend; the table of
-    weights is made once, not once a batch."""
+    argmax, any other's its rounded value, its weight `class_weight.get(c, 1.0)`, so any key
+    equal to the class counts and a class with none weighs 1. In Keras's ops, so the weights
+    are made where the labels are, on any backend; the table of weights, from the lowest class
+    a key names to the highest, is made once, not once a batch."""
 
-    def __init__(self, class_weight: dict):
+    def __init__(self, class_weight: Mapping):
         from keras import backend, ops
 
-        weights = [float(class_weight.get(c, 1.0)) for c in range(max(max(class_weight), 0) + 1)]
+        named = [c for c in map(_class_index, class_weight) if c is not None]
+        self.lowest = min(named, default=0)
+        classes = range(self.lowest, max(named, default=0) + 1)
+        weights = [float(class_weight.get(c, 1.0)) for c in classes]
         self.table = ops.array(weights, backend.floatx())
         self.classes = len(weights)
 
@@ -94,7 +113,7 @@ class ClassWeights:
         y = labels
         if len(y.shape) > 1:
             y = ops.argmax(y, axis=-1) if y.shape[-1] != 1 else ops.squeeze(y, axis=-1)
-        classes = ops.cast(ops.round(ops.cast(y, "float32")), "int32")
+        classes = ops.cast(ops.round(ops.cast(y, "float32")), "int32") - self.lowest
         known = ops.logical_and(classes >= 0, classes < self.classes)
         looked_up = ops.take(self.table, ops.clip(classes, 0, self.classes - 1))
         return ops.where(known, looked_up, ops.ones_like(looked_up))

@@ -175,12 +175,13 @@ class FitTracker(keras.callbacks.Callback):
         if not self.armed:
             return self._original(*args)
         self.armed = False
-        if self.pass_steps is not None and self.begun >= self.pass_steps:
-            # The pass has no batch left (its Keras epoch is longer: see `pass_steps`). Keras's
-            # TensorFlow step would learn it from the dataset's end, once its graph had run
-            # every op that needs no batch: the optimizer's `iterations` would count a step
-            # that trained nothing, and Adam's next steps would differ. Keras ends the epoch
-            # on this as on that end.
+        if self.begun >= self.feeder._consumer.fits.pass_length(self.pass_steps, self.epoch_steps):
+            # The pass has no batch left (its Keras epoch is longer: see `pass_steps`; or its
+            # length is unknown and its last batch has gone). Keras's TensorFlow step would
+            # learn it from the dataset's end, once its graph had run every op that needs no
+            # batch: the optimizer's `iterations` would count a step that trained nothing, and
+            # Adam's next steps would differ, and each Dropout's seed would move on, so its
+            # masks would differ from fit(x, y)'s. Keras ends the epoch on this as on that end.
             raise StopIteration
         handing = Handing(args[1], self.guard) if self.jax else None
         try:

@@ -44,11 +44,13 @@ class FitLedger:
     def track(self, tracker: Any) -> None:
         """A tracked `fit` begins: passes of `as_dataset` since the position was last settled
         were Keras's look at a batch to build the model, not training. A fit on the same
-        dataset that raised goes on from what it trained."""
+        dataset that raised goes on from what it trained. No pass begun before it is one of
+        its own, where the epochs' length is unknown and passes mark their ends (`tracked`)."""
         with self.consumer.lock:
             self.end_interrupted()
             self.consumer.forget_unsettled()
             self.fit_start = self.consumer.position
+            tracker.first_pass = self.consumer.passes  # an earlier fit's passes are not its
             self.tracker = tracker
 
     def untrack(self, tracker: Any) -> None:
@@ -128,6 +130,23 @@ class FitLedger:
                 f"initial_epoch={state['epoch']} (the feeder's state's 'epoch'), or restore the "
                 "feeder's state saved with the model first, feeder.set_state(state)."
             )
+
+    def pass_length(self, steps: int | None, epoch_steps: int | None) -> float:
+        """Batches of the pass the tracked `fit`'s Keras epoch reads: `steps` where known, else
+        (a source of unknown length, read to its end: Keras's `epoch_steps` unset) its batches
+        handed once its last one has gone, which the feeder learns as it hands that one over;
+        else unbounded."""
+        if steps is not None:
+            return steps
+        last = self.consumer.last_fit
+        if (
+            epoch_steps is not None
+            or last is None
+            or last.number <= self.tracker.first_pass
+            or last.end is None
+        ):
+            return float("inf")
+        return last.handed
 
     def steps_left(self) -> int | None:
         """Batches left in the epoch the tracked `fit` trains next (None where the length is
