@@ -8,11 +8,10 @@ checkpoint convention as every feeder's does: `state_dict()` / `load_state_dict(
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 from feedpipe import feeder as core
-from feedpipe.torch.keras import keras_batches
+from feedpipe.torch.keras import KerasLoader, keras_batches
 from feedpipe.torch.layer import TorchLayer
 
 
@@ -22,6 +21,6 @@ class Feeder(core.Feeder):
     def _layer(self, devices: Any, strategy: Any, global_batch_size: int) -> TorchLayer:
         return TorchLayer(devices, strategy, global_batch_size)
 
-    def _keras_batches(self, reading: str | None, class_weight: dict | None) -> Iterator[Any]:
+    def _keras_batches(self, reading: str | None, class_weight: dict | None) -> KerasLoader:
         """What Keras's torch trainer reads from this feeder (`feedpipe.torch.keras`)."""
         return keras_batches(self, reading=reading, class_weight=class_weight)
