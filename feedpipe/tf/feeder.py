@@ -237,7 +237,7 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
                 self._padding.add(dataset)
         return dataset
 
-    def _gathers(self, how: str | None) -> bool:
+    def _gathers(self, how: str | None = None) -> bool:
         """Whether TensorFlow's own threads gather this feeder's batches (see
         `feedpipe.tf.gather`), weighted as `how` says (`weighting`): arrays in memory up to
         `GATHER_MAX_BYTES`, read as they are, on one host, with no weights of the source's
