@@ -36,8 +36,9 @@ repetition's peers alike; the data hold exactly that many global batches, the sm
 convnet's last one 96 rows). Before the repetitions, each peer runs one untimed session on
 2 batches (what the process does once per kind of fit). A callback listed last reads the
 wall clock and the process CPU time (`time.process_time`: every thread of the process,
-TensorFlow's pools, tf.data's and the feeder's) at the end of the first step (as the second begins) and of every epoch; it has no
-`on_train_batch_end`, which would make Keras run every callback's in the step's thread:
+TensorFlow's pools, tf.data's and the feeder's) at the end of the first step (as the second
+begins) and of every epoch; it has no `on_train_batch_end`, which would make Keras run every
+callback's in the step's thread:
 
 * start-up: `first_step_s` (from before the input is built to the end of the first step:
   building the input, tracing the step, the input's first batch) and `first_epoch_s`,
