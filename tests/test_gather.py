@@ -402,3 +402,35 @@ def test_the_stats_count_the_real_samples_a_gathered_pass_took(monkeypatch, leng
             assert (feeder.stats().steps, feeder.stats().samples) == (steps, samples)
         assert (steps, samples) == (len(feeder) - start, length - 8 * start)
         assert (feeder.stats().steps, feeder.stats().samples) == (steps, samples)
+
+
+def test_as_dataset_gives_the_last_batch_as_its_real_rows_and_pad_last_pads_it(as_dataset_path):
+    """By default Keras gets what `fit(x, y)` gives itself: `(x, y)`, the last batch its 5 real
+    rows; `pad_last=True` keeps every batch 8 rows (static shapes), the padding weighted 0."""
+    x, y = sources(37)["(x, y)"]
+    with fp.Feeder((x, y), 8) as feeder:
+        real, padded = feeder.as_dataset(), feeder.as_dataset(pad_last=True)
+        assert [spec.shape.as_list()[0] for spec in real.element_spec] == [None, None]
+        assert [spec.shape.as_list()[0] for spec in padded.element_spec] == [8, 8, 8]
+        batches = [tf.nest.map_structure(np.asarray, element) for element in real]
+        assert [len(b) for b in batches] == [2] * 5 and len(batches[-1][0]) == 5
+        np.testing.assert_array_equal(batches[-1][0], x[32:])
+        *_, last = [tf.nest.map_structure(np.asarray, element) for element in padded]
+    np.testing.assert_array_equal(last[0][:5], x[32:])
+    np.testing.assert_allclose(last[2].ravel(), [8 / 5] * 5 + [0.0] * 3)  # [8, 1], as y
+
+
+def test_across_hosts_as_dataset_pads_and_pad_last_false_is_refused(monkeypatch):
+    """Each host's stream runs on without an end, every step a full batch per replica."""
+    from feedpipe.core.split import HostShare
+    from feedpipe.tf.feeder import Feeder
+
+    with fp.Feeder(sources(37)["(x, y)"], 8) as feeder:
+        with monkeypatch.context() as patched:
+            two_hosts = property(lambda self: HostShare(8, num_hosts=2))
+            patched.setattr(Feeder, "share", two_hosts)
+            assert feeder._pads_last(None) and feeder._pads_last(True)
+            with pytest.raises(ValueError, match=r"pad_last=False.*2 hosts.*pad_last=True"):
+                feeder.as_dataset(pad_last=False)
+        with pytest.raises(TypeError, match=r"pad_last.*True, False or None.*'yes'"):
+            feeder.as_dataset(pad_last="yes")
