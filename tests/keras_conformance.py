@@ -392,7 +392,7 @@ def test_every_source_trains_what_fit_on_arrays_trains(keras, keras_devices, kin
 def test_class_weight_weighs_each_row_as_on_arrays(keras, keras_devices, kind):
     samples = Structure()
     class_weight = {i: float(1 + i % 4) for i in range(0, LENGTH, 2)}  # odd ids weigh 1
-    if ENTRY == "as_dataset":  # Keras weighs a dataset's rows by the classes named alone
+    if ENTRY == "as_dataset":  # Keras's class_weight on a dataset needs every class named
         class_weight.update(dict.fromkeys(range(1, LENGTH, 2), 1.0))
     fed = fit_feeder(keras, keras_devices, samples, kind, class_weight=class_weight)[:2]
     assert_same_fit(fed, fit_arrays(keras, samples, class_weight=class_weight))
