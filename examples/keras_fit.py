@@ -4,10 +4,10 @@
 
 `as_dataset()` turns the feeder into a `tf.data.Dataset` of global batches that Keras splits
 among the replicas; each pass over it is the feeder's next epoch. 1,000 samples in batches of
-64 leave a last batch of 40 real rows, padded to 64 so every replica runs the same steps. For
-an `(x, y)` source the dataset yields `(x, y, sample_weight)`: the weight is 0 on padded rows
-and `64 / num_valid` on real ones, so each batch's loss is the mean over its real samples.
-Metrics must be `weighted_metrics` to skip the padding too (plain `metrics` would count it).
+64 leave a last batch of 40 rows, which goes to Keras as those 40 rows, as `model.fit(x, y)`
+gives it: the loss, the metrics and the History see the samples alone.
+`as_dataset(pad_last=True)` pads it to 64 instead (static shapes), with an added
+`sample_weight` of 0 on the padding rows (see docs/fit.md for what that changes).
 `feeder.fit_callback()` tells the feeder which batches the step trained on (TensorFlow and
 Keras read ahead), so a checkpoint holding the feeder, written by any callback, resumes exactly.
 """
@@ -43,7 +43,7 @@ with strategy.scope():
 
 with fp.Feeder((features, labels), 64, strategy=strategy, shuffle=True, seed=0) as feeder:
     dataset = feeder.as_dataset()
-    print(dataset.element_spec)  # (x, y, sample_weight), global batches of 64
+    print(dataset.element_spec)  # (x, y), global batches of up to 64 rows
     model.fit(dataset, epochs=3, verbose=2, callbacks=[feeder.fit_callback()])
     print(feeder.get_state())  # the batches the step trained on: epoch 3, step 0
     print(feeder.stats())

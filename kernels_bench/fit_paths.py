@@ -8,33 +8,37 @@ loss, optimizer and metric, each shuffling every epoch:
 * `tfdata`: `model.fit` on `from_tensor_slices((x, y)).shuffle(N).batch(B).prefetch(AUTOTUNE)`
   (a full shuffle buffer: the uniform order of the others);
 * `feeder`: `model.fit(feeder.as_dataset(), callbacks=[feeder.fit_callback()])` over
-  `fp.Feeder((x, y), B, shuffle=True)` (its defaults otherwise: `remainder="pad"`, so the
-  dataset yields `(x, y, sample_weight)`). Arrays in memory are gathered by TensorFlow's
-  threads in the feeder's order (`feedpipe/tf/gather.py`);
+  `fp.Feeder((x, y), B, shuffle=True)` (its defaults otherwise: the dataset yields `(x, y)`,
+  a last batch that the data do not fill as its real rows, as `fit(x, y)` gives it). Arrays
+  in memory are gathered by TensorFlow's threads in the feeder's order
+  (`feedpipe/tf/gather.py`);
 * `train`: `fp.train(model, feeder, ...)` over the same kind of feeder, its batches staged on
   the replicas' devices.
 
-Three models on the same data: keras-io's MNIST convnet (Conv 32 -> pool -> Conv 64 -> pool
+Four models: keras-io's MNIST convnet (Conv 32 -> pool -> Conv 64 -> pool
 -> Dropout -> Dense 10 softmax; categorical cross-entropy on one-hot labels, Adam, accuracy,
 batch 128), a small MLP (Flatten -> Dense 32 -> Dense 10), where the input's cost per step is
 large beside the step's, and a larger convnet (keras-io's CIFAR-10 one: Conv 32, 32 -> pool ->
-Conv 64, 64 -> pool -> Dense 256 -> Dropout -> Dense 10; 477k parameters), where it is small.
-The data are MNIST-shaped and synthetic (uint8 pixels scaled to float32 in [0, 1], one-hot
-float32 labels; no download). Each model runs without a strategy (Keras's default, one
-device) and under `MirroredStrategy` on 2 logical CPU devices (`ReductionToOneDevice`, what
-it picks for CPU devices); the feeders are built with that strategy.
+Conv 64, 64 -> pool -> Dense 256 -> Dropout -> Dense 10; 477k parameters), where it is small,
+all three on MNIST-shaped data; and a small convnet (the MNIST convnet's layers) on 12,000
+CIFAR-shaped images (32x32x3), 94 steps an epoch, the last of 96 rows. The data are
+synthetic (uint8 pixels scaled to float32 in [0, 1], one-hot float32 labels; no download).
+Each model runs without a strategy (Keras's default, one device) and under
+`MirroredStrategy` on 2 logical CPU devices (`ReductionToOneDevice`, what it picks for CPU
+devices); the feeders are built with that strategy.
 
 A session is one fresh model (the same initial weights every time), its input built inside
 the timed call, and one `fit` (or `fp.train`) of `--epochs` epochs (3; 2 with --quick) of
-`--steps` steps each (the MNIST convnet 100, the MLP 1200, the larger convnet 20; 12, 80 and
-8 with --quick: a steady epoch of at least ~2 s without a strategy, so that a minute-to-minute
-change of the machine's speed moves all of a repetition's peers alike; the data hold exactly
-that many global batches). Before the repetitions,
-each peer runs one untimed session on 2 batches (what the process does once per kind of
-fit). A callback listed last reads the wall clock and the process CPU time
-(`time.process_time`: every thread of the process, TensorFlow's pools, tf.data's and the
-feeder's) at the end of the first step (as the second begins) and of every epoch; it has no
-`on_train_batch_end`, which would make Keras run every callback's in the step's thread:
+`--steps` steps each (the MNIST convnet 100, the MLP 1200, the larger convnet 20, the small
+convnet 94; 12, 80, 8 and 24 with --quick: a steady epoch of at least ~2 s without a
+strategy, so that a minute-to-minute change of the machine's speed moves all of a
+repetition's peers alike; the data hold exactly that many global batches, the small
+convnet's last one 96 rows). Before the repetitions, each peer runs one untimed session on
+2 batches (what the process does once per kind of fit). A callback listed last reads the
+wall clock and the process CPU time (`time.process_time`: every thread of the process,
+TensorFlow's pools, tf.data's and the feeder's) at the end of the first step (as the second
+begins) and of every epoch; it has no `on_train_batch_end`, which would make Keras run every
+callback's in the step's thread:
 
 * start-up: `first_step_s` (from before the input is built to the end of the first step:
   building the input, tracing the step, the input's first batch) and `first_epoch_s`,
@@ -56,7 +60,7 @@ and `fit(feeder.as_dataset())` / `fit(x, y)` >= 1.0 in steady steps/s. Reported 
 without a target: the first epoch's time, and the CPU per step of `fit(feeder.as_dataset())`
 over `fit(x, y)`.
 
-Run: `python -m kernels_bench.fit_paths [--quick] [--steps 100,1200,20] [--epochs 3]
+Run: `python -m kernels_bench.fit_paths [--quick] [--steps 100,1200,20,94] [--epochs 3]
 [--models mlp] [--strategies none]` (a subset: more repetitions of one case in the same time);
 writes `kernels_bench/results/fit_paths.json`.
 """
@@ -86,22 +90,34 @@ PEER_NAMES = {
     ),
     "train": "fp.train(model, fp.Feeder((x, y), 128, shuffle=True), ...)",
 }
-MODELS = ("mnist convnet", "mlp", "larger convnet")
+MODELS = ("mnist convnet", "mlp", "larger convnet", "small convnet")
 STRATEGIES = ("none", "mirrored")
 """Without a strategy (Keras's default) and under MirroredStrategy on 2 logical CPUs."""
-STEPS = {"mnist convnet": (12, 100), "mlp": (80, 1200), "larger convnet": (8, 20)}
+STEPS = {
+    "mnist convnet": (12, 100),
+    "mlp": (80, 1200),
+    "larger convnet": (8, 20),
+    "small convnet": (24, 94),
+}
 """Steps per epoch (quick, full): a steady epoch of at least ~2 s of training, so that its
 input's restart does not dominate it."""
+SHAPES = {"small convnet": (32, 32, 3)}
+"""Images of another shape than `IMAGE_SHAPE`: CIFAR-10's."""
+SHORT_LAST = {"small convnet": 96}
+"""Rows of the last batch where the data do not fill it: 94 steps of 128 hold 12,000 images,
+so the feeder hands Keras a last batch of 96 real rows, as `fit(x, y)` and tf.data do."""
 
 
 def build_model(name: str, strategy, seed: int):
     """The model `name`, its variables made under `strategy` (or the default), seeded."""
     import keras
 
+    shape = SHAPES.get(name, IMAGE_SHAPE)
+
     def layers():
-        if name == "mnist convnet":  # keras-io/examples/vision/mnist_convnet.py
+        if name in ("mnist convnet", "small convnet"):  # keras-io's MNIST convnet
             return [
-                keras.Input(IMAGE_SHAPE),
+                keras.Input(shape),
                 keras.layers.Conv2D(32, kernel_size=(3, 3), activation="relu"),
                 keras.layers.MaxPooling2D(pool_size=(2, 2)),
                 keras.layers.Conv2D(64, kernel_size=(3, 3), activation="relu"),
@@ -140,10 +156,11 @@ def build_model(name: str, strategy, seed: int):
         return keras.Sequential(layers())
 
 
-def make_data(rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """MNIST-shaped data: uint8 pixels scaled to float32 [0, 1], one-hot float32 labels."""
+def make_data(rows: int, seed: int, shape=IMAGE_SHAPE) -> tuple[np.ndarray, np.ndarray]:
+    """Images of `shape` (MNIST's by default): uint8 pixels scaled to float32 [0, 1], one-hot
+    float32 labels."""
     rng = np.random.default_rng(seed)
-    x = rng.integers(0, 256, (rows, *IMAGE_SHAPE), dtype=np.uint8).astype(np.float32) / 255
+    x = rng.integers(0, 256, (rows, *shape), dtype=np.uint8).astype(np.float32) / 255
     y = np.eye(CLASSES, dtype=np.float32)[rng.integers(0, CLASSES, rows)]
     return x, y
 
@@ -216,7 +233,7 @@ def session(peer: str, model_name: str, strategy, x, y, epochs: int, seed: int) 
                 fp.train(model, feeder, optimizer="adam", **compile_args, **fit)
             else:
                 raise ValueError(peer)
-    steps = len(x) // GLOBAL_BATCH
+    steps = -(-len(x) // GLOBAL_BATCH)
     if clock.epoch_steps != [steps] * epochs:
         raise RuntimeError(f"{peer}: epochs of {clock.epoch_steps} steps, not {epochs} x {steps}")
     (wall0, cpu0), (first_wall, first_cpu) = started, clock.epoch_ends[0]
@@ -257,8 +274,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--steps",
         default=None,
-        help="steps per epoch of the MNIST convnet, the MLP and the larger convnet, e.g. "
-        "100,1200,20 (12,80,8 with --quick)",
+        help="steps per epoch of the MNIST convnet, the MLP, the larger convnet and the small "
+        "convnet, e.g. 100,1200,20,94 (12,80,8,24 with --quick)",
     )
     parser.add_argument(
         "--epochs", type=int, default=None, help="epochs per session, >= 2 (3; 2 with --quick)"
@@ -290,7 +307,8 @@ def steps_per_epoch(settings) -> dict[str, int]:
     values = [int(v) for v in settings.args.steps.split(",")]
     if len(values) != len(MODELS) or min(values) < 1:
         raise SystemExit(
-            f"--steps={settings.args.steps}: give three counts >= 1, e.g. 100,1200,20."
+            f"--steps={settings.args.steps}: give {len(MODELS)} counts >= 1, one per model "
+            "of --models' list, e.g. 100,1200,20,94."
         )
     return dict(zip(MODELS, values, strict=True))
 
@@ -300,7 +318,8 @@ def run_case(report, settings, model_name, strategy, steps, epochs) -> None:
     import keras
 
     case = f"{model_name}, {'mirrored' if strategy is not None else 'no strategy'}"
-    x, y = make_data(steps * GLOBAL_BATCH, settings.seed)
+    rows = steps * GLOBAL_BATCH - GLOBAL_BATCH + SHORT_LAST.get(model_name, GLOBAL_BATCH)
+    x, y = make_data(rows, settings.seed, SHAPES.get(model_name, IMAGE_SHAPE))
     # Untimed, on 2 batches: what the process does once for each kind of fit (the models
     # are fresh in every session, so every session traces its own step).
     for peer in PEERS:
@@ -349,6 +368,8 @@ def run_case(report, settings, model_name, strategy, steps, epochs) -> None:
             "global_batch": GLOBAL_BATCH,
             "per_replica_batch": GLOBAL_BATCH // (1 if strategy is None else 2),
             "steps_per_epoch": steps,
+            "samples": rows,
+            "image_shape": list(SHAPES.get(model_name, IMAGE_SHAPE)),
             "epochs_per_session": epochs,
             "loss": "categorical_crossentropy",
             "optimizer": "adam",
@@ -397,7 +418,8 @@ def main(argv=None) -> None:
     strategies = dict(zip(STRATEGIES, (None, mirrored), strict=True))
     for model_name in models:
         print(
-            f"{model_name}: {steps[model_name]} steps of {GLOBAL_BATCH} x {IMAGE_SHAPE} per "
+            f"{model_name}: {steps[model_name]} steps of {GLOBAL_BATCH} x "
+            f"{SHAPES.get(model_name, IMAGE_SHAPE)} per "
             f"epoch, {epochs} epochs per session (the first is start-up)",
             flush=True,
         )

@@ -1,5 +1,6 @@
 """Conformance: `model.fit(feeder, **kw)` against Keras's own `model.fit(x, y, **kw)` on the same
-rows in the same order, on every Keras backend; Keras's result is the expected one.
+rows in the same order, on every Keras backend; Keras's result is the expected one. On
+TensorFlow every case runs on `model.fit(feeder.as_dataset(), **kw)` too (see `ENTRY`).
 
 Each case builds the same model twice and fits it once on a feeder and once on the arrays the
 feeder reads, then compares what Keras gives: the weights (bit for bit), the optimizer's
@@ -32,6 +33,15 @@ from feedpipe.core.sampler import Sampler
 
 LENGTH, BATCH, FEATURES = 100, 32, 8  # the last batch holds 4 real rows
 Pair = collections.namedtuple("Pair", "x y")
+
+ENTRY = "feeder"
+"""What every fit on a feeder here reads: "feeder", the feeder itself, or on TensorFlow
+"as_dataset", `feeder.as_dataset()` (its backend's module runs the cases on both)."""
+
+
+def fit_input(feeder):
+    """What `model.fit` is given for `feeder` (see `ENTRY`)."""
+    return feeder.as_dataset() if ENTRY == "as_dataset" else feeder
 
 
 def features(length: int = LENGTH, seed: int = 0) -> np.ndarray:
@@ -283,12 +293,14 @@ def source(keras, structure: Structure, kind: str):
 # ---- the comparison ------------------------------------------------------------------------
 
 
-def fit_arrays(keras, structure, *, epochs=2, order=None, optimizer="sgd", compile=None, **kw):
+def fit_arrays(
+    keras, structure, *, epochs=2, order=None, optimizer="sgd", compile=None, batch=BATCH, **kw
+):
     """Keras's own fit on the arrays: the expected result."""
     net = structure.model(keras, optimizer, **(compile or {}))
     x, y, w = structure.arrays(order)
     history = net.fit(
-        x, y, sample_weight=w, batch_size=BATCH, shuffle=False, epochs=epochs, verbose=0, **kw
+        x, y, sample_weight=w, batch_size=batch, shuffle=False, epochs=epochs, verbose=0, **kw
     )
     return net, history
 
@@ -303,16 +315,34 @@ def fit_feeder(
     optimizer="sgd",
     compile=None,
     feeder_options=None,
+    batch=BATCH,
     **kw,
 ):
     """The same fit on a feeder of the same rows; the feeder's state after it."""
     net = structure.model(keras, optimizer, **(compile or {}))
     options = {"devices": devices, **(feeder_options or {})}
-    with fp.Feeder(source(keras, structure, kind), BATCH, **options) as feeder:
+    with fp.Feeder(source(keras, structure, kind), batch, **options) as feeder:
         callbacks = [feeder.fit_callback(), *kw.pop("callbacks", [])]
-        history = net.fit(feeder, epochs=epochs, callbacks=callbacks, verbose=0, **kw)
+        history = net.fit(fit_input(feeder), epochs=epochs, callbacks=callbacks, verbose=0, **kw)
         state = json.loads(json.dumps(feeder.get_state()))
     return net, history, state
+
+
+def resumed_fit(net, feeder, **kw):
+    """`model.fit` going on after an interrupted fit. Where a dataset of `as_dataset()` cannot
+    take up an epoch mid-way and go on with whole ones (Keras runs every epoch of a fit for the
+    same number of steps), that fit is refused before it trains, naming the feeder itself or
+    a fit of its own for the rest of the epoch; the feeder itself goes on."""
+    if ENTRY != "as_dataset":
+        return net.fit(feeder, **kw)
+    mid_epoch = feeder.get_state()["step"] != 0
+    try:
+        return net.fit(feeder.as_dataset(), **kw)
+    except ValueError as refused:
+        ways = r"model\.fit\(feeder, |model\.fit\(feeder\.as_dataset\(\), initial_epoch="
+        if not (mid_epoch and re.search(ways, str(refused))):
+            raise
+    return net.fit(feeder, **kw)
 
 
 def steps_applied(net) -> int:
@@ -362,6 +392,8 @@ def test_every_source_trains_what_fit_on_arrays_trains(keras, keras_devices, kin
 def test_class_weight_weighs_each_row_as_on_arrays(keras, keras_devices, kind):
     samples = Structure()
     class_weight = {i: float(1 + i % 4) for i in range(0, LENGTH, 2)}  # odd ids weigh 1
+    if ENTRY == "as_dataset":  # Keras's class_weight on a dataset needs every class named
+        class_weight.update(dict.fromkeys(range(1, LENGTH, 2), 1.0))
     fed = fit_feeder(keras, keras_devices, samples, kind, class_weight=class_weight)[:2]
     assert_same_fit(fed, fit_arrays(keras, samples, class_weight=class_weight))
 
@@ -390,6 +422,7 @@ def test_class_weight_keyed_as_numpy_gives_them_weighs_each_row_as_on_arrays(
         {"steps_per_execution": 3},
         {"jit_compile": False},
         {"jit_compile": True},
+        {"run_eagerly": True},
     ],
     ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()),
 )
@@ -641,7 +674,8 @@ def test_backup_and_restore_resumes_as_fit_on_arrays_resumes(
         if feeder_kind == "a new feeder":  # as a new process would build it
             feeders.append(fp.Feeder(MapStyle(samples), BATCH, devices=keras_devices))
         feeder = feeders[-1]
-        net.fit(feeder, epochs=4, verbose=0, callbacks=[feeder.fit_callback(), *callbacks])
+        callbacks = [feeder.fit_callback(), *callbacks]
+        resumed_fit(net, feeder, epochs=4, verbose=0, callbacks=callbacks)
 
     try:
         mine, theirs = resumed(on_a_feeder), resumed(on_arrays)
@@ -663,7 +697,7 @@ def test_predict_and_evaluate_give_what_they_give_on_arrays_and_leave_the_state(
     net = samples.model(keras)
     x, y, _ = samples.arrays()
     with fp.Feeder(MapStyle(samples), BATCH, devices=keras_devices) as feeder:
-        net.fit(feeder, epochs=1, callbacks=[feeder.fit_callback()], verbose=0)
+        net.fit(fit_input(feeder), epochs=1, callbacks=[feeder.fit_callback()], verbose=0)
         loop = iter(feeder)  # mid-epoch: predict reads the next epoch whole, aside
         next(loop)
         loop.close()
@@ -699,8 +733,12 @@ def test_a_feeder_only_predicted_on_still_says_its_state(keras, keras_devices):
 
 
 REFUSED = [
-    ("y", {"y": ids()}, r"leave `y` unset"),
-    ("sample_weight", {"sample_weight": np.ones(LENGTH)}, r"fp.Feeder\(\(x, y, w\)"),
+    ("y", {"y": ids()}, r"leave `y` unset|`y` should not be passed"),
+    (
+        "sample_weight",
+        {"sample_weight": np.ones(LENGTH)},
+        r"fp.Feeder\(\(x, y, w\)|`sample_weights` should not be passed",
+    ),
     ("validation_split", {"validation_split": 0.2}, r"validation_split"),
     ("steps_per_epoch", {"steps_per_epoch": 2}, r"steps_per_epoch"),
     ("initial_epoch", {"initial_epoch": 3, "epochs": 4}, r"initial_epoch=1"),
@@ -715,11 +753,11 @@ def test_an_argument_a_feeder_cannot_honour_is_refused_before_training(
     net = samples.model(keras)
     with fp.Feeder(MapStyle(samples), BATCH, devices=keras_devices) as feeder:
         if argument == "initial_epoch":  # the feeder is at epoch 1: Keras would count anew
-            net.fit(feeder, epochs=1, callbacks=[feeder.fit_callback()], verbose=0)
+            net.fit(fit_input(feeder), epochs=1, callbacks=[feeder.fit_callback()], verbose=0)
         before, steps = net.get_weights(), int(net.optimizer.iterations)
         state = feeder.get_state()
         with pytest.raises(ValueError, match=message):
-            net.fit(feeder, callbacks=[feeder.fit_callback()], verbose=0, **given)
+            net.fit(fit_input(feeder), callbacks=[feeder.fit_callback()], verbose=0, **given)
         assert int(net.optimizer.iterations) == steps
         for a, b in zip(net.get_weights(), before, strict=True):
             np.testing.assert_array_equal(a, b)
@@ -731,8 +769,14 @@ def test_class_weight_keras_would_refuse_is_refused_naming_the_way(keras, keras_
     samples = structure()
     net = samples.model(keras)
     with fp.Feeder(MapStyle(samples), BATCH, devices=keras_devices) as feeder:
-        with pytest.raises(ValueError, match=r"class_weight.*(third field|single output)"):
-            net.fit(feeder, class_weight={0: 2.0}, callbacks=[feeder.fit_callback()], verbose=0)
+        refused = r"class_weight.*(third field|single output)|`class_weight` and `sample_weight`"
+        with pytest.raises(ValueError, match=refused):
+            net.fit(
+                fit_input(feeder),
+                class_weight={0: 2.0},
+                callbacks=[feeder.fit_callback()],
+                verbose=0,
+            )
         assert int(net.optimizer.iterations) == 0
 
 
@@ -757,7 +801,7 @@ def test_the_fit_callback_in_a_fit_on_other_data_is_refused(keras, keras_devices
             net.fit(x, y, batch_size=BATCH, callbacks=callbacks, verbose=0)
         assert int(net.optimizer.iterations) == 0
         assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (0, 0)
-        net.fit(feeder, callbacks=callbacks, verbose=0)  # the same list, on its feeder
+        net.fit(fit_input(feeder), callbacks=callbacks, verbose=0)  # the same list, on its feeder
         assert (feeder.get_state()["epoch"], feeder.get_state()["step"]) == (1, 0)
 
 
@@ -822,14 +866,14 @@ def test_a_fit_interrupted_at_any_step_and_resumed_equals_one_never_interrupted(
     steps = 2 * -(-SHORT // SHORT_BATCH)
     never = samples.model(keras, "adam")
     with fp.Feeder(MapStyle(samples), SHORT_BATCH, devices=keras_devices) as feeder:
-        never.fit(feeder, epochs=2, callbacks=[feeder.fit_callback()], verbose=0)
+        never.fit(fit_input(feeder), epochs=2, callbacks=[feeder.fit_callback()], verbose=0)
     for at in range(steps):
         net, source = samples.model(keras, "adam"), Faulty(samples)
         feeder = fp.Feeder(source, SHORT_BATCH, devices=keras_devices)
         try:
             callbacks = [feeder.fit_callback(), interrupter(keras, how, at, source)]
             try:
-                net.fit(feeder, epochs=2, callbacks=callbacks, verbose=0)
+                net.fit(fit_input(feeder), epochs=2, callbacks=callbacks, verbose=0)
                 time.sleep(0.5)  # a SIGINT sent as the last step began may land after fit
             except (KeyboardInterrupt, RuntimeError, OSError):
                 pass
@@ -838,7 +882,8 @@ def test_a_fit_interrupted_at_any_step_and_resumed_equals_one_never_interrupted(
                 feeder.close()
                 feeder = fp.Feeder(MapStyle(samples), SHORT_BATCH, devices=keras_devices)
                 feeder.set_state(state)
-            net.fit(
+            resumed_fit(
+                net,
                 feeder,
                 epochs=2,
                 initial_epoch=state["epoch"],
@@ -912,7 +957,7 @@ def test_any_batch_size_gives_the_same_loss(keras, keras_devices, method):
         net.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         with fp.Feeder(MapStyle(samples), size, devices=keras_devices) as feeder:
             if method == "fit":
-                losses.append(net.fit(feeder, verbose=0).history["loss"][0])
+                losses.append(net.fit(fit_input(feeder), verbose=0).history["loss"][0])
             else:
                 losses.append(net.evaluate(feeder, verbose=0))
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
@@ -934,6 +979,124 @@ def test_a_loss_summed_over_the_batch_trains_what_fit_on_arrays_trains(keras, ke
     samples = SumLoss()
     fed = fit_feeder(keras, keras_devices, samples, optimizer="adam")[:2]
     assert_same_fit(fed, fit_arrays(keras, samples, optimizer="adam"))
+
+
+class Regularized(Structure):
+    """Kernel and activity regularizers and an `add_loss`: Keras adds them to the loss
+    unweighted, computed over every row the step is given."""
+
+    name = "regularized"
+
+    def model(self, keras, optimizer="sgd", **compile_options):
+        class AddsLoss(keras.layers.Layer):
+            def call(self, inputs):
+                self.add_loss(0.01 * keras.ops.mean(keras.ops.square(inputs)))
+                return inputs
+
+        keras.utils.set_random_seed(1)
+        inputs = keras.Input((FEATURES,))
+        dense = keras.layers.Dense(
+            16,
+            kernel_regularizer=keras.regularizers.L2(0.01),
+            activity_regularizer=keras.regularizers.L1(0.01),
+        )
+        net = keras.Model(inputs, keras.layers.Dense(self.length)(AddsLoss()(dense(inputs))))
+        return self.compiled(keras, net, optimizer, compile_options)
+
+
+class BinaryLabels(Structure):
+    """A binary classifier whose compiled `metrics` (accuracy, AUC, MSE) take no sample weight:
+    they count every row the step is given."""
+
+    name = "binary"
+
+    def __init__(self, length: int = LENGTH):
+        super().__init__(length)
+        self.y = (self.x.sum(axis=1, keepdims=True) > 0).astype("float32")
+
+    def model(self, keras, optimizer="sgd", **compile_options):
+        keras.utils.set_random_seed(1)
+        net = keras.Sequential(
+            [
+                keras.Input((FEATURES,)),
+                keras.layers.Dense(16, activation="relu"),
+                keras.layers.Dense(1, activation="sigmoid"),
+            ]
+        )
+        metrics = ["accuracy", keras.metrics.AUC(name="auc"), "mse"]
+        net.compile(
+            _optimizer(keras, optimizer), "binary_crossentropy", metrics=metrics, **compile_options
+        )
+        return net
+
+
+@pytest.mark.parametrize("structure", [Regularized, BinaryLabels], ids=lambda s: s.name)
+def test_losses_and_metrics_keras_computes_unweighted_see_the_rows_fit_on_arrays_gives(
+    keras, keras_devices, structure
+):
+    samples = structure()
+    fed = fit_feeder(keras, keras_devices, samples, optimizer="adam")[:2]
+    assert_same_fit(fed, fit_arrays(keras, samples, optimizer="adam"))
+
+
+SIZES = [(7, 32), (37, 8), (1000, 64)]
+
+
+@pytest.mark.parametrize("length, batch", SIZES, ids=[f"N={n}-B={b}" for n, b in SIZES])
+def test_every_length_and_batch_trains_what_fit_on_arrays_trains(
+    keras, keras_devices, length, batch
+):
+    # One short batch of 7 (BatchNormalization's statistics of 7 rows), a last batch of 5,
+    # and 15 full batches and one of 40.
+    samples = Structure(length)
+    fed = fit_feeder(keras, keras_devices, samples, batch=batch)[:2]
+    assert_same_fit(fed, fit_arrays(keras, samples, batch=batch))
+
+
+def test_loss_weights_train_what_fit_on_arrays_trains(keras, keras_devices):
+    samples, compile = NestedSamples(), {"loss_weights": [0.3, 2.0]}
+    fed = fit_feeder(keras, keras_devices, samples, compile=compile)[:2]
+    assert_same_fit(fed, fit_arrays(keras, samples, compile=compile))
+
+
+def test_mixed_precision_trains_what_fit_on_arrays_trains(keras, keras_devices):
+    samples, policy = Structure(), keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        fed = fit_feeder(keras, keras_devices, samples, optimizer="adam")[:2]
+        expected = fit_arrays(keras, samples, optimizer="adam")
+    finally:
+        keras.mixed_precision.set_global_policy(policy)
+    assert_same_fit(fed, expected)
+
+
+def test_early_stopping_that_restores_the_best_weights_restores_those_of_fit_on_arrays(
+    keras, keras_devices
+):
+    samples = Structure()
+
+    def stopping():  # the first epoch is the best; the fit stops after the third
+        return keras.callbacks.EarlyStopping(
+            monitor="loss", min_delta=1e9, patience=2, restore_best_weights=True
+        )
+
+    net, history, state = fit_feeder(
+        keras, keras_devices, samples, epochs=5, callbacks=[stopping()]
+    )
+    expected = fit_arrays(keras, samples, epochs=5, callbacks=[stopping()])
+    assert len(history.history["loss"]) == 3 and (state["epoch"], state["step"]) == (3, 0)
+    assert_same_fit((net, history), expected)
+
+
+def test_two_fits_in_a_row_train_what_two_fits_on_arrays_train(keras, keras_devices):
+    samples = Structure()
+    x, y, _ = samples.arrays()
+    net, theirs = samples.model(keras, "adam"), samples.model(keras, "adam")
+    with fp.Feeder(MapStyle(samples), BATCH, devices=keras_devices) as feeder:
+        for _ in range(2):
+            history = net.fit(fit_input(feeder), callbacks=[feeder.fit_callback()], verbose=0)
+            their_history = theirs.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+            assert_same_fit((net, history), (theirs, their_history))
 
 
 @pytest.mark.slow

@@ -23,7 +23,8 @@ def test_as_dataset_weighs_a_skipped_row_zero_and_scales_the_real_ones(devices):
         errors="skip",
         max_skipped=1,
     ) as feeder:
-        batches = [(b[1].numpy().tolist(), b[2].numpy().tolist()) for b in feeder.as_dataset()]
+        padded = feeder.as_dataset(pad_last=True)
+        batches = [(b[1].numpy().tolist(), b[2].numpy().tolist()) for b in padded]
     labels, weights = batches[0]
     assert [w for label, w in zip(labels, weights, strict=True) if w == 0] == [0.0]
     assert weights == [float(np.float32(8 / 7))] * 5 + [0.0] + [float(np.float32(8 / 7))] * 2

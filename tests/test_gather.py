@@ -33,27 +33,32 @@ def sources(length: int) -> dict:
     }
 
 
-def two_epochs(feeder: fp.Feeder) -> list:
-    dataset = feeder.as_dataset()
+def two_epochs(feeder: fp.Feeder, pad_last: bool = False) -> list:
+    dataset = feeder.as_dataset(pad_last=pad_last)
     return [tf.nest.map_structure(np.asarray, element) for _ in range(2) for element in dataset]
 
 
 @pytest.mark.filterwarnings('ignore:remainder="drop" leaves out')
+@pytest.mark.parametrize("pad_last", [False, True], ids=["real rows", "pad_last"])
 @pytest.mark.parametrize("kind", list(sources(4)))
 @pytest.mark.parametrize(
     ("length", "remainder", "shuffle"),
     [(40, "pad", True), (37, "pad", True), (37, "pad", False), (37, "drop", True)],
 )
-def test_gathered_batches_are_the_feeders_own(monkeypatch, kind, length, remainder, shuffle):
+def test_gathered_batches_are_the_feeders_own(
+    monkeypatch, kind, length, remainder, shuffle, pad_last
+):
     """Rows, order, padding and weights: two epochs of each path, element for element."""
     options = {"remainder": remainder, "shuffle": shuffle, "seed": 5}
     with fp.Feeder(sources(length)[kind], 8, **options) as feeder:
         assert feeder._gathers()
-        gathered, spec = two_epochs(feeder), feeder.as_dataset().element_spec
+        gathered = two_epochs(feeder, pad_last)
+        spec = feeder.as_dataset(pad_last=pad_last).element_spec
     handed_over(monkeypatch)
     with fp.Feeder(sources(length)[kind], 8, **options) as feeder:
         assert not feeder._gathers()
-        handed, handed_spec = two_epochs(feeder), feeder.as_dataset().element_spec
+        handed = two_epochs(feeder, pad_last)
+        handed_spec = feeder.as_dataset(pad_last=pad_last).element_spec
     assert spec == handed_spec
     assert len(gathered) == len(handed) > 0
     for mine, theirs in zip(gathered, handed, strict=True):
@@ -105,7 +110,9 @@ def test_arrays_in_memory_are_gathered_and_sources_with_work_per_sample_are_not(
     assert not gathers((x, y), transform=lambda sample: sample)
     assert not gathers((x, y), workers=1, worker_mode="thread")
     assert not gathers(fp.from_generator(lambda shard, num_shards: iter(x)))
-    assert not gathers((x, y, w))  # its own weights to scale on padding
+    assert gathers((x, y, w))  # its own weights go over as they are, on real rows alone
+    with fp.Feeder((x, y, w), 8) as feeder:
+        assert not feeder._gathers("scale")  # as_dataset(pad_last=True) scales them
     monkeypatch.setattr("feedpipe.tf.feeder.GATHER_MAX_BYTES", x.nbytes + y.nbytes - 1)
     assert not gathers((x, y))  # a second copy of the data would cost too much memory
 
@@ -113,7 +120,7 @@ def test_arrays_in_memory_are_gathered_and_sources_with_work_per_sample_are_not(
 @pytest.mark.parametrize("length", [40, 37])
 def test_a_padded_feeders_x_y_gets_a_sample_weight_whether_or_not_an_epoch_pads(length):
     with fp.Feeder(sources(length)["(x, y)"], 8) as feeder:
-        assert feeder._gathers() and len(feeder.as_dataset().element_spec) == 3
+        assert feeder._gathers() and len(feeder.as_dataset(pad_last=True).element_spec) == 3
 
 
 def test_a_dataset_made_after_a_look_at_another_serves_the_whole_epoch(as_dataset_path):
@@ -339,7 +346,7 @@ def test_a_pass_over_a_long_epoch_plans_only_its_first_chunk_before_its_first_ba
         assert planned == [PADDED_CHUNK_ROWS]
 
 
-def mixed_reads(feeder: fp.Feeder) -> list:
+def mixed_reads(feeder: fp.Feeder, pad_last: bool = False) -> list:
     """Reads across chunk boundaries: a pass left after 3 batches, the whole pass again, a
     second epoch, and a pass from the middle of a restored epoch; then where a loop over the
     feeder goes on."""
@@ -347,11 +354,11 @@ def mixed_reads(feeder: fp.Feeder) -> list:
     def numpy(element):
         return tf.nest.map_structure(np.asarray, element)
 
-    state, dataset = feeder.get_state(), feeder.as_dataset()
+    state, dataset = feeder.get_state(), feeder.as_dataset(pad_last=pad_last)
     read = [numpy(element) for element in itertools.islice(iter(dataset), 3)]
     read += [numpy(element) for _ in range(2) for element in dataset]
     feeder.set_state({**state, "epoch": 5, "step": 2})
-    read += [numpy(element) for element in feeder.as_dataset()]
+    read += [numpy(element) for element in feeder.as_dataset(pad_last=pad_last)]
     batch = next(iter(feeder))
     return [*read, (batch.epoch, batch.step)]
 
@@ -359,7 +366,10 @@ def mixed_reads(feeder: fp.Feeder) -> list:
 @pytest.mark.parametrize("kind", ["(x, y)", "(x, nested y)", "one array"])
 @pytest.mark.parametrize("order", ["in order", "shuffled", "lazily shuffled"])
 @pytest.mark.parametrize("chunk", [1, 2, 3])
-def test_chunk_boundaries_change_no_batch_weight_or_position(monkeypatch, kind, order, chunk):
+@pytest.mark.parametrize("pad_last", [False, True], ids=["real rows", "pad_last"])
+def test_chunk_boundaries_change_no_batch_weight_or_position(
+    monkeypatch, kind, order, chunk, pad_last
+):
     """Planned `chunk` steps at a time, the gathered batches (their rows, padding and label
     weights) are the feeder's own path's, in each kind of read; so are the positions."""
     if order == "lazily shuffled":  # the order computed per chunk, as above 1e7 samples
@@ -368,11 +378,11 @@ def test_chunk_boundaries_change_no_batch_weight_or_position(monkeypatch, kind, 
     chunks_of(monkeypatch, chunk, 8)
     with fp.Feeder(sources(37)[kind], 8, **options) as feeder:
         assert feeder._gathers() and feeder._assembly.plan.lazy == (order == "lazily shuffled")
-        gathered = mixed_reads(feeder)
+        gathered = mixed_reads(feeder, pad_last)
     handed_over(monkeypatch)
     with fp.Feeder(sources(37)[kind], 8, **options) as feeder:
         assert not feeder._gathers()
-        handed = mixed_reads(feeder)
+        handed = mixed_reads(feeder, pad_last)
     assert len(gathered) == len(handed) == 3 + 2 * 5 + 3 + 1 and handed[-1] == (6, 0)
     for mine, theirs in zip(gathered, handed, strict=True):
         tf.nest.map_structure(np.testing.assert_array_equal, mine, theirs)
@@ -386,9 +396,41 @@ def test_the_stats_count_the_real_samples_a_gathered_pass_took(monkeypatch, leng
         if start:
             feeder.set_state({**feeder.get_state(), "step": start})
         steps = samples = 0
-        for batch in feeder.as_dataset():
+        for batch in feeder.as_dataset(pad_last=True):
             steps += 1
             samples += int(np.count_nonzero(batch[2]))  # a real row weighs more than nothing
             assert (feeder.stats().steps, feeder.stats().samples) == (steps, samples)
         assert (steps, samples) == (len(feeder) - start, length - 8 * start)
         assert (feeder.stats().steps, feeder.stats().samples) == (steps, samples)
+
+
+def test_as_dataset_gives_the_last_batch_as_its_real_rows_and_pad_last_pads_it(as_dataset_path):
+    """By default Keras gets what `fit(x, y)` gives itself: `(x, y)`, the last batch its 5 real
+    rows; `pad_last=True` keeps every batch 8 rows (static shapes), the padding weighted 0."""
+    x, y = sources(37)["(x, y)"]
+    with fp.Feeder((x, y), 8) as feeder:
+        real, padded = feeder.as_dataset(), feeder.as_dataset(pad_last=True)
+        assert [spec.shape.as_list()[0] for spec in real.element_spec] == [None, None]
+        assert [spec.shape.as_list()[0] for spec in padded.element_spec] == [8, 8, 8]
+        batches = [tf.nest.map_structure(np.asarray, element) for element in real]
+        assert [len(b) for b in batches] == [2] * 5 and len(batches[-1][0]) == 5
+        np.testing.assert_array_equal(batches[-1][0], x[32:])
+        *_, last = [tf.nest.map_structure(np.asarray, element) for element in padded]
+    np.testing.assert_array_equal(last[0][:5], x[32:])
+    np.testing.assert_allclose(last[2].ravel(), [8 / 5] * 5 + [0.0] * 3)  # [8, 1], as y
+
+
+def test_across_hosts_as_dataset_pads_and_pad_last_false_is_refused(monkeypatch):
+    """Each host's stream runs on without an end, every step a full batch per replica."""
+    from feedpipe.core.split import HostShare
+    from feedpipe.tf.feeder import Feeder
+
+    with fp.Feeder(sources(37)["(x, y)"], 8) as feeder:
+        with monkeypatch.context() as patched:
+            two_hosts = property(lambda self: HostShare(8, num_hosts=2))
+            patched.setattr(Feeder, "share", two_hosts)
+            assert feeder._pads_last(None) and feeder._pads_last(True)
+            with pytest.raises(ValueError, match=r"pad_last=False.*2 hosts.*pad_last=True"):
+                feeder.as_dataset(pad_last=False)
+        with pytest.raises(TypeError, match=r"pad_last.*True, False or None.*'yes'"):
+            feeder.as_dataset(pad_last="yes")

@@ -213,10 +213,11 @@ def test_as_dataset_of_list_or_namedtuple_samples_weighs_padding_as_tuples_do(ki
             return [x[i], y[i]] if kind == "list" else pair(x[i], y[i])
 
     with fp.Feeder(Samples(), 32) as feeder:
-        *_, last = list(feeder.as_dataset())
+        *_, last = list(feeder.as_dataset(pad_last=True))
         assert np.asarray(last[2]).tolist() == [8.0] * 4 + [0.0] * 28
         fed = model()
-        fed.fit(feeder.as_dataset(), epochs=2, callbacks=[feeder.fit_callback()], verbose=0)
+        padded = feeder.as_dataset(pad_last=True)
+        fed.fit(padded, epochs=2, callbacks=[feeder.fit_callback()], verbose=0)
     plain = model()
     plain.fit(*data(), batch_size=32, shuffle=False, epochs=2, verbose=0)
     for mine, theirs in zip(fed.get_weights(), plain.get_weights(), strict=True):

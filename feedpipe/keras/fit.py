@@ -100,7 +100,8 @@ class FitTracker(keras.callbacks.Callback):
         self.feeder._consumer.fits.track(self)  # ends an interrupted fit: its guard first
         self.guard.install()
         self._wrap_train_function()
-        if keras_reading(self.feeder) != "fit":  # the feeder itself hands Keras real rows alone
+        # The feeder itself, and as_dataset() on one host, hand Keras real rows alone.
+        if keras_reading(self.feeder) != "fit" and self.feeder._pads(keras_fit_input()):
             _warn_unweighted_metrics(self.model, self.feeder)
         self._quiet_end_of_unknown_epoch()
 

@@ -38,6 +38,8 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
     def __init__(self, *args: Any, **kwargs: Any):
         self._datasets: weakref.WeakSet = weakref.WeakSet()
         """The datasets `as_dataset()` made, while they live: what reads this feeder."""
+        self._padding: weakref.WeakSet = weakref.WeakSet()
+        """Those of them whose last batch is padded to full size (see `_pads`)."""
         self._tensors: list[tf.Tensor] | None = None
         """The source's arrays as tensors, made once, for gathered passes (`_gathers`)."""
         super().__init__(*args, **kwargs)
@@ -45,19 +47,39 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
     def _layer(self, devices: Any, strategy: Any, global_batch_size: int) -> TensorFlowLayer:
         return TensorFlowLayer(devices, strategy, global_batch_size)
 
-    def as_dataset(self) -> tf.data.Dataset | tf.distribute.DistributedDataset:
+    def as_dataset(
+        self, *, pad_last: bool | None = None
+    ) -> tf.data.Dataset | tf.distribute.DistributedDataset:
         """A `tf.data.Dataset` of global batches for `model.fit` and other wrappers.
 
         Each complete pass over the dataset is the feeder's next epoch; a pass left early does
         not count (see `Consumer.iterate`). Under `model.fit`, pass
         `callbacks=[feeder.fit_callback()]` so that the feeder's state (and a checkpoint
-        holding it) is the batches the step trained on. With `remainder="pad"` an `(x, y)`
-        source gets a third element, `sample_weight`: 0 on padding rows, and real rows scaled
-        by `global_batch_size / num_valid` so the batch's mean loss is the mean over its real
-        samples (an `(x, y, w)` source has its weights scaled the same way). The weight of a
-        label field of shape `s` has shape `[batch, 1, ..., 1]` with `len(s)` ones, so that it
-        broadcasts against per-element losses (per pixel, per timestep) as well as per-sample
-        ones.
+        holding it) is the batches the step trained on.
+
+        On one host (no strategy, or one such as MirroredStrategy) Keras gets what
+        `model.fit(x, y, batch_size=B, shuffle=False)` gives itself on the same rows: an
+        uneven last batch goes over as its real rows, a shorter batch, with no added element,
+        and an `(x, y, w)` source's weights as they are. BatchNormalization, a "sum" loss,
+        `add_loss` and regularizers, History and the metrics then see the samples alone, and
+        a custom `train_step` unpacks `x, y = data`.
+
+        `pad_last=True` keeps every batch `global_batch_size` rows (static shapes): the last
+        batch is padded and an `(x, y)` source gets a third element, `sample_weight`, 0 on
+        padding rows and `global_batch_size / num_valid` on real ones (an `(x, y, w)`
+        source's own weights are scaled so). The weighted mean loss is then the real rows'
+        mean, but what the weights do not reach counts the padding rows: BatchNormalization's
+        statistics, a "sum" loss, `add_loss` and regularizers, unweighted `metrics`, and
+        History's loss (which weighs the padded batch as full). Each label field's weight has
+        shape `[batch, 1, ..., 1]`, one 1 per dimension of the label's sample, so that it
+        broadcasts against per-element losses too.
+
+        Under a MultiWorkerMirroredStrategy the last batch is always padded (`pad_last=None`,
+        the default, pads there; `pad_last=False` is refused): each host makes only its
+        replicas' rows, through `distribute_datasets_from_function`, and the stream runs on
+        from epoch to epoch without end, so that no step pays TensorFlow's all-reduce asking
+        whether every host still has data; a shorter last batch would need that all-reduce.
+        Take `len(feeder)` steps per epoch from one iterator.
 
         Arrays in memory read as they are (no `transform`, `transpose` or workers) are
         gathered by TensorFlow's own threads in the feeder's order, with no Python per batch
@@ -66,19 +88,32 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
         runs without tf.data's autotuning (freeing an iterator whose autotuning runs stalled
         ~1 s at many of Keras's epoch boundaries); `with_options` turns it back on.
 
-        Under a MultiWorkerMirroredStrategy it is a `tf.distribute.DistributedDataset` made by
-        `distribute_datasets_from_function`: each host makes only its replicas' rows, and the
-        stream runs on from epoch to epoch without end (so no step pays TensorFlow's
-        all-reduce asking whether every host still has data): take `len(feeder)` steps per
-        epoch from one iterator.
-
         The dataset holds the feeder; the feeder does not hold the dataset, so dropping both
         frees the workers and memory.
 
         For `model.predict` and `model.evaluate` pass the feeder itself: Keras then reads
         each real sample once, with no padding row (see `_dataset`).
         """
-        return self._dataset(real_only=False, whole=False)
+        return self._dataset(real_only=not self._pads_last(pad_last), whole=False)
+
+    def _pads_last(self, pad_last: bool | None) -> bool:
+        """Whether `as_dataset(pad_last=...)` pads the last batch to full size: on one host
+        only when asked; across hosts always (see `as_dataset`)."""
+        if pad_last not in (None, True, False):
+            raise TypeError(
+                f"as_dataset(pad_last=...) takes True, False or None, not {pad_last!r}; pass "
+                "pad_last=True for batches of global_batch_size rows every step."
+            )
+        hosts = self.share.num_hosts > 1
+        if hosts and pad_last is False:
+            raise ValueError(
+                f"as_dataset(pad_last=False) under a MultiWorkerMirroredStrategy of "
+                f"{self.share.num_hosts} hosts: the hosts' streams run on without an end, so "
+                "every step gives each replica a full batch, and the last batch of an epoch "
+                "is padded with zero sample weights. Leave pad_last unset (or pass "
+                "pad_last=True) there."
+            )
+        return hosts if pad_last is None else pad_last
 
     def _dataset(
         self,
@@ -122,9 +157,10 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
         if how == "add":
             signature = (*signature, optree.tree_map(weight_spec, signature[1]))
         steps = None if hosts or whole else self._consumer.steps_left()
-        if self._gathers() and not aside:
+        if self._gathers(how) and not aside:
             dataset = gathered_dataset(self, signature, how, steps, SUPERSEDED, real_only=real_only)
-            return self._as_dataset(_class_weighted(dataset, class_weight), steps)
+            dataset = _class_weighted(dataset, class_weight)
+            return self._as_dataset(dataset, steps, padded=not real_only)
         feeder = weakref.ref(self)  # TensorFlow keeps `generate` for the life of the process
         reader = object()  # this dataset's record: its passes are told from another's by it
 
@@ -158,11 +194,13 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
             dataset = dataset.apply(
                 tf.data.experimental.assert_cardinality(tf.data.INFINITE_CARDINALITY)
             )
-        return self._as_dataset(dataset, steps)
+        return self._as_dataset(dataset, steps, padded=not real_only)
 
-    def _as_dataset(self, dataset: tf.data.Dataset, steps: int | None) -> tf.data.Dataset:
-        """`dataset`, of this feeder's batches (`steps` a pass, where known), made ready for a
-        strategy and Keras."""
+    def _as_dataset(
+        self, dataset: tf.data.Dataset, steps: int | None, *, padded: bool
+    ) -> tf.data.Dataset:
+        """`dataset`, of this feeder's batches (`steps` a pass, where known; `padded`: its
+        last batch padded to full size), made ready for a strategy and Keras."""
         hosts = self.share.num_hosts > 1
         if steps is not None:
             dataset = dataset.apply(tf.data.experimental.assert_cardinality(steps))
@@ -182,6 +220,8 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
         dataset = dataset.with_options(options)
         dataset._feedpipe_feeder = self  # the feeder lives as long as its dataset
         self._datasets.add(dataset)
+        if padded:
+            self._padding.add(dataset)
         # Keras's fit(shuffle=True), its default, cannot shuffle a dataset and says so on every
         # fit; the feeder shuffles (fp.Feeder(shuffle=True)), so the warning says nothing here.
         warnings.filterwarnings(
@@ -193,17 +233,20 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
         if hosts:
             dataset = self._per_host(dataset)
             self._datasets.add(dataset)
+            if padded:
+                self._padding.add(dataset)
         return dataset
 
-    def _gathers(self) -> bool:
+    def _gathers(self, how: str | None = None) -> bool:
         """Whether TensorFlow's own threads gather this feeder's batches (see
-        `feedpipe.tf.gather`): arrays in memory up to `GATHER_MAX_BYTES`, read as they are,
-        on one host, with no weights of the source's own to scale."""
+        `feedpipe.tf.gather`), weighted as `how` says (`weighting`): arrays in memory up to
+        `GATHER_MAX_BYTES`, read as they are, on one host, with no weights of the source's
+        own to scale."""
         return (
             self._assembly.rows_as_given
             and isinstance(self._assembly.source, ArraySource)
             and self.share.num_hosts == 1
-            and weighting(self.spec, self.options.remainder, self.options.errors) != "scale"
+            and how != "scale"
             and sum(array.nbytes for array in self._assembly.source.arrays) <= GATHER_MAX_BYTES
         )
 
@@ -213,6 +256,16 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
             with tf.device("/cpu:0"):
                 self._tensors = [tf.convert_to_tensor(a) for a in self._assembly.source.arrays]
         return self._tensors
+
+    def _pads(self, data: Any) -> bool:
+        """Whether `data`, read by a fit, hands Keras this feeder's last batch padded to full
+        size: a dataset `as_dataset(pad_last=True)` made (or one across hosts), or one built
+        on it."""
+        if isinstance(data, Hashable) and data in self._padding:
+            return True
+        if not isinstance(data, tf.data.Dataset):
+            return False
+        return any(node in self._padding for node in dataset_pipeline(data))
 
     def _reads_this(self, data: Any) -> bool:
         """Whether `data` reads this feeder: it, or a dataset built on one it made."""
