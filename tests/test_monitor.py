@@ -9,8 +9,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import subprocess
-import sys
 import time
 from typing import Any
 
@@ -26,6 +24,7 @@ from feedpipe.diagnostics._headspace import CANNOT_TELL, StepAlone, bracket
 from feedpipe.diagnostics.monitor import EpochStarvation
 from tests.fakes import CountingSource, index_arrays, sleeping_model
 from tests.keras_cases import wall_clock
+from tests.load import busy_cores as competing_cpu_load
 from tests.starvation import assert_reads_the_slower_input
 
 STEP_S = 0.04
@@ -245,22 +244,6 @@ def test_load_in_the_measurements_that_left_the_stretch_lowers_the_bound():
     assert (estimate, low, high) == pytest.approx((0.020, 0.020, 0.060))
 
 
-@contextlib.contextmanager
-def competing_cpu_load(per_core: int = 2, deadline_s: float = 300.0):
-    """`per_core` busy processes per core, started here and ended by PID on exit; each also
-    ends itself after `deadline_s`, so none outlives a test that was killed."""
-    code = f"import time\nend = time.monotonic() + {deadline_s}\nwhile time.monotonic() < end: pass"
-    cores = len(os.sched_getaffinity(0))
-    processes = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(per_core * cores)]
-    try:
-        yield
-    finally:
-        for process in processes:
-            process.kill()
-        for process in processes:
-            process.wait(timeout=10)
-
-
 class Spin(keras.layers.Layer):
     """Passes its input through after a fixed amount of Python work, once per step: a
     CPU-bound step, which competing load slows."""
@@ -291,7 +274,7 @@ class LoadFrom(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         if epoch == self.epoch:
-            self.stack.enter_context(competing_cpu_load())
+            self.stack.enter_context(competing_cpu_load(per_core=2))
 
     def on_train_end(self, logs=None):
         self.stack.close()

@@ -20,7 +20,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 
-from feedpipe.core._contention import snapshot
+from feedpipe.core._contention import snapshot, thread_run_delay_s
 from feedpipe.core.cost import SampleCost, Setting, free_cores_since
 from feedpipe.core.producers import Producer, SlotSupply, ThreadProducer, WorkerProducer
 from feedpipe.core.sampler import EpochEnd, Step
@@ -75,8 +75,11 @@ class _Window:
     samples: int = 0
     busy_s: float = 0.0
     cpu_s: float = 0.0
+    queued_s: float = 0.0
+    """Of `busy_s`, the time the feeder's thread was ready to run but other load held the CPU."""
     batches: int = 0
     began: float = 0.0
+    queued_began_s: float = 0.0
     waited_before_s: float = 0.0
     warmed: int = 0
     """Batches made before the measurement began (`WARM_BATCHES`)."""
@@ -132,6 +135,7 @@ class AutoProducer(Producer):
             try:
                 while True:
                     began, cpu, waited = time.perf_counter(), time.thread_time(), timed.waited_s
+                    queued = thread_run_delay_s()
                     item = next(made, None)
                     if item is None:
                         return
@@ -141,7 +145,9 @@ class AutoProducer(Producer):
                         continue
                     step, _ = item
                     cpu_s = time.thread_time() - cpu
-                    switch = self._made(len(step.rows), began, waited, timed.waited_s, cpu_s)
+                    switch = self._made(
+                        len(step.rows), (began, queued), waited, timed.waited_s, cpu_s
+                    )
                     position = Position(step.epoch, step.index + 1)
                     yield item
                     if switch:
@@ -153,11 +159,17 @@ class AutoProducer(Producer):
             self._take_over()
 
     def _made(
-        self, samples: int, asked: float, waited_before_s: float, waited_s: float, cpu_s: float
+        self,
+        samples: int,
+        asked: tuple[float, float],
+        waited_before_s: float,
+        waited_s: float,
+        cpu_s: float,
     ) -> bool:
-        """Books one batch of the setting running, asked for at `asked` (the slot waits so far
-        `waited_before_s` then, `waited_s` now; `cpu_s` of this thread spent inside);
-        whether another setting should take over now."""
+        """Books one batch of the setting running, asked for at `asked` (the clock, and this
+        thread's run-queue wait then; the slot waits so far `waited_before_s` then, `waited_s`
+        now; `cpu_s` of this thread spent inside); whether another setting should take over
+        now."""
         if self.settled:
             return False
         if self._pending is not None:
@@ -168,10 +180,12 @@ class AutoProducer(Producer):
             return False
         if not window.batches:
             self._machine = snapshot(), time.perf_counter()
-            window.began, window.waited_before_s = asked, waited_before_s
+            window.began, window.queued_began_s = asked
+            window.waited_before_s = waited_before_s
         window.samples += samples
         window.busy_s = time.perf_counter() - window.began - (waited_s - window.waited_before_s)
         window.cpu_s += cpu_s
+        window.queued_s = thread_run_delay_s() - window.queued_began_s
         window.batches += 1
         if not window.full():
             return False
@@ -187,7 +201,15 @@ class AutoProducer(Producer):
             cpu_s = window.cpu_s / window.samples
             free = free_cores_since(*self._machine)
             self.cost = SampleCost(
-                wall_s, cpu_s, cpu_s, 0, math.nan, math.nan, window.samples, free
+                wall_s,
+                cpu_s,
+                cpu_s,
+                0,
+                math.nan,
+                math.nan,
+                window.samples,
+                free,
+                queued_s=min(window.queued_s, window.busy_s) / window.samples,
             )
         elif self.setting.mode == "thread" and self.cost is not None:
             # Threads that outran one thread's CPU time released the GIL for the rest of it.
