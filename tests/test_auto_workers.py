@@ -8,6 +8,7 @@ test there is the switching, not the model (tests/core/test_cost.py holds the mo
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 
@@ -18,6 +19,7 @@ import feedpipe as fp
 from feedpipe.core import auto
 from feedpipe.core.cost import SampleCost, Setting
 from tests import worker_fakes as wf
+from tests.conftest import feedpipe_processes
 from tests.fakes import all_ids, host_batch_ids, real_ids
 
 GLOBAL_BATCH = 8
@@ -181,22 +183,36 @@ def test_sources_it_leaves_to_one_thread_say_why(devices, source, why):
     assert described.workers == 0 and why in described.workers_chosen
 
 
-def test_closing_while_a_pool_starts_leaves_no_worker_behind(devices, monkeypatch):
-    monkeypatch.setattr(SampleCost, "settings", ranked(Setting("process", 2, 1e9)))
-    feeder = fp.Feeder(wf.SlowSource(400, 0.002), GLOBAL_BATCH, devices=devices, workers="auto")
+class LoadsForeverInAWorker(wf.SlowSource):
+    """A `SlowSource` that a worker process never finishes loading: a pool of them stays
+    spawning until it is ended."""
+
+    def __init__(self, length: int, delay_s: float):
+        super().__init__(length, delay_s)
+        self.home = os.getpid()
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if os.getpid() != self.home:
+            threading.Event().wait()
+
+
+def test_closing_while_a_pool_spawns_ends_its_workers(devices, monkeypatch):
+    monkeypatch.setattr(SampleCost, "settings", ranked(Setting("process", 16, 1e9)))
+    source = LoadsForeverInAWorker(400, 0.002)
+    feeder = fp.Feeder(source, GLOBAL_BATCH, devices=devices, workers="auto")
     producer = feeder._assembly.producer
     for _ in feeder:
         if producer._pending is not None:
             break
-    # A pool of processes is spawning in the background when the feeder closes.
+    # A pool of 16 processes is spawning in the background: they exist, none is ready.
     assert producer._pending is not None, producer.why
-    started = producer._pending[1]
+    deadline = time.monotonic() + 60
+    while len(feedpipe_processes()) < 16 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(feedpipe_processes()) == 16 and not producer._pending[1].done()
     feeder.close()
-    pool = started.result(timeout=30).workers  # it finishes spawning, then is closed
-    deadline = time.monotonic() + 30
-    while any(p.poll() is None for p in pool.procs) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert pool.procs and all(p.poll() is not None for p in pool.procs)
+    assert feedpipe_processes() == []
 
 
 def test_workers_must_be_a_count_or_auto(devices):

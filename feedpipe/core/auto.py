@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -40,8 +41,42 @@ BETTER = 1.1
 SOONER = 0.5
 """Threads predicted at least this share of the best setting's rate are tried before it."""
 
+CLOSE_WAIT_S = 10.0
+"""How long `close()` waits for a pool that was starting to give up once its processes are
+killed: it has only to notice (or to finish pickling its setup, which may take seconds)."""
+
 Key = tuple[str, int]
 """A setting as (mode, workers)."""
+
+
+class _Starting:
+    """The pools of processes starting in the background: once closed, each is ended as soon
+    as its processes exist, so that none outlives the feeder while it spawns."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._closed = False
+        self._pools: list = []
+
+    def opened(self, pool) -> None:
+        with self._lock:
+            if not self._closed:
+                self._pools.append(pool)
+                return
+        pool.end()
+
+    def started(self, pool) -> None:
+        """`pool` is ready: its producer closes it from here on."""
+        with self._lock:
+            if pool in self._pools:
+                self._pools.remove(pool)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            pools, self._pools = self._pools, []
+        for pool in pools:
+            pool.end()
 
 
 class _TimedSupply:
@@ -115,6 +150,7 @@ class AutoProducer(Producer):
         self._machine = snapshot(), time.perf_counter()
         self._pending: tuple[Setting, concurrent.futures.Future] | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "feedpipe-auto")
+        self._starting = _Starting()
         self._failed: dict[Key, str] = {}
         """Settings whose pool failed to start, and how."""
 
@@ -235,10 +271,20 @@ class AutoProducer(Producer):
         if worth and len(self.measured) - 1 < MAX_TRIALS:
             sooner = [s for s in worth if s.mode == "thread" and s.rate >= SOONER * worth[0].rate]
             setting = sooner[0] if sooner else worth[0]
-            self._pending = (setting, self._executor.submit(self.start_pool, setting))
+            self._pending = (setting, self._executor.submit(self._start, setting))
             self.why = f"measuring: trying {setting}, predicted {setting.rate:,.0f} samples/s"
             return False
         return self._settle()
+
+    def _start(self, setting: Setting) -> Producer:
+        """`start_pool(setting)`, in the background thread, its processes watched from the
+        moment they exist, so that `close()` can end them."""
+        from feedpipe.core.workers import watched
+
+        with watched(self._starting.opened):
+            producer = self.start_pool(setting)
+        self._starting.started(producer.workers)
+        return producer
 
     def _take_over(self) -> None:
         """Hands the batches to the setting started in the background (or the best measured,
@@ -290,9 +336,18 @@ class AutoProducer(Producer):
         return str(self.setting) + ("" if self.settled else " (still measuring)")
 
     def close(self) -> None:
-        """Closes every pool, one starting in the background included."""
+        """Closes every pool; one starting in the background is ended (its processes killed)
+        and waited for, `CLOSE_WAIT_S` at most, so that no worker outlives the feeder."""
+        self._starting.close()
         if self._pending is not None:
-            self._pending[1].add_done_callback(_close_started)
+            started = self._pending[1]
+            try:
+                started.result(timeout=CLOSE_WAIT_S)
+            except concurrent.futures.TimeoutError:
+                pass
+            except Exception:  # it failed to start, or was never started: nothing to close
+                pass
+            started.add_done_callback(_close_started)  # at once where it is done
         self._executor.shutdown(wait=False, cancel_futures=True)
         for producer in self.producers.values():
             if isinstance(producer, WorkerProducer):
@@ -313,3 +368,4 @@ def _close_started(future: concurrent.futures.Future) -> None:
     """Closes the pool a setting started after the feeder closed."""
     if not future.cancelled() and future.exception() is None:
         future.result().workers.close()
+        future.result().close()
