@@ -8,7 +8,6 @@ test there is the switching, not the model (tests/core/test_cost.py holds the mo
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 
@@ -19,6 +18,7 @@ import feedpipe as fp
 from feedpipe.core import auto
 from feedpipe.core.cost import SampleCost, Setting
 from tests import worker_fakes as wf
+from tests.auto_fakes import HoldsPythonObjects, LoadsForeverInAWorker
 from tests.conftest import feedpipe_processes
 from tests.fakes import all_ids, host_batch_ids, real_ids
 
@@ -183,25 +183,12 @@ def test_sources_it_leaves_to_one_thread_say_why(devices, source, why):
     assert described.workers == 0 and why in described.workers_chosen
 
 
-class LoadsForeverInAWorker(wf.SlowSource):
-    """A `SlowSource` that a worker process never finishes loading: a pool of them stays
-    spawning until it is ended."""
-
-    def __init__(self, length: int, delay_s: float):
-        super().__init__(length, delay_s)
-        self.home = os.getpid()
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        if os.getpid() != self.home:
-            threading.Event().wait()
-
-
 def test_closing_while_a_pool_spawns_ends_its_workers(devices, monkeypatch):
     monkeypatch.setattr(SampleCost, "settings", ranked(Setting("process", 16, 1e9)))
     source = LoadsForeverInAWorker(400, 0.002)
     feeder = fp.Feeder(source, GLOBAL_BATCH, devices=devices, workers="auto")
     producer = feeder._assembly.producer
+    producer.worker_bytes = 1  # as if one worker was measured: the pool of 16 starts at once
     for _ in feeder:
         if producer._pending is not None:
             break
@@ -213,6 +200,28 @@ def test_closing_while_a_pool_spawns_ends_its_workers(devices, monkeypatch):
     assert len(feedpipe_processes()) == 16 and not producer._pending[1].done()
     feeder.close()
     assert feedpipe_processes() == []
+
+
+def test_trial_processes_stop_at_what_fits_the_memory_available(devices, monkeypatch):
+    monkeypatch.setattr(SampleCost, "settings", ranked(Setting("process", 16, 1e9)))
+    monkeypatch.setenv(auto.MEMORY_ENV, str(2**30))  # 1 GiB available
+    source = HoldsPythonObjects(200)
+    with fp.Feeder(source, GLOBAL_BATCH, devices=devices, workers="auto") as feeder:
+        until_settled(feeder, devices)
+        producer, chosen = feeder._assembly.producer, feeder.describe().workers_chosen
+    # One worker was measured, and trials took as many as fit half of 1 GiB, no more.
+    (tried,) = [workers for mode, workers in producer.measured if mode == "process"]
+    assert producer.worker_bytes > 0
+    assert tried * producer.worker_bytes <= auto.MEMORY_SHARE * 2**30
+    assert (tried + 1) * producer.worker_bytes > auto.MEMORY_SHARE * 2**30
+    assert f"memory capped processes at {tried}" in chosen
+    assert auto.MEMORY_ENV in chosen
+
+
+def test_available_memory_must_be_a_number_of_bytes(monkeypatch):
+    monkeypatch.setenv(auto.MEMORY_ENV, "1G")
+    with pytest.raises(ValueError, match=r"FEEDPIPE_AVAILABLE_BYTES='1G' must be a whole number"):
+        auto.available_memory()
 
 
 def test_workers_must_be_a_count_or_auto(devices):
