@@ -8,12 +8,13 @@ own batches measure what it really makes. Threads that fall short of the predict
 much of a sample holds the GIL, and the ranking is made again. Threads close to the best are
 tried first: they start at once. A setting is tried only where it is predicted `BETTER` than
 the best measured so far, at most `MAX_TRIALS` of them; then the
-fastest measured is kept for good and every other pool is closed.
+fastest measured is kept for good and every other pool is closed. Who makes a batch never
+changes which samples it holds, so the order and the state are those of any fixed setting.
 
 Each worker process holds its own copy of the source, so processes are tried only as many as
-fit the memory available (`fitting_processes`): one worker is started first, and what it holds
-once it has loaded the source and read a sample caps the count of every pool of processes. Who makes a batch never
-changes which samples it holds, so the order and the state are those of any fixed setting.
+fit the memory available (`AutoProducer._fitting`): one worker is started first, and what it
+holds once it has loaded the source and read a sample caps the count of every pool of
+processes. `close()` ends a pool still starting, so that none outlives the feeder.
 """
 
 from __future__ import annotations
