@@ -241,6 +241,7 @@ def test_as_dataset_gives_the_batches_of_workers0_across_every_switch(devices, m
     options = {"devices": devices, "workers": "auto", "shuffle": True}
     with fp.Feeder(source, GLOBAL_BATCH, **options) as feeder:
         dataset, producer = feeder.as_dataset(), feeder._assembly.producer
+        producer.worker_bytes = 1  # as if measured: the pool starts without a first worker
         for epoch in range(MAX_EPOCHS):
             assert [host_batch_ids(e).tolist() for e in dataset] == expected[epoch]
             if producer.settled and epoch:
