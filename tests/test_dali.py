@@ -136,9 +136,10 @@ def test_at_most_depth_dali_batches_wait_staged(files, devices, depth):
     # 19 files, 5 batches an epoch: while the step holds an epoch's first batch, DALI and the
     # producer run ahead until the ring is full, however long a loaded machine makes that.
     with fp.Feeder(indexed_images(files), 4, devices=devices, depth=depth) as feeder:
-        handoff, seen = feeder._assembly.pipeline.handoff, []
+        seen = []
         for _ in range(2):
             for index, _batch in enumerate(feeder):
+                handoff = feeder._assembly.pipeline.handoff
                 deadline = time.monotonic() + 30
                 while index == 0 and handoff.staged < depth and time.monotonic() < deadline:
                     time.sleep(0.01)
