@@ -291,6 +291,7 @@ def in_memory_data(batches: int) -> tf.data.Dataset:
 
 
 @pytest.mark.slow
+@pytest.mark.clock
 def test_monitor_verdict_holds_when_competing_cpu_load_starts_mid_fit():
     """The input is in memory, so the truth is "not input-bound" in every epoch; from the
     second epoch on, competing load slows the CPU-bound step. A step alone measured once,
@@ -313,7 +314,9 @@ def test_monitor_verdict_holds_when_competing_cpu_load_starts_mid_fit():
     unloaded, changed, loaded = monitor.epochs
     assert loaded.real_step_s > 1.2 * unloaded.real_step_s, "the load must slow the step"
     if os.path.exists("/proc/self/schedstat"):  # the delay the load caused is seen
-        assert changed.other_load_s > 10 * unloaded.other_load_s + 0.001, str(changed)
+        # At least twice the first epoch's: where other load already ran then (CI's clock
+        # step keeps every core busy), the load started here adds two busy processes a core.
+        assert changed.other_load_s > 2 * unloaded.other_load_s + 0.001, str(changed)
     # Measured before the load and after: the bound spans the change, so no wrong band.
     assert changed.verdict in ("not input-bound", CANNOT_TELL), str(changed)
     assert loaded.verdict in ("not input-bound", CANNOT_TELL), str(loaded)
