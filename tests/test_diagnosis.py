@@ -66,6 +66,7 @@ def run(source, step=sleeping_step, steps=20, **kwargs) -> Diagnosis:
     return fp.diagnose(source, step, steps=steps, warmup=3, progress=False, **kwargs)
 
 
+@pytest.mark.clock
 def test_producer_three_times_slower_than_the_step_is_highly_input_bound():
     with slow_feeder(3 * STEP_S) as feeder:
         diagnosis = run(feeder)
@@ -109,6 +110,7 @@ def test_a_balanced_producer_and_step_are_shown_as_balanced():
     )
 
 
+@pytest.mark.clock
 def test_an_input_read_in_line_with_the_step_is_measured_as_such():
     diagnosis = run(slow_batches(STEP_S))
     # Read in line: the step waits P / (P + S) = 1/2 of the time, and overlapping could

@@ -119,6 +119,7 @@ def fit_monitored(kind: str, batch_s: float) -> tuple[fp.StarvationMonitor, Any]
     return monitor, clock
 
 
+@pytest.mark.clock
 @pytest.mark.parametrize("kind", INPUT_KINDS)
 def test_three_times_slower_producer_is_highly_input_bound(kind):
     producer_s = 3 * STEP_S
@@ -130,6 +131,7 @@ def test_three_times_slower_producer_is_highly_input_bound(kind):
         assert 0.6 * BATCH / producer_s < epoch.producer_samples_per_s < 1.05 * BATCH / producer_s
 
 
+@pytest.mark.clock
 @pytest.mark.parametrize("kind", INPUT_KINDS)
 def test_three_times_faster_producer_is_not_read_as_highly_input_bound(kind):
     monitor, clock = fit_monitored(kind, STEP_S / 3)
