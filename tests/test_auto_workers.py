@@ -18,6 +18,8 @@ import feedpipe as fp
 from feedpipe.core import auto
 from feedpipe.core.cost import SampleCost, Setting
 from tests import worker_fakes as wf
+from tests.auto_fakes import HoldsPythonObjects, LoadsForeverInAWorker
+from tests.conftest import feedpipe_processes
 from tests.fakes import all_ids, host_batch_ids, real_ids
 
 GLOBAL_BATCH = 8
@@ -181,22 +183,45 @@ def test_sources_it_leaves_to_one_thread_say_why(devices, source, why):
     assert described.workers == 0 and why in described.workers_chosen
 
 
-def test_closing_while_a_pool_starts_leaves_no_worker_behind(devices, monkeypatch):
-    monkeypatch.setattr(SampleCost, "settings", ranked(Setting("process", 2, 1e9)))
-    feeder = fp.Feeder(wf.SlowSource(400, 0.002), GLOBAL_BATCH, devices=devices, workers="auto")
+def test_closing_while_a_pool_spawns_ends_its_workers(devices, monkeypatch):
+    monkeypatch.setattr(SampleCost, "settings", ranked(Setting("process", 16, 1e9)))
+    source = LoadsForeverInAWorker(400, 0.002)
+    feeder = fp.Feeder(source, GLOBAL_BATCH, devices=devices, workers="auto")
     producer = feeder._assembly.producer
+    producer.worker_bytes = 1  # as if one worker was measured: the pool of 16 starts at once
     for _ in feeder:
         if producer._pending is not None:
             break
-    # A pool of processes is spawning in the background when the feeder closes.
+    # A pool of 16 processes is spawning in the background: they exist, none is ready.
     assert producer._pending is not None, producer.why
-    started = producer._pending[1]
+    deadline = time.monotonic() + 60
+    while len(feedpipe_processes()) < 16 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(feedpipe_processes()) == 16 and not producer._pending[1].done()
     feeder.close()
-    pool = started.result(timeout=30).workers  # it finishes spawning, then is closed
-    deadline = time.monotonic() + 30
-    while any(p.poll() is None for p in pool.procs) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert pool.procs and all(p.poll() is not None for p in pool.procs)
+    assert feedpipe_processes() == []
+
+
+def test_trial_processes_stop_at_what_fits_the_memory_available(devices, monkeypatch):
+    monkeypatch.setattr(SampleCost, "settings", ranked(Setting("process", 16, 1e9)))
+    monkeypatch.setenv(auto.MEMORY_ENV, str(2**30))  # 1 GiB available
+    source = HoldsPythonObjects(200)
+    with fp.Feeder(source, GLOBAL_BATCH, devices=devices, workers="auto") as feeder:
+        until_settled(feeder, devices)
+        producer, chosen = feeder._assembly.producer, feeder.describe().workers_chosen
+    # One worker was measured, and trials took as many as fit half of 1 GiB, no more.
+    (tried,) = [workers for mode, workers in producer.measured if mode == "process"]
+    assert producer.worker_bytes > 0
+    assert tried * producer.worker_bytes <= auto.MEMORY_SHARE * 2**30
+    assert (tried + 1) * producer.worker_bytes > auto.MEMORY_SHARE * 2**30
+    assert f"memory capped processes at {tried}" in chosen
+    assert auto.MEMORY_ENV in chosen
+
+
+def test_available_memory_must_be_a_number_of_bytes(monkeypatch):
+    monkeypatch.setenv(auto.MEMORY_ENV, "1G")
+    with pytest.raises(ValueError, match=r"FEEDPIPE_AVAILABLE_BYTES='1G' must be a whole number"):
+        auto.available_memory()
 
 
 def test_workers_must_be_a_count_or_auto(devices):
@@ -216,6 +241,7 @@ def test_as_dataset_gives_the_batches_of_workers0_across_every_switch(devices, m
     options = {"devices": devices, "workers": "auto", "shuffle": True}
     with fp.Feeder(source, GLOBAL_BATCH, **options) as feeder:
         dataset, producer = feeder.as_dataset(), feeder._assembly.producer
+        producer.worker_bytes = 1  # as if measured: the pool starts without a first worker
         for epoch in range(MAX_EPOCHS):
             assert [host_batch_ids(e).tolist() for e in dataset] == expected[epoch]
             if producer.settled and epoch:

@@ -66,6 +66,7 @@ def run(source, step=sleeping_step, steps=20, **kwargs) -> Diagnosis:
     return fp.diagnose(source, step, steps=steps, warmup=3, progress=False, **kwargs)
 
 
+@pytest.mark.clock
 def test_producer_three_times_slower_than_the_step_is_highly_input_bound():
     with slow_feeder(3 * STEP_S) as feeder:
         diagnosis = run(feeder)
@@ -75,9 +76,24 @@ def test_producer_three_times_slower_than_the_step_is_highly_input_bound():
     assert diagnosis.producer_steps_per_s < diagnosis.consumer_steps_per_s / 2
 
 
+class WaitsOnceABatch(SlowSource):
+    """A source whose batch of `BATCH` (read in order) waits once, for the whole batch: on a
+    loaded machine each wake-up waits for a CPU, so a batch of one wait keeps its time."""
+
+    def __getitem__(self, index: int):
+        if index % BATCH == 0:
+            time.sleep(self.delay_s * BATCH)
+        return super(SlowSource, self).__getitem__(index)
+
+
+@pytest.mark.clock
 def test_producer_three_times_faster_than_the_step_is_not_input_bound():
-    with slow_feeder(STEP_S / 3) as feeder:
-        diagnosis = run(feeder)
+    # A step of 40 ms: the GIL and the CPU the producer's thread takes beside it on a loaded
+    # machine (a millisecond or so a step) stay well within the 5 % a verdict allows.
+    step_s = 4 * STEP_S
+    source = WaitsOnceABatch(10_000, step_s / 3 / BATCH)
+    with fp.Feeder(source, BATCH, devices=["/cpu:0"]) as feeder:
+        diagnosis = run(feeder, step=lambda batch: time.sleep(step_s))
     assert diagnosis.verdict == "not input-bound"
     assert diagnosis.input_bound_fraction < 0.05
     assert diagnosis.overlap_efficiency > 0.85
@@ -94,6 +110,7 @@ def test_a_balanced_producer_and_step_are_shown_as_balanced():
     )
 
 
+@pytest.mark.clock
 def test_an_input_read_in_line_with_the_step_is_measured_as_such():
     diagnosis = run(slow_batches(STEP_S))
     # Read in line: the step waits P / (P + S) = 1/2 of the time, and overlapping could
@@ -104,14 +121,27 @@ def test_an_input_read_in_line_with_the_step_is_measured_as_such():
     assert diagnosis.remedies[0].gain == pytest.approx(2.0, rel=0.3)
 
 
+@pytest.mark.clock
 def test_a_starved_feeder_is_told_to_use_more_workers(monkeypatch):
     monkeypatch.setattr("feedpipe.diagnostics.diagnosis.cores", lambda: 4)
     with slow_feeder(3 * STEP_S) as feeder:
         diagnosis = run(feeder)
-    actions = [r.action for r in diagnosis.remedies]
-    assert any(a.startswith("more workers: workers=4") for a in actions), actions
-    gains = [r.gain for r in diagnosis.remedies]
-    assert gains == sorted(gains, reverse=True)
+    # The count and the mode follow from the sample's measured cost, which the machine's
+    # load moves; what the model guarantees is the ranking, and that each setting adds
+    # workers and is predicted faster than the feeder now, never faster than the step.
+    more = [r for r in diagnosis.remedies if r.action.startswith("more workers: ")]
+    assert more, [r.action for r in diagnosis.remedies]
+    for remedy in more:
+        assert remedy.options["workers"] > 0, remedy.action  # the feeder has its one thread
+        assert remedy.expected_steps_per_s > diagnosis.producer_steps_per_s, remedy
+        assert remedy.expected_steps_per_s <= diagnosis.consumer_steps_per_s, remedy
+    # Ranked by gain: first what holds here, then caching (only for samples the same every
+    # epoch), then what needs more than this machine.
+    ranks = [
+        (2 if r.elsewhere else 1 if r.action.startswith("cache the") else 0, -r.gain)
+        for r in diagnosis.remedies
+    ]
+    assert ranks == sorted(ranks), [r.action for r in diagnosis.remedies]
 
 
 def test_occupancy_is_recorded_for_a_feeder_and_absent_otherwise():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
@@ -58,6 +59,13 @@ class OtherLoadSpan:
     def per_step_s(self, steps: int) -> float:
         """That delay so far, in seconds per step over `steps` steps."""
         return delay_from_other_load_s(self._begin, snapshot()) / max(steps, 1)
+
+
+def thread_run_delay_s() -> float:
+    """Seconds the calling thread has waited, ready to run, for a CPU (0 where not counted):
+    time a clock on the wall counts that neither its work nor its waits for I/O took."""
+    fields = (_read(f"/proc/self/task/{threading.get_native_id()}/schedstat") or "").split()
+    return int(fields[1]) * 1e-9 if len(fields) >= 2 else 0.0
 
 
 def _read(path: str, first_line: bool = False) -> str | None:

@@ -10,6 +10,11 @@ tried first: they start at once. A setting is tried only where it is predicted `
 the best measured so far, at most `MAX_TRIALS` of them; then the
 fastest measured is kept for good and every other pool is closed. Who makes a batch never
 changes which samples it holds, so the order and the state are those of any fixed setting.
+
+Each worker process holds its own copy of the source, so processes are tried only as many as
+fit the memory available (`AutoProducer._fitting`): one worker is started first, and what it
+holds once it has loaded the source and read a sample caps the count of every pool of
+processes. `close()` ends a pool still starting, so that none outlives the feeder.
 """
 
 from __future__ import annotations
@@ -17,14 +22,16 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
+import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 
-from feedpipe.core._contention import snapshot
+from feedpipe.core._contention import snapshot, thread_run_delay_s
 from feedpipe.core.cost import SampleCost, Setting, free_cores_since
 from feedpipe.core.producers import Producer, SlotSupply, ThreadProducer, WorkerProducer
 from feedpipe.core.sampler import EpochEnd, Step
-from feedpipe.core.slots import HostSlot
+from feedpipe.core.slots import HostSlot, available_host_bytes
 from feedpipe.core.state import Position
 
 TRIAL_S = 0.25
@@ -40,8 +47,52 @@ BETTER = 1.1
 SOONER = 0.5
 """Threads predicted at least this share of the best setting's rate are tried before it."""
 
+CLOSE_WAIT_S = 10.0
+"""How long `close()` waits for a pool that was starting to give up once its processes are
+killed: it has only to notice (or to finish pickling its setup, which may take seconds)."""
+
+MEMORY_ENV = "FEEDPIPE_AVAILABLE_BYTES"
+"""The bytes of memory workers may count on, in place of what the system says is available
+(to try a smaller machine's limit, or to keep room for other work)."""
+MEMORY_SHARE = 0.5
+"""Trial processes may take at most this share of the memory available. A worker is measured
+once it has loaded the source and read one sample; reading on grows it (a transform's
+intermediates, caches the source fills, the allocator's free lists), and the training process
+allocates from the same memory meanwhile (the model, batches in flight): half leaves room for
+both to double."""
+
 Key = tuple[str, int]
 """A setting as (mode, workers)."""
+
+
+class _Starting:
+    """The pools of processes starting in the background: once closed, each is ended as soon
+    as its processes exist, so that none outlives the feeder while it spawns."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._closed = False
+        self._pools: list = []
+
+    def opened(self, pool) -> None:
+        with self._lock:
+            if not self._closed:
+                self._pools.append(pool)
+                return
+        pool.end()
+
+    def started(self, pool) -> None:
+        """`pool` is ready: its producer closes it from here on."""
+        with self._lock:
+            if pool in self._pools:
+                self._pools.remove(pool)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            pools, self._pools = self._pools, []
+        for pool in pools:
+            pool.end()
 
 
 class _TimedSupply:
@@ -75,8 +126,11 @@ class _Window:
     samples: int = 0
     busy_s: float = 0.0
     cpu_s: float = 0.0
+    queued_s: float = 0.0
+    """Of `busy_s`, the time the feeder's thread was ready to run but other load held the CPU."""
     batches: int = 0
     began: float = 0.0
+    queued_began_s: float = 0.0
     waited_before_s: float = 0.0
     warmed: int = 0
     """Batches made before the measurement began (`WARM_BATCHES`)."""
@@ -112,8 +166,14 @@ class AutoProducer(Producer):
         self._machine = snapshot(), time.perf_counter()
         self._pending: tuple[Setting, concurrent.futures.Future] | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, "feedpipe-auto")
+        self._starting = _Starting()
         self._failed: dict[Key, str] = {}
         """Settings whose pool failed to start, and how."""
+        self.worker_bytes: int | None = None
+        """The memory one worker process holds of its own (USS) once it has loaded the source
+        and read a sample; None until one has."""
+        self.memory_capped = ""
+        """How memory capped the processes tried ("" where it did not)."""
 
     # ---- making batches ------------------------------------------------------------------
 
@@ -132,6 +192,7 @@ class AutoProducer(Producer):
             try:
                 while True:
                     began, cpu, waited = time.perf_counter(), time.thread_time(), timed.waited_s
+                    queued = thread_run_delay_s()
                     item = next(made, None)
                     if item is None:
                         return
@@ -141,7 +202,9 @@ class AutoProducer(Producer):
                         continue
                     step, _ = item
                     cpu_s = time.thread_time() - cpu
-                    switch = self._made(len(step.rows), began, waited, timed.waited_s, cpu_s)
+                    switch = self._made(
+                        len(step.rows), (began, queued), waited, timed.waited_s, cpu_s
+                    )
                     position = Position(step.epoch, step.index + 1)
                     yield item
                     if switch:
@@ -153,11 +216,17 @@ class AutoProducer(Producer):
             self._take_over()
 
     def _made(
-        self, samples: int, asked: float, waited_before_s: float, waited_s: float, cpu_s: float
+        self,
+        samples: int,
+        asked: tuple[float, float],
+        waited_before_s: float,
+        waited_s: float,
+        cpu_s: float,
     ) -> bool:
-        """Books one batch of the setting running, asked for at `asked` (the slot waits so far
-        `waited_before_s` then, `waited_s` now; `cpu_s` of this thread spent inside);
-        whether another setting should take over now."""
+        """Books one batch of the setting running, asked for at `asked` (the clock, and this
+        thread's run-queue wait then; the slot waits so far `waited_before_s` then, `waited_s`
+        now; `cpu_s` of this thread spent inside); whether another setting should take over
+        now."""
         if self.settled:
             return False
         if self._pending is not None:
@@ -168,10 +237,12 @@ class AutoProducer(Producer):
             return False
         if not window.batches:
             self._machine = snapshot(), time.perf_counter()
-            window.began, window.waited_before_s = asked, waited_before_s
+            window.began, window.queued_began_s = asked
+            window.waited_before_s = waited_before_s
         window.samples += samples
         window.busy_s = time.perf_counter() - window.began - (waited_s - window.waited_before_s)
         window.cpu_s += cpu_s
+        window.queued_s = thread_run_delay_s() - window.queued_began_s
         window.batches += 1
         if not window.full():
             return False
@@ -187,7 +258,15 @@ class AutoProducer(Producer):
             cpu_s = window.cpu_s / window.samples
             free = free_cores_since(*self._machine)
             self.cost = SampleCost(
-                wall_s, cpu_s, cpu_s, 0, math.nan, math.nan, window.samples, free
+                wall_s,
+                cpu_s,
+                cpu_s,
+                0,
+                math.nan,
+                math.nan,
+                window.samples,
+                free,
+                queued_s=min(window.queued_s, window.busy_s) / window.samples,
             )
         elif self.setting.mode == "thread" and self.cost is not None:
             # Threads that outran one thread's CPU time released the GIL for the rest of it.
@@ -212,11 +291,62 @@ class AutoProducer(Producer):
         ]
         if worth and len(self.measured) - 1 < MAX_TRIALS:
             sooner = [s for s in worth if s.mode == "thread" and s.rate >= SOONER * worth[0].rate]
-            setting = sooner[0] if sooner else worth[0]
-            self._pending = (setting, self._executor.submit(self.start_pool, setting))
+            setting = self._fitting(sooner[0] if sooner else worth[0])
+            if setting is None:
+                return self._settle()
+            self._pending = (setting, self._executor.submit(self._start, setting))
             self.why = f"measuring: trying {setting}, predicted {setting.rate:,.0f} samples/s"
             return False
         return self._settle()
+
+    def _start(self, setting: Setting) -> tuple[Setting, Producer]:
+        """`start_pool(setting)`, in the background thread, its processes watched from the
+        moment they exist, so that `close()` can end them; the setting started and its
+        producer. The first pool of several processes is preceded by one process, whose
+        memory caps the count (`_fitting`)."""
+        if setting.mode == "process" and self.worker_bytes is None and setting.workers > 1:
+            self._watched(Setting("process", 1, math.nan), keep=False)
+            fitting = self._fitting(setting)
+            if fitting is None:
+                raise MemoryError(self.memory_capped)
+            setting = fitting
+        return setting, self._watched(setting, keep=True)
+
+    def _watched(self, setting: Setting, keep: bool) -> Producer:
+        """The producer of `setting`'s pool, its processes' memory measured; closed unless
+        `keep`."""
+        from feedpipe.core.workers import watched
+
+        with watched(self._starting.opened):
+            producer = self.start_pool(setting)
+        self._starting.started(producer.workers)
+        if setting.mode == "process" and self.worker_bytes is None:
+            self.worker_bytes = max(map(own_bytes, producer.workers.pids))
+        if not keep:
+            producer.workers.close()
+            producer.close()
+        return producer
+
+    def _fitting(self, setting: Setting) -> Setting | None:
+        """`setting`, with no more processes than fit `MEMORY_SHARE` of the memory available
+        (once one worker's memory is known); None where not one fits, or where the setting
+        that fits was tried already."""
+        if setting.mode != "process" or not self.worker_bytes:
+            return setting
+        available, where = available_memory()
+        if available is None:
+            return setting
+        fits = int(MEMORY_SHARE * available // self.worker_bytes)
+        if fits >= setting.workers:
+            return setting
+        self.memory_capped = (
+            f"memory capped processes at {fits}: each holds {_size(self.worker_bytes)} once it "
+            f"has loaded the source (measured in one), and {fits} of them fit in "
+            f"{MEMORY_SHARE:.0%} of the {_size(available)} available ({where})"
+        )
+        if fits < 1 or ("process", fits) in self.measured:
+            return None
+        return Setting("process", fits, self.cost.rate("process", fits))
 
     def _take_over(self) -> None:
         """Hands the batches to the setting started in the background (or the best measured,
@@ -225,7 +355,7 @@ class AutoProducer(Producer):
             setting, started = self._pending
             self._pending = None
             try:
-                self.producers[_key(setting)] = started.result()
+                setting, self.producers[_key(setting)] = started.result()
                 self.setting, self._window = setting, _Window()
                 return
             except Exception as error:  # a pool that cannot start: the others go on
@@ -248,9 +378,10 @@ class AutoProducer(Producer):
             f"; {_named(key)} failed to start ({why})" for key, why in self._failed.items()
         )
         refused = f"; no processes: {self.refused}" if self.refused else ""
+        capped = f"; {self.memory_capped}" if self.memory_capped else ""
         self.why = (
             f"{_named(best)}: the fastest measured while the first batches were made "
-            f"(samples/s: {tried}); {self.cost.describe()}{refused}{failed}"
+            f"(samples/s: {tried}); {self.cost.describe()}{refused}{capped}{failed}"
         )
         return True
 
@@ -268,9 +399,18 @@ class AutoProducer(Producer):
         return str(self.setting) + ("" if self.settled else " (still measuring)")
 
     def close(self) -> None:
-        """Closes every pool, one starting in the background included."""
+        """Closes every pool; one starting in the background is ended (its processes killed)
+        and waited for, `CLOSE_WAIT_S` at most, so that no worker outlives the feeder."""
+        self._starting.close()
         if self._pending is not None:
-            self._pending[1].add_done_callback(_close_started)
+            started = self._pending[1]
+            try:
+                started.result(timeout=CLOSE_WAIT_S)
+            except concurrent.futures.TimeoutError:
+                pass
+            except Exception:  # it failed to start, or was never started: nothing to close
+                pass
+            started.add_done_callback(_close_started)  # at once where it is done
         self._executor.shutdown(wait=False, cancel_futures=True)
         for producer in self.producers.values():
             if isinstance(producer, WorkerProducer):
@@ -290,4 +430,43 @@ def _named(key: Key) -> str:
 def _close_started(future: concurrent.futures.Future) -> None:
     """Closes the pool a setting started after the feeder closed."""
     if not future.cancelled() and future.exception() is None:
-        future.result().workers.close()
+        _, producer = future.result()
+        producer.workers.close()
+        producer.close()
+
+
+def available_memory() -> tuple[int | None, str]:
+    """The bytes of memory new workers may take, and where that figure comes from:
+    `FEEDPIPE_AVAILABLE_BYTES` where set, else what the system says is available (None where
+    it says nothing)."""
+    value = os.environ.get(MEMORY_ENV, "").strip()
+    if value:
+        if not value.isdigit():
+            raise ValueError(
+                f"{MEMORY_ENV}={os.environ[MEMORY_ENV]!r} must be a whole number of bytes "
+                f"(the memory worker processes may count on); set it to, say, {2**30} for "
+                "1 GiB, or unset it to use what the system says is available."
+            )
+        return int(value), MEMORY_ENV
+    found = available_host_bytes(shared=False)
+    return (None, "") if found is None else found
+
+
+def own_bytes(pid: int) -> int:
+    """The memory process `pid` holds of its own (its unique set size: private pages, which
+    another worker does not share), else its resident size; 0 where neither is readable."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as file:
+            fields = dict(line.split(":", 1) for line in file if ":" in line)
+        return sum(int(fields[k].split()[0]) for k in ("Private_Clean", "Private_Dirty")) * 1024
+    except (OSError, KeyError, ValueError):
+        pass
+    try:
+        with open(f"/proc/{pid}/statm") as file:
+            return int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**20:,.0f} MiB" if nbytes < 2**30 else f"{nbytes / 2**30:,.1f} GiB"

@@ -6,7 +6,9 @@ processes for GIL-bound Python, either for native code, and cores only for CPU. 
 in cores, as if every source computed, gives advice off by the ratio of waiting to working.
 
 `probe` measures one sample's wall time in one thread and the CPU time it costs this process
-(every thread of it: native code may run a pool of its own), then the
+(every thread of it: native code may run a pool of its own), and the time that thread waited
+for a CPU that other load held (`_contention`), which is the machine's, not the source's
+waiting: then the
 rate of `PROBE_THREADS` threads reading at once, which bounds the part of that CPU time that
 holds the GIL. `SampleCost.rate` predicts the samples/s of any setting from those three
 figures and the machine's cores; `settings` ranks the settings worth trying. The diagnosis
@@ -25,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from feedpipe.core._contention import CpuSnapshot, snapshot
+from feedpipe.core._contention import CpuSnapshot, snapshot, thread_run_delay_s
 
 PROBE_THREADS = 4
 """Threads reading at once in the probe: enough to tell GIL-bound work (their rate stays at
@@ -84,11 +86,17 @@ class SampleCost:
     """CPU seconds per sample the feeder's own process spends besides the sample (handing
     rows over, staging), holding the GIL: it shares the cores and the GIL with the workers.
     0 where not measured."""
+    queued_s: float = 0.0
+    """Seconds of `wall_s` the reading thread spent ready to run but waiting for a CPU that
+    other processes held (the scheduler's run-queue wait): a loaded machine's, not the
+    source's, so it is no part of `waiting`."""
 
     @property
     def waiting(self) -> float:
-        """The share of a sample's time spent waiting (I/O, sleep, a remote call)."""
-        return min(1.0, max(0.0, 1.0 - self.cpu_s / self.wall_s)) if self.wall_s > 0 else 0.0
+        """The share of a sample's time spent waiting (I/O, sleep, a remote call), out of the
+        time it was not kept from a CPU by other load."""
+        own_s = self.wall_s - self.queued_s
+        return min(1.0, max(0.0, 1.0 - self.cpu_s / own_s)) if own_s > 0 else 0.0
 
     @property
     def kind(self) -> str:
@@ -113,9 +121,14 @@ class SampleCost:
             if self.threads
             else "with "
         )
+        queued = (
+            f", {self.queued_s * 1e3:,.3f} ms waiting for a CPU other load held"
+            if self.queued_s >= 0.01 * self.wall_s
+            else ""
+        )
         return (
             f"a sample takes {self.wall_s * 1e3:,.3f} ms, {self.cpu_s * 1e3:,.3f} ms of it CPU "
-            f"({self.waiting:.0%} waiting); {threads}{self.free_cores:.1f} cores free: "
+            f"({self.waiting:.0%} waiting{queued}); {threads}{self.free_cores:.1f} cores free: "
             f"{self.kind}"
         )
 
@@ -204,12 +217,14 @@ def probe(
     machine = snapshot()
     began, count = time.perf_counter(), 0
     cpu_began, thread_began = time.process_time(), time.thread_time()
+    queued_began = thread_run_delay_s()
     while count < 2 or time.perf_counter() - began < budget_s:
         one(next_index())
         count += 1
     wall_s = (time.perf_counter() - began) / count
     cpu_s = (time.process_time() - cpu_began) / count
     thread_cpu_s = (time.thread_time() - thread_began) / count
+    queued_s = (thread_run_delay_s() - queued_began) / count
 
     deadline = time.perf_counter() + budget_s
     counts, cpu = [0] * PROBE_THREADS, [0.0] * PROBE_THREADS
@@ -241,6 +256,7 @@ def probe(
         sum(cpu) / elapsed,
         count + sum(counts),
         free_cores_since(machine, began),
+        queued_s=queued_s,
     )
 
 

@@ -237,6 +237,21 @@ class _Pool:
         """Gives up on an overdue worker, which is stuck in user code."""
 
 
+_opening = threading.local()
+
+
+@contextlib.contextmanager
+def watched(on_open: Any):
+    """Calls `on_open(pool)` for each `ProcessWorkers` this thread starts meanwhile, as soon as
+    its processes exist, before its setup is sent: whoever starts a pool in the background can
+    then end it (`ProcessWorkers.end`) without waiting until it is ready."""
+    _opening.watcher = on_open
+    try:
+        yield
+    finally:
+        _opening.watcher = None
+
+
 class ProcessWorkers(_Pool):
     """`count` worker processes named `feedpipe-worker-<i>`, idle ones adopted (see
     `feedpipe.core.warm`) and the rest started at once.
@@ -263,6 +278,8 @@ class ProcessWorkers(_Pool):
         self._known: list[set[int]] = [set() for _ in range(count)]
         # Closes every socket (a waiting worker exits), then kills what is still running.
         self._finalizer = weakref.finalize(self, warm.stop, self._spawned)
+        if (on_open := getattr(_opening, "watcher", None)) is not None:
+            on_open(self)
         payload, data = _pack(setup)
         # None, not [] or 0 bytes, says no files follow: arrays may all be empty.
         data_sizes = None if data is None else data.sizes
@@ -374,6 +391,13 @@ class ProcessWorkers(_Pool):
     def _abandon(self, worker: int) -> None:
         self._failed.add(worker)
         self.procs[worker].kill()  # it is stuck in user code: closing would wait for it
+
+    def end(self) -> None:
+        """Kills every worker now, for a pool given up while it starts (its setup, sample 0
+        or its start may take seconds): none is given back; `close()` still follows."""
+        self._failed.update(range(self.count))
+        for proc in self.procs:
+            proc.kill()
 
     def close(self) -> None:
         """Gives the healthy workers back to the warm workers (which may keep them) and ends
