@@ -25,10 +25,10 @@ from feedpipe.core.agreement import (
     tally_through,
 )
 from feedpipe.core.split import HostShare
+from tests import hosts
+from tests.hosts import JOIN_S
 
 FIELDS = {"remainder": "pad", "dataset_length": 24, "seed": 0, "steps_per_epoch": 3}
-JOIN_S = 30.0
-"""How long a test waits for its emulated hosts' threads: far past any deadline they have."""
 
 
 def hosts_with(*others: dict):
@@ -129,32 +129,17 @@ def agree_in_threads(
     store = MemoryStore() if store is None else store
     count = len(fields_of)
     clients = [CountingClient(store) for _ in range(count)]
-    outcomes: list = [None] * count
 
-    def host(position: int) -> None:
+    def tally_for(position: int):
         def tally(payload: bytes) -> Tally:
-            hosts, client = list(range(count)), clients[position]
+            client = clients[position]
             key = "k" if keys is None else keys[position].next(client, position)
             client.keys.append(key)
-            return tally_through(client, position, hosts, payload, "process", key)
+            return tally_through(client, position, list(range(count)), payload, "process", key)
 
-        share = HostShare(count, num_hosts=count, host=position, local_replicas=1)
-        try:
-            check_hosts_agree(tally, share, fields_of[position])
-        except Exception as error:  # the test reads what each host raised
-            outcomes[position] = error
+        return tally
 
-    threads = [
-        threading.Thread(target=host, args=(h,), daemon=True)
-        for h in range(count)
-        if fields_of[h] is not None
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(JOIN_S)
-    assert not any(thread.is_alive() for thread in threads), "a host still waits"
-    return outcomes, clients
+    return hosts.agree_in_threads(fields_of, tally_for), clients
 
 
 def test_64_agreeing_hosts_cost_at_most_3_round_trips_each_and_4_operations_a_host():

@@ -4,18 +4,14 @@ can start again, its count back at 0, against the store its earlier life used.""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch.distributed as dist
 
-from feedpipe.core.agreement import RoundKeys, check_hosts_agree
-from feedpipe.core.split import HostShare
+from feedpipe.core.agreement import RoundKeys
 from feedpipe.torch.agreement import tally_in
+from tests.hosts import agree_in_threads
 
 FIELDS = {"remainder": "pad", "dataset_length": 24, "seed": 0, "steps_per_epoch": 3}
-JOIN_S = 30.0
-"""How long a test waits for its emulated hosts' threads: far past any deadline they have."""
 
 
 @pytest.fixture
@@ -29,31 +25,12 @@ def agree(server, fields_of: list[dict | None], keys: list[RoundKeys]) -> list:
     """Host h checks `fields_of[h]` (None: it builds no feeder) through its own client of
     `server`, under the next of `keys[h]`; what each raised, None where it was agreed."""
     count = len(fields_of)
-    outcomes: list = [None] * count
 
-    def host(rank: int) -> None:
+    def tally_for(rank: int):
         client = dist.TCPStore("127.0.0.1", server.port, is_master=False)
+        return lambda payload: tally_in(client, rank, count, payload, keys[rank])
 
-        def tally(payload: bytes):
-            return tally_in(client, rank, count, payload, keys[rank])
-
-        share = HostShare(count, num_hosts=count, host=rank, local_replicas=1)
-        try:
-            check_hosts_agree(tally, share, fields_of[rank])
-        except Exception as error:  # the test reads what each host raised
-            outcomes[rank] = error
-
-    threads = [
-        threading.Thread(target=host, args=(rank,), daemon=True)
-        for rank in range(count)
-        if fields_of[rank] is not None
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(JOIN_S)
-    assert not any(thread.is_alive() for thread in threads), "a host still waits"
-    return outcomes
+    return agree_in_threads(fields_of, tally_for)
 
 
 def test_a_rank_that_starts_again_against_the_same_store_is_not_agreed_by_stale_records(
