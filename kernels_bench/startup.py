@@ -128,7 +128,7 @@ def first_feeder(source, batch: int, workers: int) -> dict:
     """A feeder in a process with no warm worker."""
     from feedpipe.core import warm
 
-    warm.drain()
+    warm.release()
     return feedpipe_first_batch(source, batch, workers)
 
 
@@ -146,7 +146,7 @@ def first_batch(peer: str, source, batch: int, workers: int) -> dict:
         import feedpipe as fp
         from feedpipe.core import warm
 
-        warm.drain()
+        warm.release()
         fp.warm_workers(workers)
         time.sleep(AHEAD_S)
         return feedpipe_first_batch(source, batch, workers)
@@ -399,7 +399,7 @@ def main(argv=None) -> None:
             "(starting the interpreters and faulting in the pages both take the cores); only a "
             "fork shares them without a copy."
         )
-    warm.drain()
+    warm.release()
     report.finish(
         columns=[
             "feedpipe_first_batch_s",

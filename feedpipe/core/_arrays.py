@@ -18,9 +18,9 @@ faster than the copy, and than hashing the array). A read-only flag proves nothi
 base may be written, or the flag switched off, the array edited and the flag switched back on.
 Arrays changed in between get a new copy; a copy in use is never written again.
 
-The kept copy is dropped when one of its arrays is collected, by the first feeder (or
-`warm.drain`) that finds it older than `FEEDPIPE_WARM_IDLE_S`, and at exit; no thread waits to
-drop it, so none outlives a feeder.
+The kept copy is dropped when one of its arrays is collected, by the first feeder that finds it
+older than `FEEDPIPE_WARM_IDLE_S`, by `fp.release()`, and at exit; no thread waits to drop it,
+so none outlives a feeder.
 """
 
 from __future__ import annotations

@@ -324,6 +324,4 @@ def release() -> None:
     stop(workers)
 
 
-drain = release  # the name the benchmarks use
-
 atexit.register(release)
