@@ -1,10 +1,10 @@
 """Assembly: the running pipeline of a feeder's plan, producer → slots → stager.
 
-`build` makes the producer that `feedpipe.plan.plan_feeder` chose, from the parts planning made
-or started, and the `Assembly` that runs it: it starts and stops the pipeline that makes
-batches and stages them on the devices, owns the host slot pools, and says what the feeder is
-(`describe`, the plan with what changed as it ran). It decides and refuses nothing: that is the
-plan's. It keeps no position: what the consumer has taken is `feedpipe.consumer`'s.
+An `Assembly` is built from what `feedpipe.plan.plan_feeder` decided and started: it makes the
+producer the plan chose, starts and stops the pipeline that makes batches and stages them on
+the devices, owns the host slot pools, and says what the feeder is (`describe`: the plan, with
+what changed as it ran). It decides and refuses nothing: that is the plan's. It keeps no
+position: what the consumer has taken is `feedpipe.consumer`'s.
 """
 
 from __future__ import annotations
@@ -14,93 +14,19 @@ import functools
 import math
 from typing import Any
 
-from feedpipe.core.agreement import check_hosts_agree
 from feedpipe.core.auto import AutoProducer
 from feedpipe.core.cost import SampleCost, Setting, probe
 from feedpipe.core.description import FeederDescription, describe_slots
 from feedpipe.core.gather import GatherPool
 from feedpipe.core.pipeline import Pipeline
 from feedpipe.core.producers import Producer, ThreadProducer, WorkerProducer
-from feedpipe.core.skips import SkipLedger
 from feedpipe.core.slots import SlotLayout, SlotPool
 from feedpipe.core.split import ReplicaSplit
 from feedpipe.core.stage import HostStager, Layer
 from feedpipe.core.state import Position, Stream
 from feedpipe.core.stats import StatsRecorder
 from feedpipe.core.writer import SampleWriter, first_look
-from feedpipe.plan import FeederPlan, PlanParts, start_workers
-
-
-def build(plan: FeederPlan, parts: PlanParts, layer: Layer) -> Assembly:
-    """The assembly that runs `plan` on `layer`: the producer it chose, made from `parts`
-    (which it owns from then on). The slot pools and stagers are made as the first loop needs
-    them (`Assembly.start`). Where making the producer fails, the workers planning started
-    are let go of."""
-    o = plan.options
-    skips = SkipLedger(o.error_policy, parts.source.length) if o.error_policy.skips else None
-    try:
-        producer = _producer(plan, parts, layer.share.local_split, skips)
-    except BaseException:
-        parts.close()
-        raise
-    return Assembly(plan, parts, layer, producer, skips)
-
-
-def _producer(
-    plan: FeederPlan, parts: PlanParts, split: ReplicaSplit, skips: SkipLedger | None
-) -> Producer:
-    """The producer `plan.producer` names, made from `parts`."""
-    if plan.producer == "dali":
-        return parts.own_producer
-    if plan.producer == "service":
-        from feedpipe.service.client import ServiceProducer
-
-        return ServiceProducer(parts.work, plan.description.service, parts.sampler)
-    if plan.producer == "workers":
-        return _pool_producer(plan, parts, split, skips, parts.workers, parts.measured)
-    gather = None
-    if plan.gather is not None and plan.gather.threads >= 2:
-        gather = GatherPool(parts.source.take, plan.gather.threads)
-    rows = split.global_batch_size
-    inline = ThreadProducer(parts.writer, rows, parts.sampler, parts.rule, skips, gather)
-    if plan.producer == "thread":
-        return inline
-    start = functools.partial(_started_pool, plan, parts, split, skips)
-    return AutoProducer(inline, start, plan.processes_refused)
-
-
-def _pool_producer(
-    plan: FeederPlan,
-    parts: PlanParts,
-    split: ReplicaSplit,
-    skips: SkipLedger | None,
-    workers: Any,
-    measured: Any,
-) -> WorkerProducer:
-    """The producer of a started pool, once it is told what the samples are."""
-    layouts = {c: SlotLayout(parts.spec, split, contiguous=c) for c in (False, True)}
-    workers.configure(parts.sample_spec, list(plan.axes), layouts, measured)
-    rows = split.global_batch_size
-    return WorkerProducer(workers, parts.source, rows, parts.sampler, parts.rule, skips)
-
-
-def _started_pool(
-    plan: FeederPlan,
-    parts: PlanParts,
-    split: ReplicaSplit,
-    skips: SkipLedger | None,
-    setting: Setting,
-) -> WorkerProducer:
-    """The producer of `setting`'s pool, started for `workers="auto"` (in its background
-    thread: a process pool takes a while to spawn)."""
-    o = plan.options
-    workers = start_workers(parts.worker_setup, setting.workers, setting.mode, o.timeout_s)
-    try:
-        _, measured = workers.first_spec(o.error_policy)
-        return _pool_producer(plan, parts, split, skips, workers, measured)
-    except BaseException:
-        workers.close()
-        raise
+from feedpipe.plan import FeederPlan, PlanParts
 
 
 class Assembly:
@@ -110,14 +36,11 @@ class Assembly:
     pools, what the layer holds on the devices) is let go of by `close()`, which is idempotent.
     """
 
-    def __init__(
-        self,
-        plan: FeederPlan,
-        parts: PlanParts,
-        layer: Layer,
-        producer: Producer,
-        skips: SkipLedger | None,
-    ):
+    def __init__(self, plan: FeederPlan, parts: PlanParts, layer: Layer):
+        """Builds what `plan` runs on `layer` from `parts` (see `feedpipe.plan.plan_feeder`),
+        which it owns from then on: the producer the plan chose, now; the slot pools and
+        stagers, as the first loop needs them (`start`). Where making the producer fails, the
+        workers planning started are let go of."""
         self.feeder_plan = plan
         """What the feeder runs, as plain data (`feedpipe.plan`)."""
         self.options = plan.options
@@ -142,13 +65,38 @@ class Assembly:
         """Each batch is the source's rows as they are (see `FeederPlan.rows_as_given`)."""
         self.workers = parts.workers
         """The pool that read the first sample and makes the batches; None without workers."""
-        self.producer = producer
-        self.skips = skips
+        self.skips = parts.skips
         """The samples `errors="skip"` has left out (None with `errors="raise"`)."""
         self.pipeline: Pipeline | None = None
         self.pools: dict[bool, SlotPool] = {}
         """The host slot pools: batches staged on the devices (False) or kept on the host for
         a framework's own input pipeline (True)."""
+        try:
+            self.producer = self._producer(parts)
+        except BaseException:
+            parts.close()
+            raise
+
+    def _producer(self, parts: PlanParts) -> Producer:
+        """The producer the plan chose, made from `parts`."""
+        plan, split = self.feeder_plan, self.split
+        if plan.producer == "workers":
+            return _pool_producer(plan, parts, split, parts.workers, parts.measured)
+        if plan.producer == "dali":
+            return parts.own_producer
+        if plan.producer == "service":
+            from feedpipe.service.client import ServiceProducer
+
+            return ServiceProducer(parts.work, plan.description.service, parts.sampler)
+        gather = None
+        if plan.gather is not None and plan.gather.threads >= 2:
+            gather = GatherPool(parts.source.take, plan.gather.threads)
+        rows = split.global_batch_size
+        inline = ThreadProducer(parts.writer, rows, parts.sampler, parts.rule, parts.skips, gather)
+        if plan.producer == "thread":
+            return inline
+        start = functools.partial(_started_pool, plan, parts, split)
+        return AutoProducer(inline, start, plan.processes_refused)
 
     def sample_cost(self) -> SampleCost | None:
         """What one sample costs to make, probed on the source with its `transform` (see
@@ -162,32 +110,11 @@ class Assembly:
         writer = SampleWriter(self.source, spec, self.transform, o.seed, axes)
         return probe(lambda index: writer.read(index, 0), range(self.source.length))
 
-    # ---- the order, and what every host must agree on ------------------------------------
+    # ---- the order ---------------------------------------------------------------------------
 
     def stream(self) -> Stream:
         """What this feeder's order depends on: a state restores only where it agrees."""
-        return Stream(
-            dataset_length=self.source.length,
-            global_batch_size=self.options.global_batch_size,
-            num_replicas=self.share.num_replicas,
-            num_shards=self.feeder_plan.num_shards,
-            seed=self.options.seed,
-            shuffle=self.options.shuffle,
-            steps_per_epoch=None if self.plan is None else len(self.plan),
-            replicas_order=self.source.replicas_order,
-        )
-
-    def check_hosts_agree(self) -> None:
-        """Refuses to start unless every host built a feeder of the same order, compared
-        through the layer's collectives or store (`feedpipe.core.agreement`); the source's
-        block_size orders a shuffle too."""
-        fields = {
-            "remainder": self.options.remainder,
-            "block_size": self.source.block_size,
-            "devices_per_host": self.share.local_replicas,
-            **self.stream().order_fields(),
-        }
-        check_hosts_agree(self.layer.tally, self.share, fields)
+        return self.feeder_plan.stream
 
     # ---- the pipeline ------------------------------------------------------------------------
 
@@ -296,3 +223,30 @@ class Assembly:
             self.producer.close()
         self.pools.clear()  # staged batches still held keep their own slots alive
         self.layer.close()  # and their own device blocks
+
+
+def _pool_producer(
+    plan: FeederPlan, parts: PlanParts, split: ReplicaSplit, workers: Any, measured: Any
+) -> WorkerProducer:
+    """The producer of a started pool, once it is told what the samples are."""
+    layouts = {c: SlotLayout(parts.spec, split, contiguous=c) for c in (False, True)}
+    workers.configure(parts.sample_spec, list(plan.axes), layouts, measured)
+    rows = split.global_batch_size
+    return WorkerProducer(workers, parts.source, rows, parts.sampler, parts.rule, parts.skips)
+
+
+def _started_pool(
+    plan: FeederPlan, parts: PlanParts, split: ReplicaSplit, setting: Setting
+) -> WorkerProducer:
+    """The producer of `setting`'s pool, started for `workers="auto"` (in its background
+    thread: a process pool takes a while to spawn)."""
+    from feedpipe.core.workers import ProcessWorkers, ThreadWorkers
+
+    o, kind = plan.options, ProcessWorkers if setting.mode == "process" else ThreadWorkers
+    workers = kind(setting.workers, parts.worker_setup, o.timeout_s)
+    try:
+        _, measured = workers.first_spec(o.error_policy)
+        return _pool_producer(plan, parts, split, workers, measured)
+    except BaseException:
+        workers.close()
+        raise

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from feedpipe._frameworks import feeder_class
-from feedpipe.assembly import build
+from feedpipe.assembly import Assembly
 from feedpipe.consumer import Consumer
 from feedpipe.core.cost import SampleCost
 from feedpipe.core.description import FeederDescription
@@ -137,17 +137,11 @@ class Feeder:
                 transpose=transpose,
                 service=service,
             )
-            self._assembly = build(plan, parts, self.layer)
+            self._assembly = Assembly(plan, parts, self.layer)
         except BaseException:
             self.layer.close()  # which the assembly closes once built
             raise
         self._consumer = Consumer(self._assembly, StatsRecorder(self.options.depth))
-        if self.share.num_hosts > 1:
-            try:
-                self._assembly.check_hosts_agree()
-            except BaseException:
-                self.close()
-                raise
 
     @property
     def devices(self) -> tuple[Any, ...]:
