@@ -51,13 +51,13 @@ class Assembly:
         """How this host's rows divide among its devices."""
         self.source = parts.source
         """The source as feedpipe reads it (`feedpipe.core.source`)."""
-        self.transform = parts.transform
+        self.transform = parts.writer.transform
         self.rule = parts.rule
         self.plan = parts.epochs
         """The epoch's batches, where the length is known (it applies the remainder rules)."""
         self.sampler = parts.sampler
         """What chooses the samples of indexed sources; streams keep their own order."""
-        self.spec = parts.spec
+        self.spec = parts.writer.out_spec
         """What each host slot holds: the samples after `transform` and `transpose`."""
         self.staged_spec = parts.staged_spec
         """Each field as the step receives it (see `FeederPlan.staged_spec`)."""
@@ -229,8 +229,9 @@ def _pool_producer(
     plan: FeederPlan, parts: PlanParts, split: ReplicaSplit, workers: Any, measured: Any
 ) -> WorkerProducer:
     """The producer of a started pool, once it is told what the samples are."""
-    layouts = {c: SlotLayout(parts.spec, split, contiguous=c) for c in (False, True)}
-    workers.configure(parts.sample_spec, list(plan.axes), layouts, measured)
+    writer = parts.writer
+    layouts = {c: SlotLayout(writer.out_spec, split, contiguous=c) for c in (False, True)}
+    workers.configure(writer.spec, writer.axes, layouts, measured)
     rows = split.global_batch_size
     return WorkerProducer(workers, parts.source, rows, parts.sampler, parts.rule, parts.skips)
 

@@ -6,10 +6,10 @@ crashes or hangs on first use does so there), plans the epochs, picks who makes 
 source's own threads, tf.data service, workers, one thread, or `workers="auto"`), and refuses
 host slots the machine cannot map. Every refusal a feeder's construction raises is raised here.
 
-Its answer comes in two parts, as `tf.data` service or SPDL separate a pipeline's config from
-the pipeline built from it: a frozen `FeederPlan` of plain values (`to_json()`), which is what
-`feeder.describe()` says, and the `PlanParts` planning made or started (the adapted source, the
-pool that read the first sample), which are no data. `feedpipe.assembly.build` runs both.
+Its answer comes in two parts, as SPDL separates a pipeline's config from the pipeline built
+from it: a frozen `FeederPlan` of plain values (`to_json()`), which is what `feeder.describe()`
+says, and the `PlanParts` planning made or started (the adapted source, the pool that read the
+first sample), which are no data. `feedpipe.assembly.Assembly` is built from both.
 """
 
 from __future__ import annotations
@@ -48,11 +48,6 @@ from feedpipe.core.state import Stream
 from feedpipe.core.writer import SampleWriter, first_look
 from feedpipe.options import AUTO, FeedOptions
 
-PRODUCERS = ("dali", "service", "workers", "thread", "auto")
-"""Who makes the batches (`FeederPlan.producer`): the source's own threads (DALI), tf.data
-service workers, a pool of workers, the feeder's one background thread, or that thread while
-`workers="auto"` measures which setting to pick (`feedpipe.core.auto`)."""
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class FieldPlan:
@@ -69,28 +64,24 @@ class FieldPlan:
 @dataclasses.dataclass(frozen=True, slots=True)
 class FeederPlan:
     """What a feeder will run, decided and checked from its source, options and framework
-    layer: plain values only, so that `to_json()` is JSON as it is and two plans compare.
-
-    `description` is `feeder.describe()` as built; the running feeder puts on it only what
-    changes as it runs (what `workers="auto"` picked, whether the slots were page-locked,
-    the copy path a framework fell back to).
-    """
+    layer: plain values only, so that `to_json()` is JSON as it is and two plans compare."""
 
     options: FeedOptions
     """The options as planned: `workers="auto"` is 0 here, `producer` saying who picks."""
     description: FeederDescription
-    """What the feeder is, as `feeder.describe()` says it (see `Feeder.describe`)."""
+    """`feeder.describe()` as built; the running feeder puts on it only what changes as it
+    runs (what `workers="auto"` picked, whether the slots were page-locked, the copy path)."""
     stream: Stream
     """What the feeder's order depends on: a state restores only where it agrees, and every
     host's feeder must agree on it (checked as the plan is made)."""
     producer: str
-    """Who makes the batches: one of `PRODUCERS`."""
+    """Who makes the batches: "dali" (DALI's own threads), "service" (tf.data service), "workers",
+    "thread" (one background thread) or "auto" (it, while `workers="auto"` measures)."""
     producer_reason: str
     """Why that producer: the option that asked for it, or what ruled the others out."""
     kept: str | None
-    """Why the workers of this source are not the feeder's to choose (`workers="auto"` then
-    keeps the one thread, and `feeder.sample_cost()` is None); None where they are: an indexed
-    source with work per sample."""
+    """Why the workers of this source are not the feeder's to choose (`workers="auto"` keeps
+    one thread; `sample_cost()` is None); None where they are: indexed, with work per sample."""
     processes_refused: str
     """Why `workers="auto"` may not start processes ("" where it may, or does not pick)."""
     sample: tuple[FieldPlan, ...]
@@ -121,12 +112,11 @@ class FeederPlan:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PlanParts:
-    """What planning made or started that is no plain data: handed, with the plan, to
-    `feedpipe.assembly.build`, which runs them (and owns them from then on)."""
+    """What planning made or started that is no plain data: the `feedpipe.assembly.Assembly`
+    built from the plan runs them (and owns them from then on)."""
 
     source: Source
     """The source as feedpipe reads it (`feedpipe.core.source`), measured."""
-    transform: Callable[..., Any] | None
     rule: Remainder
     """The rule for an epoch's last, partial batch."""
     epochs: Sampler | None
@@ -134,19 +124,13 @@ class PlanParts:
     sampler: Sampler | None
     """What chooses the samples of indexed sources (`epochs`); streams keep their own order."""
     skips: SkipLedger | None
-    """The samples `errors="skip"` leaves out, booked as batches are made (None with
-    `errors="raise"`)."""
-    sample_spec: SampleSpec
-    """What `transform` returns: the structure and each field of a sample."""
-    spec: SampleSpec
-    """What each host slot holds: the samples after `transform` and `transpose`."""
+    """Books the samples `errors="skip"` leaves out as batches are made; None: "raise"."""
     staged_spec: SampleSpec
     """Each field as the step receives it (see `FeederPlan.staged_spec`)."""
     own_producer: Any
     """The producer of a source that makes batches in threads of its own (DALI), else None."""
     work: Any
-    """The per-sample work tf.data service runs (`feedpipe.service.client.ServiceWork`), else
-    None."""
+    """What tf.data service runs per sample (`feedpipe.service.client.ServiceWork`), or None."""
     worker_setup: dict | None
     """What every worker starts from (`feedpipe.core.workers`), where workers make the
     batches or `workers="auto"` may start them; else None."""
@@ -155,8 +139,9 @@ class PlanParts:
     measured: Any
     """What worker 0 measured of the source (`Source.measure`), for the others."""
     writer: SampleWriter
-    """What each sample becomes in a slot: read, transformed, checked and written (by the
-    feeder's thread, where no worker, service or DALI makes the batches)."""
+    """What each sample becomes in a slot: `transform` and the spec it returns (`spec`), the
+    axes, and what a slot holds (`out_spec`); it makes the samples in the feeder's thread
+    where no worker, service or DALI does."""
 
     def close(self) -> None:
         """Lets go of the pool planning started, for parts that will not be built."""
@@ -176,11 +161,9 @@ def plan_feeder(
     """The plan of a feeder of `source` with `options` on `layer`, and its parts.
 
     Raises every refusal of the feeder's construction, in this order: the source against the
-    options and the hosts; tf.data service; workers; what the first sample says (read in worker
-    0 where there are workers); the epochs; `transpose`; what the framework cannot stage;
-    `errors="skip"` with service; the gather threads; host memory; the other hosts' feeders.
-    What it started is let go of when it raises.
-    """
+    options and hosts; service; workers; the first sample (read in worker 0 where there are
+    workers); the epochs; `transpose`; what the framework cannot stage; `errors="skip"` with
+    service; gather threads; host memory; other hosts' feeders. What it started, it stops."""
     o, share = options, layer.share
     source = as_source(source, text=transform is not None, global_batch_size=o.global_batch_size)
     rule = Remainder(o.remainder, o.global_batch_size)
@@ -334,13 +317,10 @@ def plan_feeder(
     )
     parts = PlanParts(
         source=source,
-        transform=transform,
         rule=rule,
         epochs=epochs,
         sampler=sampler,
         skips=skips,
-        sample_spec=sample_spec,
-        spec=spec,
         staged_spec=staged_spec,
         own_producer=own_producer,
         work=work,
@@ -463,7 +443,7 @@ def _refuse_service(service: str | None, o: FeedOptions, transpose: Any) -> None
 def _producer(
     o: FeedOptions, own_producer: Any, service: str | None, auto: bool, kept: str | None
 ) -> tuple[str, str]:
-    """Who makes the batches (one of `PRODUCERS`), and why."""
+    """Who makes the batches (`FeederPlan.producer`), and why."""
     if own_producer is not None:
         return "dali", kept
     if service is not None:
