@@ -10,7 +10,6 @@ position: what the consumer has taken is `feedpipe.consumer`'s.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
@@ -21,7 +20,6 @@ from feedpipe.core.gather import GatherPool
 from feedpipe.core.pipeline import Pipeline
 from feedpipe.core.producers import Producer, ThreadProducer, WorkerProducer
 from feedpipe.core.slots import SlotLayout, SlotPool
-from feedpipe.core.split import ReplicaSplit
 from feedpipe.core.stage import HostStager, Layer
 from feedpipe.core.state import Position, Stream
 from feedpipe.core.stats import StatsRecorder
@@ -43,6 +41,8 @@ class Assembly:
         workers planning started are let go of."""
         self.feeder_plan = plan
         """What the feeder runs, as plain data (`feedpipe.plan`)."""
+        self.parts = parts
+        """What planning made or started, which this runs and owns (`feedpipe.plan`)."""
         self.options = plan.options
         self.layer = layer
         self.share = layer.share
@@ -55,7 +55,7 @@ class Assembly:
         self.rule = parts.rule
         self.plan = parts.epochs
         """The epoch's batches, where the length is known (it applies the remainder rules)."""
-        self.sampler = parts.sampler
+        self.sampler = self.plan if self.source.indexed else None
         """What chooses the samples of indexed sources; streams keep their own order."""
         self.spec = parts.writer.out_spec
         """What each host slot holds: the samples after `transform` and `transpose`."""
@@ -72,31 +72,52 @@ class Assembly:
         """The host slot pools: batches staged on the devices (False) or kept on the host for
         a framework's own input pipeline (True)."""
         try:
-            self.producer = self._producer(parts)
+            self.producer = self._producer()
         except BaseException:
             parts.close()
             raise
 
-    def _producer(self, parts: PlanParts) -> Producer:
-        """The producer the plan chose, made from `parts`."""
-        plan, split = self.feeder_plan, self.split
+    def _producer(self) -> Producer:
+        """The producer the plan chose, made from its parts."""
+        plan, parts = self.feeder_plan, self.parts
         if plan.producer == "workers":
-            return _pool_producer(plan, parts, split, parts.workers, parts.measured)
+            return self._pool_producer(parts.workers, parts.measured)
         if plan.producer == "dali":
             return parts.own_producer
         if plan.producer == "service":
             from feedpipe.service.client import ServiceProducer
 
-            return ServiceProducer(parts.work, plan.description.service, parts.sampler)
+            return ServiceProducer(parts.work, plan.description.service, self.sampler)
         gather = None
         if plan.gather is not None and plan.gather.threads >= 2:
-            gather = GatherPool(parts.source.take, plan.gather.threads)
-        rows = split.global_batch_size
-        inline = ThreadProducer(parts.writer, rows, parts.sampler, parts.rule, parts.skips, gather)
+            gather = GatherPool(self.source.take, plan.gather.threads)
+        rows = self.split.global_batch_size
+        inline = ThreadProducer(parts.writer, rows, self.sampler, self.rule, self.skips, gather)
         if plan.producer == "thread":
             return inline
-        start = functools.partial(_started_pool, plan, parts, split)
-        return AutoProducer(inline, start, plan.processes_refused)
+        return AutoProducer(inline, self._started_pool, plan.processes_refused)
+
+    def _pool_producer(self, workers: Any, measured: Any) -> WorkerProducer:
+        """The producer of a started pool, once it is told what the samples are."""
+        writer, split = self.parts.writer, self.split
+        layouts = {c: SlotLayout(self.spec, split, contiguous=c) for c in (False, True)}
+        workers.configure(writer.spec, writer.axes, layouts, measured)
+        rows = split.global_batch_size
+        return WorkerProducer(workers, self.source, rows, self.sampler, self.rule, self.skips)
+
+    def _started_pool(self, setting: Setting) -> WorkerProducer:
+        """The producer of `setting`'s pool, started for `workers="auto"` (in its background
+        thread: a process pool takes a while to spawn)."""
+        from feedpipe.core.workers import ProcessWorkers, ThreadWorkers
+
+        o, kind = self.options, ProcessWorkers if setting.mode == "process" else ThreadWorkers
+        workers = kind(setting.workers, self.parts.worker_setup, o.timeout_s)
+        try:
+            _, measured = workers.first_spec(o.error_policy)
+            return self._pool_producer(workers, measured)
+        except BaseException:
+            workers.close()
+            raise
 
     def sample_cost(self) -> SampleCost | None:
         """What one sample costs to make, probed on the source with its `transform` (see
@@ -223,31 +244,3 @@ class Assembly:
             self.producer.close()
         self.pools.clear()  # staged batches still held keep their own slots alive
         self.layer.close()  # and their own device blocks
-
-
-def _pool_producer(
-    plan: FeederPlan, parts: PlanParts, split: ReplicaSplit, workers: Any, measured: Any
-) -> WorkerProducer:
-    """The producer of a started pool, once it is told what the samples are."""
-    writer = parts.writer
-    layouts = {c: SlotLayout(writer.out_spec, split, contiguous=c) for c in (False, True)}
-    workers.configure(writer.spec, writer.axes, layouts, measured)
-    rows = split.global_batch_size
-    return WorkerProducer(workers, parts.source, rows, parts.sampler, parts.rule, parts.skips)
-
-
-def _started_pool(
-    plan: FeederPlan, parts: PlanParts, split: ReplicaSplit, setting: Setting
-) -> WorkerProducer:
-    """The producer of `setting`'s pool, started for `workers="auto"` (in its background
-    thread: a process pool takes a while to spawn)."""
-    from feedpipe.core.workers import ProcessWorkers, ThreadWorkers
-
-    o, kind = plan.options, ProcessWorkers if setting.mode == "process" else ThreadWorkers
-    workers = kind(setting.workers, parts.worker_setup, o.timeout_s)
-    try:
-        _, measured = workers.first_spec(o.error_policy)
-        return _pool_producer(plan, parts, split, workers, measured)
-    except BaseException:
-        workers.close()
-        raise

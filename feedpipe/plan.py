@@ -79,20 +79,14 @@ class FeederPlan:
     "thread" (one background thread) or "auto" (it, while `workers="auto"` measures)."""
     producer_reason: str
     """Why that producer: the option that asked for it, or what ruled the others out."""
+    rows_as_given: bool
+    """Each batch is the source's rows as they are, made in this process: nothing runs per
+    sample, so a framework may gather the rows itself (`Consumer.gathered_pass`)."""
     kept: str | None
     """Why the workers of this source are not the feeder's to choose (`workers="auto"` keeps
     one thread; `sample_cost()` is None); None where they are: indexed, with work per sample."""
     processes_refused: str
     """Why `workers="auto"` may not start processes ("" where it may, or does not pick)."""
-    sample: tuple[FieldPlan, ...]
-    """Each field as `transform` returns it, before `transpose`."""
-    axes: tuple[tuple[int, ...] | None, ...]
-    """`transpose` as one axis order a field (None: as it is), applied as samples are written."""
-    spec: tuple[FieldPlan, ...]
-    """Each field as a host slot holds it: after `transform` and `transpose`."""
-    staged_spec: tuple[FieldPlan, ...]
-    """Each field as the step receives it: `spec`, or a dtype the framework narrows where no
-    value changes (int64 ids that fit arrive as int32 on JAX without x64)."""
     gather: GatherPlan | None
     """How many threads gather each batch of arrays without a transform, and why; None where
     batches are made otherwise."""
@@ -101,9 +95,15 @@ class FeederPlan:
     shared: bool
     """Whether the slots are shared memory that worker processes write into (or may:
     `workers="auto"` may pick processes)."""
-    rows_as_given: bool
-    """Each batch is the source's rows as they are, made in this process: nothing runs per
-    sample, so a framework may gather the rows itself (`Consumer.gathered_pass`)."""
+    axes: tuple[tuple[int, ...] | None, ...]
+    """`transpose` as one axis order a field (None: as it is), applied as samples are written."""
+    sample: tuple[FieldPlan, ...]
+    """Each field as `transform` returns it, before `transpose`."""
+    spec: tuple[FieldPlan, ...]
+    """Each field as a host slot holds it: after `transform` and `transpose`."""
+    staged_spec: tuple[FieldPlan, ...]
+    """Each field as the step receives it: `spec`, or a dtype the framework narrows where no
+    value changes (int64 ids that fit arrive as int32 on JAX without x64)."""
 
     def to_json(self) -> str:
         """The plan as JSON: every field, nested plans as objects and tuples as lists."""
@@ -121,19 +121,17 @@ class PlanParts:
     """The rule for an epoch's last, partial batch."""
     epochs: Sampler | None
     """The epoch's batches, where the length is known (it applies the remainder rules)."""
-    sampler: Sampler | None
-    """What chooses the samples of indexed sources (`epochs`); streams keep their own order."""
     skips: SkipLedger | None
     """Books the samples `errors="skip"` leaves out as batches are made; None: "raise"."""
     staged_spec: SampleSpec
     """Each field as the step receives it (see `FeederPlan.staged_spec`)."""
+    worker_setup: dict | None
+    """What every worker starts from (`feedpipe.core.workers`), where workers make the
+    batches or `workers="auto"` may start them; else None."""
     own_producer: Any
     """The producer of a source that makes batches in threads of its own (DALI), else None."""
     work: Any
     """What tf.data service runs per sample (`feedpipe.service.client.ServiceWork`), or None."""
-    worker_setup: dict | None
-    """What every worker starts from (`feedpipe.core.workers`), where workers make the
-    batches or `workers="auto"` may start them; else None."""
     workers: Any
     """The pool started to read the first sample, which then makes the batches; else None."""
     measured: Any
@@ -217,7 +215,6 @@ def plan_feeder(
                 share=share.rows,
             )
         sampler = epochs if source.indexed else None
-        skips = SkipLedger(o.error_policy, source.length) if o.error_policy.skips else None
         # What a slot holds, and what the step receives.
         axes = transposition(transpose, sample_spec)
         writer = SampleWriter(
@@ -264,10 +261,10 @@ def plan_feeder(
             order.update(devices_per_host=share.local_replicas, **stream.order_fields())
             check_hosts_agree(layer.tally, share, order)
         on_failure.pop_all()  # the assembly owns what was started
-    sample_fields, slot_fields, staged_fields = (
-        tuple(FieldPlan(leaf.name, leaf.shape, str(leaf.dtype)) for leaf in each.leaves)
-        for each in (sample_spec, spec, staged_spec)
-    )
+    fields = {
+        name: tuple(FieldPlan(leaf.name, leaf.shape, str(leaf.dtype)) for leaf in each.leaves)
+        for name, each in (("sample", sample_spec), ("spec", spec), ("staged_spec", staged_spec))
+    }
     accelerated = not all(is_cpu(device) for device in layer.devices)
     description = FeederDescription(
         framework=layer.name,
@@ -302,25 +299,22 @@ def plan_feeder(
         options=o,
         description=description,
         stream=stream,
+        rows_as_given=producer in ("thread", "auto") and transform is None and transpose is None,
         producer=producer,
         producer_reason=why,
         kept=kept,
         processes_refused=refused,
-        sample=sample_fields,
         axes=tuple(axes),
-        spec=slot_fields,
-        staged_spec=staged_fields,
         gather=gather,
         slots_in_flight=in_flight,
         shared=shared,
-        rows_as_given=producer in ("thread", "auto") and transform is None and transpose is None,
+        **fields,
     )
     parts = PlanParts(
         source=source,
         rule=rule,
         epochs=epochs,
-        sampler=sampler,
-        skips=skips,
+        skips=SkipLedger(o.error_policy, source.length) if o.error_policy.skips else None,
         staged_spec=staged_spec,
         own_producer=own_producer,
         work=work,
