@@ -12,10 +12,10 @@ The pipeline, left to right, one module per box (docs/layout.md lists them all):
                                  stats observe every hop
 
 In layers: `core/` knows no framework (the boxes up to the host stager, the position and
-state, page-locked slots, the copy engine); `assembly.py` builds the pipeline from the
-options (`options.py`), `consumer.py` keeps the consumer's position, and `feeder.py` is the
-facade over both, which builds the subclass of the framework that `devices` or `strategy` name
-(`_frameworks`). `tf/` stages on
+state, page-locked slots, the copy engine); `plan.py` plans the pipeline from the options
+(`options.py`) and `assembly.py` runs it, `consumer.py` keeps the consumer's position, and
+`feeder.py` is the facade over them, which builds the subclass of the framework that
+`devices` or `strategy` name (`_frameworks`). `tf/` stages on
 TensorFlow devices (`as_dataset`, checkpoints, `fp.train`); `jax/` on JAX devices and meshes;
 `keras/` makes a feeder Keras's data adapter (`model.fit(feeder)`) and keeps the ledger of
 what a fit trained on;

@@ -4,7 +4,8 @@
 (`feedpipe.tf.feeder`, `feedpipe.jax.feeder`, `feedpipe.torch.feeder`), which supplies the
 `Layer` that stages on its devices and its own ways in (`as_dataset`, a sharded global
 batch). Everything else lives in a room of its own: the options (`feedpipe.options`), the
-pipeline they build (`feedpipe.assembly`), the consumer's position and state
+plan they make of the source (`feedpipe.plan`), the pipeline built from it
+(`feedpipe.assembly`), the consumer's position and state
 (`feedpipe.consumer`) and what a Keras fit has trained on (`feedpipe.keras.ledger`).
 """
 
@@ -24,6 +25,7 @@ from feedpipe.core.source import SampleSpec
 from feedpipe.core.stage import Layer
 from feedpipe.core.stats import FeedStats, StatsRecorder
 from feedpipe.options import FeedOptions
+from feedpipe.plan import plan_feeder
 
 
 class Feeder:
@@ -126,21 +128,20 @@ class Feeder:
         self.strategy = strategy
         self.source = source
         """The source as it was given (the arrays, the dataset, the generator source)."""
-        self._assembly = Assembly(
-            source,
-            self.options,
-            self.layer,
-            transform=transform,
-            transpose=transpose,
-            service=service,
-        )
+        try:
+            plan, parts = plan_feeder(
+                source,
+                self.options,
+                self.layer,
+                transform=transform,
+                transpose=transpose,
+                service=service,
+            )
+            self._assembly = Assembly(plan, parts, self.layer)
+        except BaseException:
+            self.layer.close()  # which the assembly closes once built
+            raise
         self._consumer = Consumer(self._assembly, StatsRecorder(self.options.depth))
-        if self.share.num_hosts > 1:
-            try:
-                self._assembly.check_hosts_agree()
-            except BaseException:
-                self.close()
-                raise
 
     @property
     def devices(self) -> tuple[Any, ...]:

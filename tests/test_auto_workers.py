@@ -152,15 +152,12 @@ def test_a_pool_that_fails_to_start_is_named_and_passed_over(devices, monkeypatc
     monkeypatch.setattr(
         SampleCost, "settings", ranked(Setting("process", 2, 1e9), Setting("thread", 2, 1e9))
     )
-    from feedpipe.assembly import Assembly
+    from feedpipe.core import workers
 
-    def no_processes(self, transform, count, mode):
-        if mode == "process":
-            raise OSError("no more processes")
-        return starting(self, transform, count, mode)
+    def no_processes(count, setup, timeout_s):
+        raise OSError("no more processes")
 
-    starting = Assembly._start_workers
-    monkeypatch.setattr(Assembly, "_start_workers", no_processes)
+    monkeypatch.setattr(workers, "ProcessWorkers", no_processes)
     source = wf.SlowSource(96, 0.001)
     with fp.Feeder(source, GLOBAL_BATCH, devices=devices, workers="auto") as feeder:
         until_settled(feeder, devices)
