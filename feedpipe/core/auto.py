@@ -30,9 +30,10 @@ from collections.abc import Callable, Iterator
 from feedpipe.core import env
 from feedpipe.core._contention import snapshot, thread_run_delay_s
 from feedpipe.core.cost import SampleCost, Setting, free_cores_since
+from feedpipe.core.machine import available_host_bytes
 from feedpipe.core.producers import Producer, SlotSupply, ThreadProducer, WorkerProducer
 from feedpipe.core.sampler import EpochEnd, Step
-from feedpipe.core.slots import HostSlot, available_host_bytes
+from feedpipe.core.slots import HostSlot
 from feedpipe.core.state import Position
 
 TRIAL_S = 0.25

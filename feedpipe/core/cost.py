@@ -22,12 +22,12 @@ import contextlib
 import dataclasses
 import itertools
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable
 
 from feedpipe.core._contention import CpuSnapshot, snapshot, thread_run_delay_s
+from feedpipe.core.machine import cores
 
 PROBE_THREADS = 4
 """Threads reading at once in the probe: enough to tell GIL-bound work (their rate stays at
@@ -49,11 +49,6 @@ WAITING, GIL_BOUND, GIL_FREE, MIXED = "waiting", "GIL-bound Python", "GIL-free n
 COMPUTING = "computing"
 WAITING_SHARE = 0.7
 """A source that spends at least this share of a sample's time off the CPU waits."""
-
-
-def cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

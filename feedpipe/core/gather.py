@@ -21,7 +21,7 @@ import numpy as np
 
 from feedpipe.core import env
 from feedpipe.core._sync import WAIT_SLICE_S, join_within
-from feedpipe.core.cost import cores
+from feedpipe.core.machine import cores
 from feedpipe.core.sampler import Step
 from feedpipe.core.slots import HostSlot
 

@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 import optree
 
-from feedpipe.core.skips import ErrorPolicy, listed, over_budget
+from feedpipe.core.skips import ErrorPolicy, over_budget
+from feedpipe.core.text import listed
 
 # numpy dtype kinds that cannot become numeric tensors: objects, strings, bytes, datetimes.
 _NON_TENSOR_KINDS = frozenset("OUSMm")

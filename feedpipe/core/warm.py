@@ -40,7 +40,7 @@ from typing import NamedTuple
 from feedpipe.core import _arrays, env
 from feedpipe.core._sync import STOP_GRACE_S
 from feedpipe.core._worker import file_state
-from feedpipe.core.cost import cores
+from feedpipe.core.machine import cores
 
 DEFAULT_IDLE_S = 300.0
 """Five minutes: a notebook cell run again, or `evaluate` after `fit`, comes well within it;
