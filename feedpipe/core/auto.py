@@ -257,14 +257,14 @@ class AutoProducer(Producer):
             cpu_s = window.cpu_s / window.samples
             free = free_cores_since(*self._machine)
             self.cost = SampleCost(
-                wall_s,
-                cpu_s,
-                cpu_s,
-                0,
-                math.nan,
-                math.nan,
-                window.samples,
-                free,
+                wall_s=wall_s,
+                cpu_s=cpu_s,
+                gil_s=cpu_s,
+                threads=0,
+                threads_rate=math.nan,
+                parallel_cpu=math.nan,
+                samples=window.samples,
+                free_cores=free,
                 queued_s=min(window.queued_s, window.busy_s) / window.samples,
             )
         elif self.setting.mode == "thread" and self.cost is not None:
