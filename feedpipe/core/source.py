@@ -506,7 +506,7 @@ class TFDatasetSource(Source):
 
     def check_resumable(self, skipped: int) -> None:
         """Refuses to resume mid-epoch where a new iteration would reorder the samples."""
-        from feedpipe._internals import unseeded_or_reshuffling
+        from feedpipe._internals.tf import unseeded_or_reshuffling
 
         why = unseeded_or_reshuffling(self.dataset)
         if why is not None:
