@@ -8,6 +8,7 @@ this module imports no framework.
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import sys
 from collections.abc import Callable, Iterator
@@ -47,6 +48,23 @@ def build_for_batch(model: Any, batch: Any) -> None:
 
 
 _KERAS_TRAINER = re.compile(r"keras[/\\]src[/\\]backend[/\\]\w+[/\\]trainer\.py$")
+
+KERAS_BELOW = "3.16"
+"""The first Keras release feedpipe is not tested on: `pyproject.toml` requires Keras below it
+(a test keeps the two equal; docs/layout.md says how to move it)."""
+TRAINER_LOCALS = {
+    "fit": (
+        *("self", "x", "y", "sample_weight", "class_weight", "callbacks", "epoch_iterator"),
+        *("validation_data", "validation_batch_size", "validation_steps"),
+        *("val_x", "val_y", "val_sample_weight"),
+    ),
+    "evaluate": ("x", "y", "sample_weight"),
+    "predict": ("x",),
+}
+"""The locals feedpipe reads in the frames of Keras's backend trainer methods, by method, as
+the TensorFlow, JAX and torch trainers of Keras 3.15 name them. A release that
+renames one would make a reader see nothing there (a `fit` taken for its own validation, a
+fit's input not wrapped), so a frame without one is refused (`missing_trainer_locals`)."""
 
 
 def keras_reading(adapter: Any) -> str | None:
@@ -98,8 +116,35 @@ def _keras_trainer_frames(frame: Any, methods: tuple[str, ...]) -> Iterator[Any]
     while frame is not None:
         code = frame.f_code
         if code.co_name in methods and _KERAS_TRAINER.search(code.co_filename):
+            missing = missing_trainer_locals(code)
+            if missing:
+                raise RuntimeError(_renamed(code, missing))
             yield frame
         frame = frame.f_back
+
+
+def missing_trainer_locals(code: Any) -> list[str]:
+    """The locals of `TRAINER_LOCALS` that the code of a Keras trainer method (`fit`,
+    `evaluate` or `predict`) does not have."""
+    names = {*code.co_varnames, *code.co_cellvars}
+    return [name for name in TRAINER_LOCALS[code.co_name] if name not in names]
+
+
+def _renamed(code: Any, missing: list[str]) -> str:
+    """The refusal of a trainer method whose code has none of the locals `missing`."""
+    try:
+        version = f"Keras {importlib.metadata.version('keras')}"
+    except importlib.metadata.PackageNotFoundError:
+        version = "This Keras"
+    where = code.co_filename[_KERAS_TRAINER.search(code.co_filename).start() :]
+    names = ", ".join(f"`{name}`" for name in missing)
+    return (
+        f"{version} changed `{code.co_qualname}` ({where}): it has no local {names}, which "
+        "feedpipe reads in its frame to learn what the call was given (Keras tells a data "
+        f"adapter and a callback nothing of it). feedpipe is tested with keras<{KERAS_BELOW}: "
+        f"install one (pip install 'keras<{KERAS_BELOW}'), or a feedpipe that supports "
+        f"{version}."
+    )
 
 
 def keras_jax_batches(*data: Any, **options: Any) -> Iterator[Any]:

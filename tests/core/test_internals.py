@@ -5,7 +5,9 @@ modules imports no framework until called."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -122,3 +124,92 @@ def test_importing_a_module_of_internals_imports_no_framework(module):
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
+
+
+FAKE_TRAINER = "/site-packages/keras/src/backend/tensorflow/trainer.py"
+FAKE_FIT = """
+def fit(self, {x}=None, y=None, batch_size=None, callbacks=None, validation_data=None,
+        class_weight=None, sample_weight=None, validation_steps=None,
+        validation_batch_size=None):
+    epoch_iterator = val_x = val_y = val_sample_weight = None
+    return read({x})
+"""
+
+
+def fake_fit(read, x: str = "x"):
+    """A `fit` whose code claims to be Keras's TensorFlow trainer's, its input named `x`, that
+    calls `read(input)` from inside itself."""
+    namespace = {"read": read}
+    exec(compile(FAKE_FIT.format(x=x), FAKE_TRAINER, "exec"), namespace)
+    return namespace["fit"]
+
+
+def readers():
+    """Each reader of a `fit`'s frame, called from inside a fit given `adapter`."""
+    from feedpipe._internals import keras
+
+    return {
+        "keras_call": keras.keras_call,
+        "keras_fit_input": lambda adapter: keras.keras_fit_input(),
+        "batch_keras_validation_arrays": lambda a: keras.batch_keras_validation_arrays(a, 8),
+        "in_keras_fit_with": lambda adapter: keras.in_keras_fit_with(object(), sys._getframe()),
+        "read_keras_fit_input_through": lambda a: keras.read_keras_fit_input_through(iter),
+    }
+
+
+@pytest.mark.parametrize("reader", sorted(readers()))
+def test_a_fit_whose_local_was_renamed_is_refused_naming_keras_the_frame_the_local_and_the_fix(
+    reader,
+):
+    from feedpipe._internals.keras import KERAS_BELOW
+
+    fit = fake_fit(readers()[reader], x="inputs")
+    with pytest.raises(RuntimeError) as refused:
+        fit(None, inputs=object())
+    message = str(refused.value)
+    assert re.search(r"^(Keras \S+|This Keras) changed `fit` ", message), message
+    assert "(keras/src/backend/tensorflow/trainer.py): it has no local `x`" in message
+    assert (
+        f"tested with keras<{KERAS_BELOW}: install one (pip install 'keras<{KERAS_BELOW}')"
+        in message
+    )
+
+
+def test_a_fit_with_every_local_is_read_as_before():
+    from feedpipe._internals.keras import keras_call, keras_fit_input
+
+    adapter = object()
+    assert fake_fit(keras_call)(None, x=adapter, y=None) == (
+        "fit",
+        {"y": None, "sample_weight": None, "class_weight": None},
+    )
+    # A fit on other data reading `adapter` is validating on it.
+    assert fake_fit(lambda x: keras_call(adapter))(None, x=object()) == ("evaluate", {})
+    assert fake_fit(lambda x: keras_fit_input())(None, x=adapter) is adapter
+
+
+def trainer_methods(path: Path) -> dict[str, object]:
+    """The code of `fit`, `evaluate` and `predict` in the trainer at `path`, compiled, not run."""
+    found, pending = {}, [compile(path.read_text(), str(path), "exec")]
+    while pending:
+        code = pending.pop()
+        if code.co_name in ("fit", "evaluate", "predict"):
+            found[code.co_name] = code
+        pending += [c for c in code.co_consts if hasattr(c, "co_code")]
+    return found
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+def test_the_installed_keras_trainers_have_every_local_feedpipe_reads(backend):
+    """The test to run on a new Keras before raising `KERAS_BELOW` (docs/layout.md)."""
+    from feedpipe._internals.keras import TRAINER_LOCALS, missing_trainer_locals
+
+    spec = importlib.util.find_spec("keras")
+    if spec is None:
+        pytest.skip("Keras is not installed")
+    path = Path(spec.origin).parent / "src" / "backend" / backend / "trainer.py"
+    methods = trainer_methods(path)
+    assert sorted(methods) == sorted(TRAINER_LOCALS)
+    assert {name: missing_trainer_locals(code) for name, code in methods.items()} == {
+        name: [] for name in TRAINER_LOCALS
+    }
