@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -213,3 +214,17 @@ def test_the_installed_keras_trainers_have_every_local_feedpipe_reads(backend):
     assert {name: missing_trainer_locals(code) for name, code in methods.items()} == {
         name: [] for name in TRAINER_LOCALS
     }
+
+
+def test_pyproject_requires_keras_below_the_release_feedpipe_was_tested_on():
+    from feedpipe._internals.keras import KERAS_BELOW
+
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]
+    wanted = [
+        requirement
+        for requirements in project["optional-dependencies"].values()
+        for requirement in requirements
+        if re.match(r"keras\b", requirement)
+    ]
+    assert wanted
+    assert all(requirement.endswith(f",<{KERAS_BELOW}") for requirement in wanted), wanted
