@@ -21,8 +21,8 @@ TensorFlow devices (`as_dataset`, checkpoints, `fp.train`); `jax/` on JAX device
 what a fit trained on;
 `service/` is tf.data service; `diagnostics/` answers "is the step starved, and what would
 help" (`fp.StarvationMonitor`, `fp.diagnose`, the report); `cli` and `demo` are the
-`feedpipe` command; `dali` reads DALI pipelines; `_internals` wraps every call into
-TensorFlow's and Keras's private APIs.
+`feedpipe` command; `dali` reads DALI pipelines; `_internals` wraps every call into a
+framework's private APIs, one module per framework.
 
 `import feedpipe` imports no framework: the public names below load lazily, and worker
 processes import `core/` alone.

@@ -138,7 +138,7 @@ def slot_gather_rate(data, orders, count, threads) -> float:
 
 @contextlib.contextmanager
 def gather_threads(value: int | None):
-    from feedpipe.core.gather import THREADS_ENV
+    from feedpipe.core.env import GATHER_THREADS as THREADS_ENV
 
     before = os.environ.pop(THREADS_ENV, None)
     if value is not None:

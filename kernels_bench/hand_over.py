@@ -14,7 +14,7 @@ ways of taking the same whole passes (8 batches each), flat out, in one repetiti
 * `floor`: `tf.data.Dataset.from_generator` over batches already made (the same arrays, fresh
   numpy arrays every batch, as a source without the feeder would hand them): what tf.data
   itself costs to take a numpy batch in;
-* `bare`: the dataset `as_dataset()` builds (`feedpipe._internals.generator_dataset`) over 8
+* `bare`: the dataset `as_dataset()` builds (`feedpipe._internals.tf.generator_dataset`) over 8
   batches already made in 64-byte aligned memory and handed over again and again: what the
   hand-over's TensorFlow side costs (a `numpy_function` call and an eager `get_next` per
   batch), without the feeder.
@@ -49,7 +49,7 @@ import time
 
 import numpy as np
 
-from feedpipe._internals import generator_dataset
+from feedpipe._internals.tf import generator_dataset
 from feedpipe.core.slots import aligned_buffer
 from kernels_bench import harness
 from kernels_bench.copy_cost import memcpy_s, slot_buffers

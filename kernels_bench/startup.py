@@ -240,7 +240,7 @@ def main(argv=None) -> None:
     settings = harness.parse_settings(__doc__, add_args, argv)
     args = settings.args
     from feedpipe.core import warm
-    from feedpipe.core.cost import cores
+    from feedpipe.core.machine import cores
 
     source = GilSource(args.batch * 8, args.sample_ms / 1e3)
     peers = [p for p in PEERS if p != "grain" or have_grain()]

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import feedpipe as fp
-from feedpipe.core import auto
+from feedpipe.core import auto, env
 from feedpipe.core.cost import SampleCost, Setting
 from tests import worker_fakes as wf
 from tests.auto_fakes import HoldsPythonObjects, LoadsForeverInAWorker
@@ -201,7 +201,7 @@ def test_closing_while_a_pool_spawns_ends_its_workers(devices, monkeypatch):
 
 def test_trial_processes_stop_at_what_fits_the_memory_available(devices, monkeypatch):
     monkeypatch.setattr(SampleCost, "settings", ranked(Setting("process", 16, 1e9)))
-    monkeypatch.setenv(auto.MEMORY_ENV, str(2**30))  # 1 GiB available
+    monkeypatch.setenv(env.AVAILABLE_BYTES, str(2**30))  # 1 GiB available
     source = HoldsPythonObjects(200)
     with fp.Feeder(source, GLOBAL_BATCH, devices=devices, workers="auto") as feeder:
         until_settled(feeder, devices)
@@ -212,11 +212,11 @@ def test_trial_processes_stop_at_what_fits_the_memory_available(devices, monkeyp
     assert tried * producer.worker_bytes <= auto.MEMORY_SHARE * 2**30
     assert (tried + 1) * producer.worker_bytes > auto.MEMORY_SHARE * 2**30
     assert f"memory capped processes at {tried}" in chosen
-    assert auto.MEMORY_ENV in chosen
+    assert env.AVAILABLE_BYTES in chosen
 
 
 def test_available_memory_must_be_a_number_of_bytes(monkeypatch):
-    monkeypatch.setenv(auto.MEMORY_ENV, "1G")
+    monkeypatch.setenv(env.AVAILABLE_BYTES, "1G")
     with pytest.raises(ValueError, match=r"FEEDPIPE_AVAILABLE_BYTES='1G' must be a whole number"):
         auto.available_memory()
 

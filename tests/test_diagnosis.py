@@ -790,7 +790,16 @@ def test_an_input_that_is_not_a_feeder_and_waits_is_told_to_use_threads():
 
 
 def cost_of(wall_ms: float, cpu_ms: float, gil_ms: float, cores: float = 2.0) -> SampleCost:
-    return SampleCost(wall_ms / 1e3, cpu_ms / 1e3, gil_ms / 1e3, 4, 1.0, 1.0, 100, cores)
+    return SampleCost(
+        wall_s=wall_ms / 1e3,
+        cpu_s=cpu_ms / 1e3,
+        gil_s=gil_ms / 1e3,
+        threads=4,
+        threads_rate=1.0,
+        parallel_cpu=1.0,
+        samples=100,
+        free_cores=cores,
+    )
 
 
 def test_what_needs_other_machines_ranks_below_what_works_here():

@@ -154,7 +154,7 @@ def test_an_untracked_pass_moves_the_feeder_on_only_once_its_last_batch_is_taken
 def test_every_function_of_a_gathered_dataset_is_declared_single_device():
     """Keras makes two iterators an epoch, and each instantiates the dataset's functions anew:
     one tf.data may spread over devices goes through Grappler each time (~2 ms)."""
-    from feedpipe._internals import dataset_pipeline
+    from feedpipe._internals.tf import dataset_pipeline
 
     with fp.Feeder(sources(40)["(x, y)"], 8) as feeder:
         dataset = feeder.as_dataset()
@@ -210,7 +210,7 @@ def test_a_gathered_dataset_holds_depth_batches_ahead_gathered_one_at_a_time(dep
     """Bounded memory on the gathered path: its one buffer is a prefetch of `depth` batches,
     filled by one gather at a time in the prefetch's thread (a parallel map would hold one
     batch more per core)."""
-    from feedpipe._internals import dataset_pipeline
+    from feedpipe._internals.tf import dataset_pipeline
 
     with fp.Feeder(sources(40)["(x, y)"], 8, depth=depth) as feeder:
         dataset = feeder.as_dataset()

@@ -11,6 +11,7 @@ import optree
 import pytest
 
 import feedpipe as fp
+from feedpipe.core import env
 from feedpipe.core import gather as gather_module
 from tests.conftest import feedpipe_threads
 from tests.core.test_parallel_gather import arrays
@@ -22,7 +23,7 @@ def threads(monkeypatch):
     monkeypatch.setattr(gather_module, "MIN_RANGE_BYTES", 1)
 
     def use(count: int) -> None:
-        monkeypatch.setenv(gather_module.THREADS_ENV, str(count))
+        monkeypatch.setenv(env.GATHER_THREADS, str(count))
 
     return use
 

@@ -22,6 +22,10 @@ from tests.fakes import index_arrays
 LIGHT_MODULES = [
     "feedpipe",
     "feedpipe._internals",
+    "feedpipe._internals.jax",
+    "feedpipe._internals.keras",
+    "feedpipe._internals.tf",
+    "feedpipe._internals.torch",
     "feedpipe.core._shm",
     "feedpipe.core._sync",
     "feedpipe.core._worker",

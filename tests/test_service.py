@@ -25,7 +25,7 @@ import tensorflow as tf
 from tensorflow.python.data.experimental.ops import testing
 
 import feedpipe as fp
-from feedpipe._internals import dataset_graph
+from feedpipe._internals.tf import dataset_graph
 from feedpipe.core.handoff import Handoff
 from feedpipe.core.source import as_source
 from feedpipe.service import client as service_module

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 import feedpipe as fp
-from feedpipe.core import _arrays, auto, warm
+from feedpipe.core import _arrays, auto, env, warm
 from feedpipe.core._shm import NAME_PATTERN
 from feedpipe.core.cost import SampleCost, Setting
 from tests import worker_fakes as wf
@@ -35,7 +35,7 @@ GLOBAL_BATCH = 8
 @pytest.fixture(autouse=True)
 def warm_on(monkeypatch):
     """Warm workers on (the other tests keep them off), and none left for the leak check."""
-    monkeypatch.setenv(warm.COUNT_ENV, "4")
+    monkeypatch.setenv(env.WARM_WORKERS, "4")
     warm.release()
     yield
     warm.release()
@@ -158,7 +158,7 @@ def test_large_arrays_give_exact_batches_and_leave_no_shared_memory(devices):
 
 
 def test_idle_workers_are_capped(devices, monkeypatch):
-    monkeypatch.setenv(warm.COUNT_ENV, "1")
+    monkeypatch.setenv(env.WARM_WORKERS, "1")
     with feed(wf.IndexSource(64), devices) as feeder:
         next(iter(feeder))
         pids = worker_pids(feeder)
@@ -168,7 +168,7 @@ def test_idle_workers_are_capped(devices, monkeypatch):
 
 
 def test_idle_workers_end_after_the_idle_time(devices, monkeypatch):
-    monkeypatch.setenv(warm.IDLE_ENV, "0.3")
+    monkeypatch.setenv(env.WARM_IDLE_S, "0.3")
     monkeypatch.setattr(warm, "EXIT_MARGIN_S", 0.2)
     with feed(wf.IndexSource(64), devices) as feeder:
         next(iter(feeder))
@@ -180,7 +180,7 @@ def test_idle_workers_end_after_the_idle_time(devices, monkeypatch):
 
 
 def test_warm_workers_off_ends_every_worker_with_its_feeder(devices, monkeypatch):
-    monkeypatch.setenv(warm.COUNT_ENV, "0")
+    monkeypatch.setenv(env.WARM_WORKERS, "0")
     with feed(wf.IndexSource(64), devices) as feeder:
         next(iter(feeder))
         pids = worker_pids(feeder)
@@ -191,8 +191,8 @@ def test_warm_workers_off_ends_every_worker_with_its_feeder(devices, monkeypatch
 @pytest.mark.parametrize(
     ("variable", "value", "match"),
     [
-        (warm.COUNT_ENV, "many", "FEEDPIPE_WARM_WORKERS='many' is not a count of processes"),
-        (warm.IDLE_ENV, "-1", "FEEDPIPE_WARM_IDLE_S='-1' must be a number of seconds > 0"),
+        (env.WARM_WORKERS, "many", "FEEDPIPE_WARM_WORKERS='many' must be a whole number of"),
+        (env.WARM_IDLE_S, "-1", "FEEDPIPE_WARM_IDLE_S='-1' must be a number of seconds > 0"),
     ],
 )
 def test_a_bad_setting_is_refused_by_name(devices, monkeypatch, variable, value, match):
@@ -262,7 +262,7 @@ def test_no_worker_outlives_a_trainer_killed_with_sigkill():
 
 
 def test_workers_started_ahead_end_with_their_idle_time(monkeypatch):
-    monkeypatch.setenv(warm.IDLE_ENV, "0.3")
+    monkeypatch.setenv(env.WARM_IDLE_S, "0.3")
     monkeypatch.setattr(warm, "EXIT_MARGIN_S", 0.2)
     started = time.monotonic()
     pids = fp.warm_workers(2)
@@ -380,7 +380,7 @@ def test_arrays_over_bytes_are_handed_over_without_a_comparison(devices):
 
 
 def test_no_copy_is_kept_with_warm_workers_off(devices, monkeypatch):
-    monkeypatch.setenv(warm.COUNT_ENV, "0")
+    monkeypatch.setenv(env.WARM_WORKERS, "0")
     with feed(wf.HeldArraySource(256, 4096), devices) as feeder:
         list(feeder)
     assert _arrays.kept_nbytes() == 0

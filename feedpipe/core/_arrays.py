@@ -37,7 +37,7 @@ from typing import NamedTuple
 import numpy as np
 
 from feedpipe.core._shm import SharedBuffer, _libc, map_parts
-from feedpipe.core.cost import cores
+from feedpipe.core.machine import cores
 from feedpipe.core.slots import ALIGN_BYTES
 
 PART_BYTES = 64 << 20

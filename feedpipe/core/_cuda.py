@@ -32,8 +32,6 @@ OUT_OF_MEMORY = 2
 NOT_READY = 600
 """`CUDA_ERROR_NOT_READY`: what `cuEventQuery` returns while the work before the event runs."""
 
-_OFF = ("0", "false", "off", "no")
-_ON = ("", "1", "true", "on", "yes")
 _P = ctypes.c_void_p
 _SIGNATURES = {
     "cuInit": [ctypes.c_uint],
@@ -56,18 +54,6 @@ _SIGNATURES = {
     "cuEventDestroy_v2": [_P],
 }
 """Each driver function feedpipe calls, with its arguments; every one returns a `CUresult`."""
-
-
-def switched_off(variable: str, what_on_does: str) -> bool:
-    """Whether the environment variable `variable` turns a use of CUDA off (`0`); on (`1`) is
-    the default. A value that is neither is refused, naming `what_on_does`."""
-    switch = os.environ.get(variable, "").strip().lower()
-    if switch not in _OFF + _ON:
-        raise ValueError(
-            f"{variable}={os.environ[variable]!r} is neither on nor off; set it to 0 to turn "
-            f"it off, or to 1 (or leave it unset) to {what_on_does}."
-        )
-    return switch in _OFF
 
 
 def loaded_library(pattern: re.Pattern, maps_path: str = "/proc/self/maps") -> str | None:

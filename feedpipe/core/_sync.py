@@ -10,7 +10,6 @@ in (a sample, loading the source, or frozen between samples).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import warnings
@@ -23,21 +22,6 @@ JOIN_TIMEOUT_S = 5.0
 (threads are daemons and end with the process)."""
 STOP_GRACE_S = 1.0
 """How long a shutdown lets worker processes finish their current task before killing them."""
-
-
-def seconds_from_env(variable: str, default: float, meaning: str = "") -> float:
-    """The seconds the environment variable `variable` sets (`default` where it is unset);
-    anything but a number above 0 is refused, naming it, what it sets (`meaning`) and how."""
-    value = os.environ.get(variable)
-    if value is None:
-        return default
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise ValueError(f"{variable}={value!r} must be a number of seconds > 0{meaning}.")
-    return seconds
 
 
 def poll_then_sleep(done: Callable[[], bool], sleep: Callable[[], object], poll_s: float) -> None:

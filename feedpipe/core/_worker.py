@@ -43,8 +43,8 @@ import cloudpickle
 import numpy as np
 
 from feedpipe.core._shm import NAME_PATTERN, map_parts, map_shared
-from feedpipe.core.skips import shown
 from feedpipe.core.slots import HostSlot, SlotLayout
+from feedpipe.core.text import shown
 from feedpipe.core.writer import RowStream, SampleWriter, first_look
 
 FRAMEWORKS = ("tensorflow", "keras", "jax", "torch")

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from feedpipe.core._sync import seconds_from_env
+from feedpipe.core import env
 from feedpipe.core.split import HostShare
 
 SHOWN_VALUES = 4
@@ -35,8 +35,6 @@ SHOWN_VALUES = 4
 store is read for: enough for a few hosts, short for 64 hosts that each have their own."""
 
 
-TIMEOUT_ENV = "FEEDPIPE_AGREEMENT_TIMEOUT_S"
-"""The environment variable that sets how long a host waits for the others' feeders."""
 DEFAULT_TIMEOUT_S = 300.0
 """As long as `jax.distributed.initialize` waits for every process by default: processes that
 start together but load their data at different speeds still meet."""
@@ -45,7 +43,7 @@ start together but load their data at different speeds still meet."""
 def timeout_s() -> float:
     """How long a host waits for every other host's feeder: `FEEDPIPE_AGREEMENT_TIMEOUT_S`
     seconds, else 300."""
-    return seconds_from_env(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
+    return env.seconds(env.AGREEMENT_TIMEOUT_S, DEFAULT_TIMEOUT_S)
 
 
 class NoAnswer(Exception):
@@ -158,7 +156,7 @@ def tally_through(
     weight = count + 1
     wait_s = timeout_s()
     deadline = time.monotonic() + wait_s
-    within = f"within {wait_s:g} s ({TIMEOUT_ENV})"
+    within = f"within {wait_s:g} s ({env.AGREEMENT_TIMEOUT_S})"
     reference = json.loads(payload)
     differs = False
     if position == 0:

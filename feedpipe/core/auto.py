@@ -27,11 +27,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from feedpipe.core import env
 from feedpipe.core._contention import snapshot, thread_run_delay_s
 from feedpipe.core.cost import SampleCost, Setting, free_cores_since
+from feedpipe.core.machine import available_host_bytes
 from feedpipe.core.producers import Producer, SlotSupply, ThreadProducer, WorkerProducer
 from feedpipe.core.sampler import EpochEnd, Step
-from feedpipe.core.slots import HostSlot, available_host_bytes
+from feedpipe.core.slots import HostSlot
 from feedpipe.core.state import Position
 
 TRIAL_S = 0.25
@@ -51,9 +53,6 @@ CLOSE_WAIT_S = 10.0
 """How long `close()` waits for a pool that was starting to give up once its processes are
 killed: it has only to notice (or to finish pickling its setup, which may take seconds)."""
 
-MEMORY_ENV = "FEEDPIPE_AVAILABLE_BYTES"
-"""The bytes of memory workers may count on, in place of what the system says is available
-(to try a smaller machine's limit, or to keep room for other work)."""
 MEMORY_SHARE = 0.5
 """Trial processes may take at most this share of the memory available. A worker is measured
 once it has loaded the source and read one sample; reading on grows it (a transform's
@@ -258,14 +257,14 @@ class AutoProducer(Producer):
             cpu_s = window.cpu_s / window.samples
             free = free_cores_since(*self._machine)
             self.cost = SampleCost(
-                wall_s,
-                cpu_s,
-                cpu_s,
-                0,
-                math.nan,
-                math.nan,
-                window.samples,
-                free,
+                wall_s=wall_s,
+                cpu_s=cpu_s,
+                gil_s=cpu_s,
+                threads=0,
+                threads_rate=math.nan,
+                parallel_cpu=math.nan,
+                samples=window.samples,
+                free_cores=free,
                 queued_s=min(window.queued_s, window.busy_s) / window.samples,
             )
         elif self.setting.mode == "thread" and self.cost is not None:
@@ -439,15 +438,9 @@ def available_memory() -> tuple[int | None, str]:
     """The bytes of memory new workers may take, and where that figure comes from:
     `FEEDPIPE_AVAILABLE_BYTES` where set, else what the system says is available (None where
     it says nothing)."""
-    value = os.environ.get(MEMORY_ENV, "").strip()
-    if value:
-        if not value.isdigit():
-            raise ValueError(
-                f"{MEMORY_ENV}={os.environ[MEMORY_ENV]!r} must be a whole number of bytes "
-                f"(the memory worker processes may count on); set it to, say, {2**30} for "
-                "1 GiB, or unset it to use what the system says is available."
-            )
-        return int(value), MEMORY_ENV
+    given = env.nbytes(env.AVAILABLE_BYTES)
+    if given is not None:
+        return given, env.AVAILABLE_BYTES
     found = available_host_bytes(shared=False)
     return (None, "") if found is None else found
 

@@ -36,13 +36,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from feedpipe.core._cuda import OUT_OF_MEMORY, CudaDevice, CudaError, Driver, switched_off
+from feedpipe.core import env
+from feedpipe.core._cuda import OUT_OF_MEMORY, CudaDevice, CudaError, Driver
 from feedpipe.core.dlpack import Export, type_code
 from feedpipe.core.slots import round_up
 from feedpipe.core.source import SampleSpec
 
-SWITCH = "FEEDPIPE_COPY_STREAM"
-"""The environment variable that turns the engine off (`0`) or on (`1`, the default)."""
 BLOCK_ALIGN = 256
 """Each field of a block starts on a 256-byte boundary: XLA checks its arguments' alignment,
 and CUDA's allocations are aligned so."""
@@ -108,8 +107,9 @@ NO_COPY = CopyPath("none", "the devices are CPUs: no batch crosses to an acceler
 def cuda_devices(ordinals: Sequence[int]) -> tuple[list[CudaDevice] | None, str]:
     """A stream and memory of feedpipe's own on each CUDA device `ordinals` names, or None, with
     the reason either way."""
-    if switched_off(SWITCH, "copy on feedpipe's own CUDA streams"):
-        return None, f"feedpipe's own copy streams were turned off with {SWITCH}=0"
+    if env.switched_off(env.COPY_STREAM):
+        turned_off = env.setting(env.COPY_STREAM)
+        return None, f"feedpipe's own copy streams were turned off with {turned_off}"
     try:
         driver = Driver.find()
         devices = [CudaDevice(driver, ordinal) for ordinal in ordinals]
@@ -235,7 +235,7 @@ class BlockPool:
                 "so far): the framework holds the rest of the device's memory. JAX preallocates "
                 "75 % of it: lower that with XLA_PYTHON_CLIENT_MEM_FRACTION (e.g. 0.6), or turn "
                 "it off with XLA_PYTHON_CLIENT_PREALLOCATE=false; or use the framework's own "
-                f"copy with {SWITCH}=0."
+                f"copy with {env.COPY_STREAM}=0."
             ) from error
 
     def hand_over(self, block: _Block) -> None:

@@ -22,12 +22,12 @@ import contextlib
 import dataclasses
 import itertools
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable
 
 from feedpipe.core._contention import CpuSnapshot, snapshot, thread_run_delay_s
+from feedpipe.core.machine import cores
 
 PROBE_THREADS = 4
 """Threads reading at once in the probe: enough to tell GIL-bound work (their rate stays at
@@ -48,17 +48,33 @@ that do are picked (each costs memory, and a process its start-up)."""
 WAITING, GIL_BOUND, GIL_FREE, MIXED = "waiting", "GIL-bound Python", "GIL-free native code", "mixed"
 COMPUTING = "computing"
 WAITING_SHARE = 0.7
-"""A source that spends at least this share of a sample's time off the CPU waits."""
+"""A source that spends at least this share of a sample's time off the CPU waits. Set with the
+model, clear of the sources it tells apart: on a 2-core machine under load, the probe read a
+2 ms sleep as 0.97 waiting and spinning Python as 0.00 (`tests/core/test_cost.py`'s sources);
+a source between this and `COMPUTING_SHARE` is `MIXED`."""
+COMPUTING_SHARE = 0.3
+"""A source that spends at most this share of a sample's time off the CPU computes, and its
+threads' CPU tells GIL-bound from GIL-free work: as far below the middle as `WAITING_SHARE`
+is above it (set with the model; `tests/core/test_cost.py` keeps GIL-bound Python under a
+competing load below it)."""
+GIL_BOUND_CORES = 1.3
+"""`PROBE_THREADS` threads whose CPU adds up to at most this many cores' worth ran one at a
+time, holding the GIL: one core, and a margin of 0.3 for the threads' hand-offs and the
+clocks (set with the model, not tuned since)."""
+GIL_FREE_SHARE = 0.7
+"""`PROBE_THREADS` threads whose CPU reaches this share of the cores they could use at once
+(their count, at most the free cores) ran in parallel: native code that releases the GIL. A
+margin of 30 % for hand-offs and other load, as `WAITING_SHARE` allows (set with the model,
+not tuned since)."""
+QUEUED_SHOWN_SHARE = 0.01
+"""`describe` names the time a sample waited for a CPU that other load held once it is at
+least this share of the sample's wall time: less changes no figure a reader acts on."""
 
 
-def cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class SampleCost:
-    """What one sample costs its maker, as `probe` measured it."""
+    """What one sample costs its maker, as `probe` measured it; built by keyword, as its
+    figures are all seconds, rates or counts that a position would mix up."""
 
     wall_s: float
     """Seconds per sample, read in one thread."""
@@ -104,12 +120,12 @@ class SampleCost:
         measured to tell whether the GIL is held: what the sample's time goes to."""
         if self.waiting >= WAITING_SHARE:
             return WAITING
-        if self.waiting <= 0.3:
+        if self.waiting <= COMPUTING_SHARE:
             if not self.threads:
                 return COMPUTING
-            if self.parallel_cpu <= 1.3:
+            if self.parallel_cpu <= GIL_BOUND_CORES:
                 return GIL_BOUND
-            if self.parallel_cpu >= 0.7 * min(self.threads, self.free_cores):
+            if self.parallel_cpu >= GIL_FREE_SHARE * min(self.threads, self.free_cores):
                 return GIL_FREE
         return MIXED
 
@@ -123,7 +139,7 @@ class SampleCost:
         )
         queued = (
             f", {self.queued_s * 1e3:,.3f} ms waiting for a CPU other load held"
-            if self.queued_s >= 0.01 * self.wall_s
+            if self.queued_s >= QUEUED_SHOWN_SHARE * self.wall_s
             else ""
         )
         return (
@@ -248,14 +264,14 @@ def probe(
     threads_rate = sum(counts) / elapsed
     gil_s = min(thread_cpu_s, 1.0 / threads_rate)
     return SampleCost(
-        wall_s,
-        cpu_s,
-        gil_s,
-        PROBE_THREADS,
-        threads_rate,
-        sum(cpu) / elapsed,
-        count + sum(counts),
-        free_cores_since(machine, began),
+        wall_s=wall_s,
+        cpu_s=cpu_s,
+        gil_s=gil_s,
+        threads=PROBE_THREADS,
+        threads_rate=threads_rate,
+        parallel_cpu=sum(cpu) / elapsed,
+        samples=count + sum(counts),
+        free_cores=free_cores_since(machine, began),
         queued_s=queued_s,
     )
 

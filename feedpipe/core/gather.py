@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from feedpipe.core import env
 from feedpipe.core._sync import WAIT_SLICE_S, join_within
-from feedpipe.core.cost import cores
+from feedpipe.core.machine import cores
 from feedpipe.core.sampler import Step
 from feedpipe.core.slots import HostSlot
 
@@ -31,9 +31,6 @@ core copies fast: over rows of 96x96x3 float32 on an idle 2-core machine (about 
 one thread), two threads gathered a batch of 1.7 MiB at 0.68x one thread's rate, 6.8 MiB at
 1.11x and 27 MiB at 1.2x to 1.34x. A core of the 16-core GPU machine gathers 1.7 GB/s, so there
 any range of this size pays (`kernels_bench/gather.py` measures both)."""
-THREADS_ENV = "FEEDPIPE_GATHER_THREADS"
-"""Environment variable that caps the gather threads (for example 1, to leave the cores to
-other work); unset, the cores this process may run on cap them."""
 
 Take = Callable[[np.ndarray, Sequence[np.ndarray]], None]
 """Gathers rows (indices) of every field into one output array a field (`ArraySource.take`)."""
@@ -53,20 +50,11 @@ class GatherPlan:
 def thread_cap() -> tuple[int, str]:
     """The most gather threads, and what set it: `FEEDPIPE_GATHER_THREADS` where it is set,
     else the cores this process may run on."""
-    value = os.environ.get(THREADS_ENV, "").strip()
-    if not value:
+    count = env.count(env.GATHER_THREADS)
+    if count is None:
         count = cores()
         return count, f"{count} core{'s' if count != 1 else ''}"
-    try:
-        count = int(value)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise ValueError(
-            f"{THREADS_ENV}={value!r} must be a whole number of threads, at least 1; set it to "
-            "1 for one thread, to the threads to gather in, or unset it to use every core."
-        )
-    return count, f"{THREADS_ENV}={count}"
+    return count, f"{env.GATHER_THREADS}={count}"
 
 
 def plan_gather(batch_bytes: int) -> GatherPlan:

@@ -25,6 +25,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
+from feedpipe.core import env
 from feedpipe.core._cuda import (
     DRIVER_PATH,
     RUNTIME_PATH,
@@ -32,20 +33,13 @@ from feedpipe.core._cuda import (
     Driver,
     loaded_library,
     open_loaded,
-    switched_off,
 )
 
 if TYPE_CHECKING:
     import numpy as np
 
-SWITCH = "FEEDPIPE_PAGE_LOCK"
-"""The environment variable that turns page-locking off (`0`) or on (`1`, the default)."""
 PORTABLE = 1
 """`cudaHostRegisterPortable` and `CU_MEMHOSTREGISTER_PORTABLE`: locked for every context."""
-
-
-def _switched_off() -> bool:
-    return switched_off(SWITCH, "page-lock host slots")
 
 
 def _size(nbytes: int) -> str:
@@ -154,10 +148,8 @@ class PageLocker:
     @classmethod
     def find(cls, maps_path: str = "/proc/self/maps") -> PageLocker:
         """A locker over the CUDA runtime (else driver) mapped in this process, if any."""
-        if _switched_off():
-            return cls(
-                None, f"page-locking was turned off with {SWITCH}={os.environ[SWITCH]}", None
-            )
+        if env.switched_off(env.PAGE_LOCK):
+            return cls(None, f"page-locking was turned off with {env.setting(env.PAGE_LOCK)}", None)
         for pattern, api in ((RUNTIME_PATH, _Runtime), (DRIVER_PATH, _Driver)):
             path = loaded_library(pattern, maps_path)
             if path is None:
@@ -271,7 +263,7 @@ def page_locker() -> PageLocker:
     with _locker_lock:
         if _locker is None or _locker._pid != os.getpid():
             found = PageLocker.find()
-            if found.available or found.library is not None or _switched_off():
+            if found.available or found.library is not None or env.switched_off(env.PAGE_LOCK):
                 _locker = found
             return found
         return _locker

@@ -22,11 +22,12 @@ import heapq
 import math
 import re
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from feedpipe.core.checks import check_int
 from feedpipe.core.state import Position
+from feedpipe.core.text import clipped, error_name, listed, shown
 
 ERROR_POLICIES = ("raise", "skip")
 
@@ -34,9 +35,6 @@ DEFAULT_SKIP_FRACTION = 0.01
 """Samples `errors="skip"` may skip per epoch when `max_skipped` is not given: 1 in 100, room
 for a few corrupt files in a large set while a `transform` broken for every sample stops in its
 first batches."""
-
-SHOWN_SKIPS = 10
-"""Skipped samples an error names one by one; the rest are counted."""
 
 RECORDS_KEPT = 100
 """Skips of an epoch kept in full, in the ledger and the state: the first by step, then index;
@@ -68,33 +66,11 @@ class SkippedSample(NamedTuple):
         return f"sample {self.index} of epoch {self.epoch} ({self.error}: {self.message})"
 
 
-def error_name(error: BaseException) -> str:
-    """`error`'s type as `module.Name` (builtins by name alone)."""
-    kind = type(error)
-    if kind.__module__ == "builtins":
-        return kind.__qualname__
-    return f"{kind.__module__}.{kind.__qualname__}"
-
-
-def shown(value: object, show: Callable[[object], str] = str) -> str:
-    """`show(value)` (`str` or `repr`), or the name of `value`'s type where that raises: a
-    user's exception whose `__str__` is broken must reach the user as itself, not as the error
-    its `__str__` raised while feedpipe described it."""
-    try:
-        return show(value)
-    except Exception:
-        return type(value).__qualname__
-
-
 def describe(error: BaseException) -> tuple[str, str]:
     """The type and first line of `error`, as a skip records them (`MESSAGE_CHARS` at most)."""
     lines = shown(error).splitlines()
-    return clipped(error_name(error)), clipped(lines[0] if lines else "")
-
-
-def clipped(text: str) -> str:
-    """`text` cut to `MESSAGE_CHARS`, an ellipsis saying where."""
-    return text if len(text) <= MESSAGE_CHARS else text[: MESSAGE_CHARS - 1] + "\u2026"
+    first = lines[0] if lines else ""
+    return clipped(error_name(error), MESSAGE_CHARS), clipped(first, MESSAGE_CHARS)
 
 
 def _mixed(x):
@@ -122,18 +98,9 @@ def over_budget(skipping: str, policy: ErrorPolicy, budget: int) -> str:
 
 
 def named(skips: Iterable[SkippedSample], unlisted: int = 0) -> str:
-    """Skipped samples by index, the first `SHOWN_SKIPS` of them, and how many more (`unlisted`:
+    """Skipped samples by index, the first `SHOWN_NUMBERS` of them, and how many more (`unlisted`:
     those counted, past the records an epoch keeps)."""
     return listed((skip.index for skip in skips), unlisted)
-
-
-def listed(numbers: Iterable[int], unlisted: int = 0) -> str:
-    """`numbers` in order, the first `SHOWN_SKIPS` of them, and how many more (with `unlisted`
-    more, known by count alone)."""
-    numbers = sorted(numbers)
-    first = ", ".join(map(str, numbers[:SHOWN_SKIPS]))
-    more = max(len(numbers) - SHOWN_SKIPS, 0) + unlisted
-    return first + (f" and {more} more" if more else "")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 import optree
 
-from feedpipe.core.skips import ErrorPolicy, listed, over_budget
+from feedpipe.core.skips import ErrorPolicy, over_budget
+from feedpipe.core.text import listed
 
 # numpy dtype kinds that cannot become numeric tensors: objects, strings, bytes, datetimes.
 _NON_TENSOR_KINDS = frozenset("OUSMm")
@@ -505,7 +506,7 @@ class TFDatasetSource(Source):
 
     def check_resumable(self, skipped: int) -> None:
         """Refuses to resume mid-epoch where a new iteration would reorder the samples."""
-        from feedpipe._internals import unseeded_or_reshuffling
+        from feedpipe._internals.tf import unseeded_or_reshuffling
 
         why = unseeded_or_reshuffling(self.dataset)
         if why is not None:

@@ -37,15 +37,11 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import NamedTuple
 
-from feedpipe.core import _arrays
-from feedpipe.core._sync import STOP_GRACE_S, seconds_from_env
+from feedpipe.core import _arrays, env
+from feedpipe.core._sync import STOP_GRACE_S
 from feedpipe.core._worker import file_state
-from feedpipe.core.cost import cores
+from feedpipe.core.machine import cores
 
-COUNT_ENV = "FEEDPIPE_WARM_WORKERS"
-"""How many idle worker processes this process keeps for its next feeder; 0 keeps none."""
-IDLE_ENV = "FEEDPIPE_WARM_IDLE_S"
-"""How long an idle worker process waits for a feeder before it ends."""
 DEFAULT_IDLE_S = 300.0
 """Five minutes: a notebook cell run again, or `evaluate` after `fit`, comes well within it;
 a process that has stopped feeding gives the memory back soon after."""
@@ -134,26 +130,13 @@ _idle: list[_Idle] = []
 
 def capacity() -> int:
     """The idle workers kept at most: `FEEDPIPE_WARM_WORKERS`, else one per usable core."""
-    value = os.environ.get(COUNT_ENV, "").strip()
-    if not value:
-        return cores()
-    if value.lower() in ("off", "false", "no"):
-        return 0
-    if not value.isdigit():
-        raise ValueError(
-            f"{COUNT_ENV}={os.environ[COUNT_ENV]!r} is not a count of processes; set it to 0 "
-            "to end every worker with its feeder, or to how many idle workers to keep."
-        )
-    return int(value)
+    kept = env.count(env.WARM_WORKERS)
+    return cores() if kept is None else kept
 
 
 def idle_s() -> float:
     """How long an idle worker is kept: `FEEDPIPE_WARM_IDLE_S` seconds, else 300."""
-    return seconds_from_env(
-        IDLE_ENV,
-        DEFAULT_IDLE_S,
-        f" (how long an idle worker process is kept); set {COUNT_ENV}=0 to keep none",
-    )
+    return env.seconds(env.WARM_IDLE_S, DEFAULT_IDLE_S)
 
 
 def warm_workers(count: int) -> list[int]:

@@ -50,8 +50,8 @@ from feedpipe.core._arrays import Shared, share
 from feedpipe.core._shm import SharedBuffer, remove_orphans
 from feedpipe.core._sync import WAIT_SLICE_S, Watchdog, join_within
 from feedpipe.core._worker import TaskRunner, code_at
-from feedpipe.core.skips import shown
 from feedpipe.core.slots import HostSlot
+from feedpipe.core.text import shown
 from feedpipe.core.writer import Skip
 
 SPEC_TASK = -1

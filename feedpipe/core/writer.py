@@ -23,9 +23,10 @@ import numpy as np
 import optree
 
 from feedpipe.core.sampler import Step
-from feedpipe.core.skips import ErrorPolicy, listed, over_budget, shown
+from feedpipe.core.skips import ErrorPolicy, over_budget
 from feedpipe.core.slots import HostSlot
 from feedpipe.core.source import ArraySource, SampleSpec, Source, TFDatasetSource, as_array
+from feedpipe.core.text import listed, shown
 
 Transform = Callable[..., Any]
 

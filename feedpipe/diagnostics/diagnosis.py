@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from feedpipe.core.cost import cores
+from feedpipe.core.machine import cores
 from feedpipe.diagnostics.measure import (
     DEFAULT_STEPS,
     DEFAULT_WARMUP,

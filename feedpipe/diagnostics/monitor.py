@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from feedpipe._frameworks import import_keras
-from feedpipe._internals import scalar_summary_metadata
+from feedpipe._internals.tf import scalar_summary_metadata
 from feedpipe.core._contention import OtherLoadSpan
 from feedpipe.core.checks import check_int
 from feedpipe.core.stats import MODERATE_FRACTION, verdict

@@ -383,7 +383,16 @@ def _cost_from_rates(diagnosis: Diagnosis, described: FeederDescription, cores: 
     threads = described.worker_mode == "thread" and described.workers > 1
     gil_s = wall_s / used if threads else wall_s
     workers = described.workers if threads else 0
-    return SampleCost(wall_s, wall_s, gil_s, workers, made, math.nan, 0, float(cores))
+    return SampleCost(
+        wall_s=wall_s,
+        cpu_s=wall_s,
+        gil_s=gil_s,
+        threads=workers,
+        threads_rate=made,
+        parallel_cpu=math.nan,
+        samples=0,
+        free_cores=float(cores),
+    )
 
 
 def _service_remedy(

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from feedpipe._internals import jax_distributed_client
+from feedpipe._internals.jax import jax_distributed_client
 from feedpipe.core.agreement import ROUND_KEYS, Tally, tally_through
 
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from feedpipe._internals import uncommitted_jax_array
+from feedpipe._internals.jax import uncommitted_jax_array
 from feedpipe.core.weights import added_weights, scaled_weights
 from feedpipe.keras import batches
 

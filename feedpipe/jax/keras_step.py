@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from feedpipe._internals import build_for_batch, jax_train_state, keras_jax_batches
+from feedpipe._internals.keras import build_for_batch, jax_train_state, keras_jax_batches
 
 
 class JaxSteps:

@@ -33,7 +33,7 @@ import numpy as np
 import optree
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from feedpipe._internals import jax_dlpack_import
+from feedpipe._internals.jax import jax_dlpack_import
 from feedpipe.core.agreement import Tally
 from feedpipe.core.copy_engine import (
     NO_COPY,

@@ -11,7 +11,7 @@ last batch does, `class_weight` weighs rows as Keras weighs arrays, and `predict
 (`feedpipe.keras.batches`, `feedpipe.keras.arguments`). As with `as_dataset()`, pass
 `callbacks=[feeder.fit_callback()]` so that the feeder's state is what the step trained on.
 
-The base class is Keras's private `DataAdapter` (`feedpipe._internals.keras_data_adapter`):
+The base class is Keras's private `DataAdapter` (`feedpipe._internals.keras.keras_data_adapter`):
 the one place a Keras release can break this, and the price of `model.fit(feeder)`.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from feedpipe._internals import keras_data_adapter
+from feedpipe._internals.keras import keras_data_adapter
 from feedpipe.keras.arguments import keras_arguments
 
 

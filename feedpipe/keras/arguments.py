@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from feedpipe._internals import batch_keras_validation_arrays, keras_call
+from feedpipe._internals.keras import batch_keras_validation_arrays, keras_call
 from feedpipe.core.weights import labelled
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import keras
 
-from feedpipe._internals import (
+from feedpipe._internals.keras import (
     give_back_jax_train_state,
     in_keras_fit_with,
     keras_fit_input,

@@ -31,7 +31,7 @@ import numpy as np
 import optree
 import tensorflow as tf
 
-from feedpipe._internals import dataset_graph, dispatcher_error
+from feedpipe._internals.tf import dataset_graph, dispatcher_error
 from feedpipe.core._sync import WAIT_SLICE_S, Failure
 from feedpipe.core.producers import Producer, SlotSupply
 from feedpipe.core.sampler import EpochEnd, Sampler, Step

@@ -14,7 +14,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from feedpipe._internals import host_index
+from feedpipe._internals.tf import host_index
 from feedpipe.core.split import HostShare
 
 

@@ -17,7 +17,7 @@ import optree
 import tensorflow as tf
 
 from feedpipe import feeder as core
-from feedpipe._internals import dataset_pipeline, generator_dataset
+from feedpipe._internals.tf import dataset_pipeline, generator_dataset
 from feedpipe.consumer import SUPERSEDED
 from feedpipe.core.source import ArraySource
 from feedpipe.core.stage import HostBatch

@@ -24,7 +24,7 @@ import numpy as np
 import optree
 import tensorflow as tf
 
-from feedpipe._internals import generator_dataset, op_determinism_enabled, single_device_map
+from feedpipe._internals.tf import generator_dataset, op_determinism_enabled, single_device_map
 from feedpipe.core.weights import broadcastable, row_weights
 
 GATHER_MAX_BYTES = 1 << 30

@@ -17,7 +17,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from feedpipe._internals import build_for_batch, keras_dataset
+from feedpipe._internals.keras import build_for_batch, keras_dataset
 
 _INLINE = tf.data.Options()
 _INLINE.experimental_optimization.inject_prefetch = False

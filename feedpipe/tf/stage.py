@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from feedpipe._internals import copy_to_device
+from feedpipe._internals.tf import copy_to_device
 from feedpipe.core.sampler import Step
 from feedpipe.core.slots import SlotLayout
 from feedpipe.core.source import SampleSpec

@@ -24,7 +24,8 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from feedpipe._internals import collective_timeout, keras_loss, keras_metric
+from feedpipe._internals.keras import keras_loss, keras_metric
+from feedpipe._internals.tf import collective_timeout
 from feedpipe.core.checks import check_int
 from feedpipe.feeder import Feeder
 from feedpipe.tf.batch import Batch

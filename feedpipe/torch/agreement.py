@@ -16,7 +16,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from feedpipe._internals import torch_default_store
+from feedpipe._internals.torch import torch_default_store
 from feedpipe.core.agreement import ROUND_KEYS, RoundKeys, Tally, tally_through
 
 

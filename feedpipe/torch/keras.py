@@ -18,7 +18,7 @@ from typing import Any
 import optree
 import torch
 
-from feedpipe._internals import keras_torch_device
+from feedpipe._internals.keras import keras_torch_device
 from feedpipe.core.weights import broadcastable
 from feedpipe.keras.batches import keras_batches as batches_of
 from feedpipe.torch.layer import resolve_devices

@@ -21,7 +21,7 @@ import keras
 import optree
 import torch
 
-from feedpipe._internals import (
+from feedpipe._internals.keras import (
     build_for_batch,
     drop_keras_global_seed_generator,
     keras_global_seed_generator,

@@ -24,13 +24,13 @@ from feedpipe.core.copy_engine import (
     SPARE_BLOCKS,
     SPARE_BYTES,
     STAGES,
-    SWITCH,
     CopyEngine,
     LinkRate,
     block_limit,
     cuda_devices,
     undeliverable_field,
 )
+from feedpipe.core.env import COPY_STREAM
 from feedpipe.core.slots import SlotLayout
 from feedpipe.core.source import SampleSpec
 from feedpipe.core.split import ReplicaSplit
@@ -251,19 +251,19 @@ def test_a_device_out_of_memory_names_the_preallocation_setting_and_the_way_out(
 
 
 def test_without_a_cuda_driver_in_the_process_the_reason_says_so(monkeypatch):
-    monkeypatch.delenv(SWITCH, raising=False)
+    monkeypatch.delenv(COPY_STREAM, raising=False)
     memories, reason = cuda_devices([0])
     assert memories is None
     assert "no CUDA driver is loaded in this process" in reason
 
 
 def test_the_switch_turns_the_engine_off_and_a_bad_value_is_refused(monkeypatch):
-    monkeypatch.setenv(SWITCH, "0")
+    monkeypatch.setenv(COPY_STREAM, "0")
     assert cuda_devices([0]) == (
         None,
-        f"feedpipe's own copy streams were turned off with {SWITCH}=0",
+        f"feedpipe's own copy streams were turned off with {COPY_STREAM}=0",
     )
-    monkeypatch.setenv(SWITCH, "sometimes")
+    monkeypatch.setenv(COPY_STREAM, "sometimes")
     with pytest.raises(ValueError, match=r"FEEDPIPE_COPY_STREAM='sometimes' is neither on nor off"):
         cuda_devices([0])
 

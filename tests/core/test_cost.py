@@ -21,7 +21,16 @@ from tests.load import busy_cores
 
 
 def sample_cost(wall_ms: float, cpu_ms: float, gil_ms: float, cores: float = 2.0) -> SampleCost:
-    return SampleCost(wall_ms / 1e3, cpu_ms / 1e3, gil_ms / 1e3, 4, math.nan, math.nan, 100, cores)
+    return SampleCost(
+        wall_s=wall_ms / 1e3,
+        cpu_s=cpu_ms / 1e3,
+        gil_s=gil_ms / 1e3,
+        threads=4,
+        threads_rate=math.nan,
+        parallel_cpu=math.nan,
+        samples=100,
+        free_cores=cores,
+    )
 
 
 def spin(iterations: int) -> int:

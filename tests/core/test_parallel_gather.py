@@ -12,6 +12,7 @@ import threading
 import numpy as np
 import pytest
 
+from feedpipe.core import env
 from feedpipe.core import gather as gather_module
 from feedpipe.core.gather import GatherPool, plan_gather, row_ranges
 from feedpipe.core.producers import ThreadProducer
@@ -212,7 +213,7 @@ def test_row_ranges_cover_every_row_once_in_order():
 
 
 def test_threads_follow_the_cores_and_the_batch(monkeypatch):
-    monkeypatch.delenv(gather_module.THREADS_ENV, raising=False)
+    monkeypatch.delenv(env.GATHER_THREADS, raising=False)
     monkeypatch.setattr(gather_module, "cores", lambda: 16)
     mib = 1 << 20
     assert plan_gather(64 * mib).threads == 16
@@ -220,13 +221,13 @@ def test_threads_follow_the_cores_and_the_batch(monkeypatch):
     assert plan_gather(7 * mib + 5).threads == 3
     assert "at least 2 MiB a thread" in plan_gather(7 * mib).reason
     assert plan_gather(3 * mib).threads == 1
-    monkeypatch.setenv(gather_module.THREADS_ENV, "2")
+    monkeypatch.setenv(env.GATHER_THREADS, "2")
     assert plan_gather(64 * mib).threads == 2
     assert "FEEDPIPE_GATHER_THREADS=2" in plan_gather(64 * mib).reason
 
 
 @pytest.mark.parametrize("value", ["0", "two", "-1"])
 def test_a_bad_thread_count_in_the_environment_is_refused_naming_it(monkeypatch, value):
-    monkeypatch.setenv(gather_module.THREADS_ENV, value)
+    monkeypatch.setenv(env.GATHER_THREADS, value)
     with pytest.raises(ValueError, match=rf"FEEDPIPE_GATHER_THREADS='{value}' must be a whole"):
         plan_gather(1 << 30)

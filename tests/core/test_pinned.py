@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from feedpipe.core.pinned import SWITCH, PageLocker
+from feedpipe.core.env import PAGE_LOCK
+from feedpipe.core.pinned import PageLocker
 
 REPO = Path(__file__).resolve().parents[2]
 SLOT_BYTES = 2**20
@@ -265,7 +266,7 @@ def run_scenario(
         "load_later": load_later or [],
     }
     full_env = {**os.environ, "FAKE_CUDA_LOG": str(log), "PYTHONPATH": str(REPO)}
-    full_env.pop(SWITCH, None)
+    full_env.pop(PAGE_LOCK, None)
     full_env.pop("FAKE_CUDA_FAIL", None)
     full_env.update(env or {})
     done = subprocess.run(
@@ -373,7 +374,7 @@ def test_a_runtime_loaded_after_the_first_look_is_found_at_the_next(tmp_path, fa
 
 
 def test_the_switch_turns_page_locking_off(tmp_path, fake_cuda):
-    facts, rows = run_scenario(tmp_path, [fake_cuda["runtime"]], env={SWITCH: "0"})
+    facts, rows = run_scenario(tmp_path, [fake_cuda["runtime"]], env={PAGE_LOCK: "0"})
     assert facts["locker"][:2] == [False, "page-locking was turned off with FEEDPIPE_PAGE_LOCK=0"]
     assert facts["pool"][:3] == [False, facts["locker"][1], 0]
     assert rows == []
@@ -408,7 +409,7 @@ def test_a_library_that_is_not_loaded_is_never_loaded(tmp_path, fake_cuda):
 
 
 def test_an_unknown_switch_value_is_refused(monkeypatch):
-    monkeypatch.setenv(SWITCH, "maybe")
+    monkeypatch.setenv(PAGE_LOCK, "maybe")
     with pytest.raises(ValueError, match=r"FEEDPIPE_PAGE_LOCK='maybe' is neither on nor off"):
         PageLocker.find()
 

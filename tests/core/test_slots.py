@@ -14,12 +14,12 @@ import pytest
 
 from feedpipe.core._shm import SHM_DIR
 from feedpipe.core._sync import Stopped
+from feedpipe.core.machine import available_host_bytes
 from feedpipe.core.slots import (
     ALIGN_BYTES,
     HostSlot,
     SlotLayout,
     SlotPool,
-    available_host_bytes,
     check_host_memory,
 )
 from feedpipe.core.source import SampleSpec

@@ -244,10 +244,10 @@ def test_a_real_ctrl_c_in_any_step_leaves_a_whole_model_and_the_same_fit_goes_on
 def test_fit_on_a_feeder_gathering_arrays_in_threads_trains_as_fit_on_the_arrays(
     keras, monkeypatch
 ):
-    from feedpipe.core import gather
+    from feedpipe.core import env, gather
 
     monkeypatch.setattr(gather, "MIN_RANGE_BYTES", 1)  # a batch this small shared by threads
-    monkeypatch.setenv(gather.THREADS_ENV, "3")
+    monkeypatch.setenv(env.GATHER_THREADS, "3")
     submitted = []
     submit = gather.GatherPool.submit
     monkeypatch.setattr(gather.GatherPool, "submit", lambda *a: submitted.append(1) or submit(*a))
