@@ -7,10 +7,10 @@ over at least 3 repetitions, with the spread, as JSON in `kernels_bench/results/
 together with the environment it ran in. An absolute time means something only on a GPU.
 
 This module is that recipe; the package's other modules hold what several scripts share beyond
-it: `accelerator` and `parts` (a run on one accelerator in parts, and its bookkeeping),
-`images` (a Python image source and the peers' inputs over it), `jax_staging` and `jax_gpu`
-(the JAX GPU questions' copies, step and command) and `keras_fit` (Keras 3's fit on JAX against
-its peers).
+it: `processes` (processes on loopback ended by PID), `accelerator` and `parts` (a run on one
+accelerator in parts, and its bookkeeping), `images` (a Python image source and the peers'
+inputs over it), `jax_staging` and `jax_gpu` (the JAX GPU questions' copies, step and command)
+and `keras_fit` (Keras 3's fit on JAX against its peers).
 """
 
 from __future__ import annotations
