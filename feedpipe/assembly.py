@@ -32,6 +32,7 @@ from feedpipe.core.description import (
 from feedpipe.core.gather import GatherPlan, GatherPool, plan_gather
 from feedpipe.core.pipeline import Pipeline
 from feedpipe.core.producers import ThreadProducer, WorkerProducer
+from feedpipe.core.recorder import StatsRecorder
 from feedpipe.core.remainder import Remainder
 from feedpipe.core.sampler import Sampler
 from feedpipe.core.skips import SkipLedger
@@ -39,7 +40,6 @@ from feedpipe.core.slots import SlotLayout, SlotPool, check_host_memory
 from feedpipe.core.source import ArraySource, SampleSpec, TFDatasetSource, as_source, field_name
 from feedpipe.core.stage import HostStager, Layer
 from feedpipe.core.state import Position, Stream
-from feedpipe.core.stats import StatsRecorder
 from feedpipe.core.writer import SampleWriter, first_look
 from feedpipe.options import AUTO, FeedOptions
 

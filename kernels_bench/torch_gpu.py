@@ -149,11 +149,11 @@ def slot_transfer(dev: Device, nbytes: int, page_locked: bool) -> tuple[object, 
     """The PyTorch feeder's stager over one pooled, shared slot of `nbytes` (one float32 row),
     filled, page-locked by the pool when asked (and where the layer finds a page locker); the
     objects to keep alive and a call that stages the slot once and waits for its copy."""
+    from feedpipe.core.recorder import StatsRecorder
     from feedpipe.core.sampler import Step
     from feedpipe.core.slots import SlotLayout, SlotPool
     from feedpipe.core.source import SampleSpec
     from feedpipe.core.split import ReplicaSplit
-    from feedpipe.core.stats import StatsRecorder
     from feedpipe.torch.layer import TorchLayer
 
     layer = TorchLayer([dev.device], None, 1)
