@@ -258,7 +258,7 @@ class Assembly:
         if own_producer is not None:
             self.producer = own_producer
         elif work is not None:
-            from feedpipe.service.client import ServiceProducer
+            from feedpipe.service.producer import ServiceProducer
 
             if o.error_policy.skips:
                 raise ValueError(

@@ -116,7 +116,7 @@ def _streamed(length: int, global_batch: int, hosts: int, step: int) -> Callable
     """The producer's first plan, from `Position(1, step)` (the middle step where `step` is
     None) to its first `_start` call."""
     from feedpipe.core.state import Position
-    from feedpipe.service.client import ServiceProducer
+    from feedpipe.service.producer import ServiceProducer
 
     work = _work()
 
