@@ -3,7 +3,7 @@ an epoch, or of a restore, on one host of H?
 
 Before its first job can start, a host's service producer must know the sample indices of the
 rows that job asks for. It takes the epoch's steps from the sampler only as far as those rows
-reach (`feedpipe.service.client._Rows`); it used to list every step of the epoch first. Each
+reach (`feedpipe.service.producer._Rows`); it used to list every step of the epoch first. Each
 measurement drives the real `ServiceProducer` from `slots(Position(epoch, step), supply)` up to
 its first `_start` call, which is replaced by a recorder that stops there: no tf.data service
 runs. The sampler is `Sampler(N, B, shuffle=True, share=...)` with host 0's rows of each global
