@@ -19,10 +19,10 @@ from feedpipe.core.description import FeederDescription, describe_slots
 from feedpipe.core.gather import GatherPool
 from feedpipe.core.pipeline import Pipeline
 from feedpipe.core.producers import Producer, ThreadProducer, WorkerProducer
+from feedpipe.core.recorder import StatsRecorder
 from feedpipe.core.slots import SlotLayout, SlotPool
 from feedpipe.core.stage import HostStager, Layer
 from feedpipe.core.state import Position, Stream
-from feedpipe.core.stats import StatsRecorder
 from feedpipe.core.writer import SampleWriter, first_look
 from feedpipe.plan import FeederPlan, PlanParts
 
@@ -85,7 +85,7 @@ class Assembly:
         if plan.producer == "dali":
             return parts.own_producer
         if plan.producer == "service":
-            from feedpipe.service.client import ServiceProducer
+            from feedpipe.service.producer import ServiceProducer
 
             return ServiceProducer(parts.work, plan.description.service, self.sampler)
         gather = None

@@ -24,10 +24,11 @@ from typing import Any
 from feedpipe.assembly import Assembly
 from feedpipe.core._sync import Failure
 from feedpipe.core.pipeline import Pipeline
+from feedpipe.core.recorder import StatsRecorder
 from feedpipe.core.remainder import warn_dropped
 from feedpipe.core.sampler import EpochEnd
 from feedpipe.core.state import Position
-from feedpipe.core.stats import FeedStats, StatsRecorder
+from feedpipe.core.stats import FeedStats
 from feedpipe.keras.ledger import FitLedger
 
 

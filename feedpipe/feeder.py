@@ -21,9 +21,10 @@ from feedpipe.assembly import Assembly
 from feedpipe.consumer import Consumer
 from feedpipe.core.cost import SampleCost
 from feedpipe.core.description import FeederDescription
+from feedpipe.core.recorder import StatsRecorder
 from feedpipe.core.source import SampleSpec
 from feedpipe.core.stage import Layer
-from feedpipe.core.stats import FeedStats, StatsRecorder
+from feedpipe.core.stats import FeedStats
 from feedpipe.options import FeedOptions
 from feedpipe.plan import plan_feeder
 

@@ -95,14 +95,8 @@ import contextlib
 import gc
 import hashlib
 import itertools
-import os
-import re
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -112,6 +106,7 @@ import numpy as np
 
 from kernels_bench import harness
 from kernels_bench.harness import OtherLoad
+from kernels_bench.harness.processes import Servers, deadline
 
 EXAMPLES = harness.REPO_DIR / "examples"
 GLOBAL_BATCH = 64
@@ -173,16 +168,8 @@ METRICS = (
     "exact",
 )
 LOCAL_WARMUP_BATCHES = 3
-READY_DEADLINE_S = 120.0
-"""How long the servers may take to say they serve: 5 TensorFlow imports at once on 2 cores."""
-STOP_GRACE_S = 10.0
-"""How long the servers have to exit on SIGTERM before they are killed."""
-POLL_S = 0.1
 SETTLE_S = 1.0
 """Pause after each peer, so that a job it left behind ends before the next peer is timed."""
-
-_DISPATCHER_READY = re.compile(r"serving the tf\.data service at grpc://localhost:(\d+)")
-_WORKER_READY = re.compile(r"serving tf\.data service work at localhost:\d+ \(port (\d+)\)")
 
 
 # ---- the transform -----------------------------------------------------------------------------
@@ -202,150 +189,6 @@ def augment(sample, seed):
     image = tf.image.resize(image, (OUT_SIZE, OUT_SIZE))
     image = tf.image.stateless_random_flip_left_right(image, flip_seed)
     return image / 255.0, label, index
-
-
-# ---- the service's processes ------------------------------------------------------------------
-
-
-class Servers:
-    """The tf.data service processes this script starts: dispatchers and workers on loopback,
-    each a `python -m feedpipe service` process whose output goes to a log file (never a pipe a
-    hung server could hold). `stop()` ends every one of them by PID."""
-
-    def __init__(self, logs: Path):
-        self.logs = logs
-        self.processes: list[subprocess.Popen] = []
-        self._lock = threading.Lock()
-        self._env = {
-            **os.environ,
-            "TF_CPP_MIN_LOG_LEVEL": "2",
-            "CUDA_VISIBLE_DEVICES": "",
-            "PYTHONPATH": os.pathsep.join(
-                filter(None, [str(harness.REPO_DIR), os.environ.get("PYTHONPATH")])
-            ),
-        }
-
-    def start(self, role: str, args: list[str]) -> subprocess.Popen:
-        """Starts `python -m feedpipe service ROLE ARGS`; `wait_serving` waits for it."""
-        with self._lock:
-            log = self.logs / f"{role}-{len(self.processes)}.log"
-            with open(log, "w") as out:
-                process = subprocess.Popen(
-                    [sys.executable, "-m", "feedpipe", "service", role, *args],
-                    cwd=harness.REPO_DIR,
-                    env=self._env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                )
-            process.log = log  # type: ignore[attr-defined]
-            process.role = role  # type: ignore[attr-defined]
-            self.processes.append(process)
-            return process
-
-    def clusters(self, worker_counts: tuple[int, ...]) -> dict[int, str]:
-        """Starts one dispatcher per entry with that many workers, all at once, and waits until
-        every one serves; returns each cluster's `grpc://localhost:PORT` by worker count."""
-        addresses, started = {}, []
-        for count in worker_counts:
-            port = free_loopback_port()
-            addresses[count] = f"grpc://localhost:{port}"
-            started.append(self.start("dispatcher", ["--port", str(port)]))
-            worker_args = ["--dispatcher", f"localhost:{port}", "--port", "0"]
-            worker_args += ["--worker-address", "localhost:%port%"]
-            started += [self.start("worker", worker_args) for _ in range(count)]
-        self.wait_serving(started)
-        return addresses
-
-    def wait_serving(self, started: list[subprocess.Popen]) -> None:
-        """Waits until each of `started` says it serves, up to `READY_DEADLINE_S`."""
-        ready = {"dispatcher": _DISPATCHER_READY, "worker": _WORKER_READY}
-        deadline = time.monotonic() + READY_DEADLINE_S
-        waiting = list(started)
-        while waiting:
-            for process in list(waiting):
-                if ready[process.role].search(process.log.read_text(errors="replace")):
-                    waiting.remove(process)
-                elif process.poll() is not None:
-                    raise RuntimeError(
-                        f"`feedpipe service` (pid {process.pid}) exited with "
-                        f"{process.returncode} before serving:\n{_tail(process)}"
-                    )
-            if waiting and time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"`feedpipe service` did not serve within {READY_DEADLINE_S:.0f} s:\n"
-                    + "\n".join(_tail(p) for p in waiting)
-                )
-            time.sleep(POLL_S)
-
-    def pids(self, role: str) -> list[int]:
-        """The process ids of the servers of `role`, in the order they were started."""
-        return [p.pid for p in self.processes if p.role == role]  # type: ignore[attr-defined]
-
-    def cpu_s(self, role: str) -> float:
-        """CPU-seconds the servers of `role` ("dispatcher" or "worker") have used."""
-        import psutil
-
-        total = 0.0
-        for process in self.processes:
-            if process.role != role:  # type: ignore[attr-defined]
-                continue
-            with contextlib.suppress(psutil.Error):
-                times = psutil.Process(process.pid).cpu_times()
-                total += times.user + times.system
-        return total
-
-    def stop(self) -> None:
-        """SIGTERM to every server still running, SIGKILL to any left after the grace; waits
-        for each. Idempotent."""
-        with self._lock:
-            running = [p for p in self.processes if p.poll() is None]
-            for process in running:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(process.pid, signal.SIGTERM)
-            deadline = time.monotonic() + STOP_GRACE_S
-            for process in running:
-                try:
-                    process.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(process.pid, signal.SIGKILL)
-                    process.wait()
-
-
-def _tail(process: subprocess.Popen) -> str:
-    return process.log.read_text(errors="replace")[-2000:]  # type: ignore[attr-defined]
-
-
-def free_loopback_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@contextlib.contextmanager
-def deadline(seconds: float, servers: Servers) -> Iterator[None]:
-    """Past `seconds`, stops every server and ends this process (exit 2): a read blocked inside
-    TensorFlow cannot be interrupted otherwise."""
-
-    def expire() -> None:
-        print(
-            f"data_service: the run passed --deadline-s={seconds:.0f}; stopping every server "
-            "started and exiting.",
-            file=sys.stderr,
-            flush=True,
-        )
-        servers.stop()
-        os._exit(2)
-
-    timer = threading.Timer(seconds, expire)
-    timer.name = "data-service-deadline"
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
 
 
 # ---- the peers ---------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ from pathlib import Path
 import numpy as np
 
 from kernels_bench import harness
-from kernels_bench.data_service import Servers, deadline, free_loopback_port
+from kernels_bench.harness.processes import Servers, deadline, free_loopback_port
 
 WORKERS = 4
 GLOBAL_BATCH = 256

@@ -2,8 +2,10 @@
 # The GPU checks as one command of about 6 minutes, for a lent GPU machine (JAX and PyTorch, no
 # TensorFlow, no package index), from the repository root with `.whl` carried (see the
 # docstring of kernels_bench/gpu.py for the wheels):
-#   jax:     installs the wheels, runs the JAX GPU tests, then kernels_bench.gpu (extra
-#            arguments go to it; about 4 minutes at 4 repetitions);
+#   jax:     installs the wheels, runs the JAX GPU tests, then kernels_bench.gpu: the questions
+#            of gpu_copy.py, gpu_busy.py, gpu_rs.py and gpu_fit.py in one process, into
+#            gpu.json (extra arguments go to it, e.g. --parts rs; about 4 minutes at 4
+#            repetitions);
 #   torch:   runs the PyTorch GPU tests, then kernels_bench.torch_gpu ($TORCH_GPU_ARGS go to
 #            it; about 2 minutes);
 #   startup: kernels_bench.startup with 8 workers (the first batch against PyDataset's, a

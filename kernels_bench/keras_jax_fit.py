@@ -1,15 +1,15 @@
 """On CPU JAX, does Keras 3's `model.fit(feeder)` train from a Python source at least as fast as
 `fit` on a `PyDataset` with worker processes and on Grain?
 
-The same comparison as the fit part of `kernels_bench/gpu.py` (its `run_fit_comparison`), on
+The same comparison as `kernels_bench/gpu_fit.py` (`harness.keras_fit.run_fit_comparison`), on
 this machine's CPU under `KERAS_BACKEND=jax`, with the workers scaled to the cores:
 
 * the model: a convnet (4 stride-2 3x3 convolutions, 32-256 channels, global pooling, dense 10;
   SGD, sparse cross-entropy from logits) on `--batch` x `--shape` float32 images (64 x 32x32x3);
-* the source: a map-style Python object (`gpu.ImageSource`) whose `__getitem__` holds the GIL
-  in a Python loop and builds the image, its cost calibrated, after the step's own time on
-  arrays is measured, to `--source-over-step` (2) times that step per batch: run serially, the
-  source, not the model, is the bottleneck;
+* the source: a map-style Python object (`harness.images.ImageSource`) whose `__getitem__`
+  holds the GIL in a Python loop and builds the image, its cost calibrated, after the step's
+  own time on arrays is measured, to `--source-over-step` (2) times that step per batch: run
+  serially, the source, not the model, is the bottleneck;
 * the peers, each one `fit` of `--epochs` (3) epochs of `--steps` (24) steps, on one model
   (compiled for each input structure before the repetitions), in rotating order in each of
   `--reps` rounds: `fit(x, y)` on the same images in memory (no source cost: the ceiling),
@@ -30,7 +30,7 @@ model's step and the workers share the CPU, so fit(x, y) is out of reach for eve
 round also records `other_cores` (CPU used by other processes on the machine meanwhile).
 
 A second case, a fast source (`--fast-source-over-step`, 0.25 of the step per batch, which the
-workers outrun), runs fit(x, y) and fit(feeder) alone, as `gpu.py`'s fast source case does.
+workers outrun), runs fit(x, y) and fit(feeder) alone, as `gpu_fit.py`'s fast source case does.
 Every timed fit(feeder) is a second fit in the process (the warm-up fitted first); target: its
 first epoch, start-up included, <= 1.2x fit(x, y)'s (`feedpipe_epoch1_s_over_arrays`, the
 issue's target on a GPU). Every session counts the train step's compilations
@@ -38,8 +38,9 @@ issue's target on a GPU). Every session counts the train step's compilations
 
 Run: `KERAS_BACKEND=jax python -m kernels_bench.keras_jax_fit [--quick]`; writes
 `kernels_bench/results/keras_jax_fit.json`. No TensorFlow is imported (checked at the end).
-This module, like `gpu.py`, imports only numpy and the standard library at the top: feedpipe's
-worker processes unpickle the source from `kernels_bench.gpu` and never import a framework.
+This module, like `gpu_fit.py`, imports only numpy and the standard library at the top:
+feedpipe's worker processes unpickle the source from `kernels_bench.harness.images` and never
+import a framework.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ import argparse
 import os
 import sys
 
-from kernels_bench import gpu, harness
+from kernels_bench import harness
+from kernels_bench.harness.jax_gpu import configure_environment
+from kernels_bench.harness.keras_fit import run_fit_comparison, target_second_fit
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -74,7 +77,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv=None) -> None:
-    gpu.configure_environment()
+    configure_environment()
     settings = harness.parse_settings(__doc__, add_args, argv)
     args = settings.args
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -90,7 +93,7 @@ def main(argv=None) -> None:
     )
     report.command = "KERAS_BACKEND=jax " + report.command
     case = "keras jax fit, cpu"
-    params = gpu.run_fit_comparison(
+    params = run_fit_comparison(
         report,
         settings,
         case=case,
@@ -109,7 +112,7 @@ def main(argv=None) -> None:
             )
     if args.fast_source_over_step:
         fast = "keras jax fit, fast source, cpu"
-        gpu.run_fit_comparison(
+        run_fit_comparison(
             report,
             settings,
             case=fast,
@@ -121,7 +124,7 @@ def main(argv=None) -> None:
             sample_s=lambda step_s: args.fast_source_over_step * step_s / args.batch,
             peers=["arrays", "feedpipe"],
         )
-        gpu.target_second_fit(report, fast)
+        target_second_fit(report, fast)
     report.note(
         "Each peer's input is built inside its timed fit call; epoch1 = from calling fit to the "
         "end of its first epoch (start-up included), steady = the epochs after the first. One "

@@ -3,7 +3,7 @@ an epoch, or of a restore, on one host of H?
 
 Before its first job can start, a host's service producer must know the sample indices of the
 rows that job asks for. It takes the epoch's steps from the sampler only as far as those rows
-reach (`feedpipe.service.client._Rows`); it used to list every step of the epoch first. Each
+reach (`feedpipe.service.producer._Rows`); it used to list every step of the epoch first. Each
 measurement drives the real `ServiceProducer` from `slots(Position(epoch, step), supply)` up to
 its first `_start` call, which is replaced by a recorder that stops there: no tf.data service
 runs. The sampler is `Sampler(N, B, shuffle=True, share=...)` with host 0's rows of each global
@@ -116,7 +116,7 @@ def _streamed(length: int, global_batch: int, hosts: int, step: int) -> Callable
     """The producer's first plan, from `Position(1, step)` (the middle step where `step` is
     None) to its first `_start` call."""
     from feedpipe.core.state import Position
-    from feedpipe.service.client import ServiceProducer
+    from feedpipe.service.producer import ServiceProducer
 
     work = _work()
 

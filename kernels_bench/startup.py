@@ -64,7 +64,7 @@ import numpy as np
 
 from kernels_bench import harness
 from kernels_bench.gil_source import GilSource, Holding, make_batch
-from kernels_bench.gpu import grain_dataset, have_grain
+from kernels_bench.harness.images import grain_dataset, have_grain
 
 PEERS = ("feedpipe", "feedpipe_ahead", "pydataset", "grain", "floor")
 HELD = ("bare_first", "held_first", "bare_second", "held_second", "frozen_second", "fresh_pages")

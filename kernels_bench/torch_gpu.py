@@ -21,9 +21,9 @@ one run, peers in rotating order in each repetition, medians over repetitions:
   enqueued without waiting, as a training loop does; the clock stops when
   `torch.cuda.synchronize()` returns after the last one. Targets: R/S >= 0.98 with the 30 ms
   step, >= 0.95 with the 5 ms step.
-* train: the same kind of model as `gpu.py`'s fit part in torch (4 stride-2 3x3 convolutions,
+* train: the same kind of model as `gpu_fit.py`'s in torch (4 stride-2 3x3 convolutions,
   32-256 channels, ReLU, global average pooling, linear 10; channels-last; SGD,
-  cross-entropy) on `--batch` (256) x 96x96x3 float32 images from `gpu.ImageSource`, a
+  cross-entropy) on `--batch` (256) x 96x96x3 float32 images from `harness.images.ImageSource`, a
   map-style Python source whose `__getitem__` costs about `--batch-ms` / B of GIL-holding CPU
   (34 ms a batch), `--steps` (48) steps an epoch, `--epochs` (3) per session, each session a
   fresh loader built inside the timed window. Peers: `resident` (the step on batches already on
@@ -40,7 +40,8 @@ one run, peers in rotating order in each repetition, medians over repetitions:
 
 Persistent workers are the strong peer for the steady state (no new pool each epoch); their
 first epoch is DataLoader's default's. feedpipe's workers are spawned interpreters that import
-numpy and `kernels_bench.gpu` (numpy and the standard library at the top), never torch.
+numpy and `kernels_bench.harness.images` (numpy and the standard library at the top), never
+torch.
 
 Run on the GPU machine (PyTorch with CUDA; no JAX, TensorFlow or Keras needed; torchdata only
 for the `stateful` peer: where it is not installed, carry its wheel, pure Python, in `.whl`
@@ -73,23 +74,22 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from kernels_bench import harness, torch_cpu
-from kernels_bench.gpu import (
-    CONV_WIDTHS,
-    NUM_CLASSES,
-    SAMPLE_SHAPE,
-    ImageSource,
+from kernels_bench.harness.accelerator import (
     Report,
     add_copy_rs_args,
+    command_line,
+    nvidia_smi,
+    page_locker_info,
+    parse_run,
+)
+from kernels_bench.harness.images import CONV_WIDTHS, NUM_CLASSES, SAMPLE_SHAPE, ImageSource
+from kernels_bench.harness.parts import (
     add_rs_case,
     calibrate_repeat,
-    command_line,
     copies_per_rep,
     copy_reps,
     epoch_metrics,
     feeder_params,
-    nvidia_smi,
-    page_locker_info,
-    parse_run,
     rs_reps,
     session_params,
     session_reps,
@@ -149,11 +149,11 @@ def slot_transfer(dev: Device, nbytes: int, page_locked: bool) -> tuple[object, 
     """The PyTorch feeder's stager over one pooled, shared slot of `nbytes` (one float32 row),
     filled, page-locked by the pool when asked (and where the layer finds a page locker); the
     objects to keep alive and a call that stages the slot once and waits for its copy."""
+    from feedpipe.core.recorder import StatsRecorder
     from feedpipe.core.sampler import Step
     from feedpipe.core.slots import SlotLayout, SlotPool
     from feedpipe.core.source import SampleSpec
     from feedpipe.core.split import ReplicaSplit
-    from feedpipe.core.stats import StatsRecorder
     from feedpipe.torch.layer import TorchLayer
 
     layer = TorchLayer([dev.device], None, 1)
@@ -378,7 +378,7 @@ def run_rs(report: Report, settings: harness.Settings, dev: Device, step_ms: flo
 
 
 class ConvStep:
-    """An SGD step of `gpu.py`'s fit model, in torch: NHWC batches, channels-last convolutions."""
+    """An SGD step of `gpu_fit.py`'s model, in torch: NHWC batches, channels-last convolutions."""
 
     def __init__(self, dev: Device, seed: int):
         torch = dev.torch

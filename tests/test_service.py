@@ -29,6 +29,7 @@ from feedpipe._internals.tf import dataset_graph
 from feedpipe.core.handoff import Handoff
 from feedpipe.core.source import as_source
 from feedpipe.service import client as service_module
+from feedpipe.service import producer as producer_module
 from tests.service_cluster import service_cluster
 from tests.test_fit_checkpoints import InterruptAfter
 
@@ -397,7 +398,7 @@ def at_the_first_rows(monkeypatch, act) -> list[float]:
     """Calls `act()` once, as the feeder reads the service's first rows, and returns a list
     that then holds when (`time.monotonic`). Acting after the first step instead, on a loaded
     machine the service had sometimes made every row of the epoch by then."""
-    acted, arrived = [], service_module._Rows.arrived
+    acted, arrived = [], producer_module._Rows.arrived
 
     def acting(rows, positions, leaves):
         if not acted:
@@ -405,7 +406,7 @@ def at_the_first_rows(monkeypatch, act) -> list[float]:
             acted.append(time.monotonic())
         return arrived(rows, positions, leaves)
 
-    monkeypatch.setattr(service_module._Rows, "arrived", acting)
+    monkeypatch.setattr(producer_module._Rows, "arrived", acting)
     return acted
 
 
@@ -414,7 +415,7 @@ def test_a_service_worker_killed_mid_epoch_loses_no_row(tmp_path, devices, monke
     8 rows, so that it is mid-epoch): the rows it held never come and its job never ends
     (TensorFlow 2.21), so once no row came for STALL_S the feeder asks a new job for the
     missing rows; the epoch is still each sample once, in the local order and values."""
-    monkeypatch.setattr(service_module, "STALL_S", 2.0)
+    monkeypatch.setattr(producer_module, "STALL_S", 2.0)
     monkeypatch.setattr(service_module, "ROWS_PER_ELEMENT", 8)
     ports = []
 
@@ -454,14 +455,14 @@ def test_a_stopped_service_worker_keeps_the_rows_held_bounded_and_loses_no_row(
         resume.start()
 
     at_the_first_rows(monkeypatch, stop)
-    held, arrived = [], service_module._Rows.arrived
+    held, arrived = [], producer_module._Rows.arrived
 
     def counted(rows, positions, leaves):
         kept = arrived(rows, positions, leaves)
         held.append(len(rows.kept))
         return kept
 
-    monkeypatch.setattr(service_module._Rows, "arrived", counted)
+    monkeypatch.setattr(producer_module._Rows, "arrived", counted)
     expected = local_stream(256, devices)
     with service_cluster(workers=2, logs=tmp_path) as cluster:
         victim = cluster.workers[0].pid
@@ -589,7 +590,7 @@ def test_a_dispatcher_restarted_mid_epoch_loses_no_row(tmp_path, devices, monkey
     """The dispatcher SIGKILLed after step 1 and started again at its address: with a journal
     it knows its jobs again; without one it has forgotten them (TensorFlow raises NotFound) and
     the feeder asks a new job for the rows it is owed. Either way each sample comes once."""
-    monkeypatch.setattr(service_module, "STALL_S", 2.0)
+    monkeypatch.setattr(producer_module, "STALL_S", 2.0)
     expected = local_stream(256, devices)
     work_dir = tmp_path / "journal" if journal else None
     with service_cluster(workers=2, logs=tmp_path, work_dir=work_dir) as cluster:
@@ -608,8 +609,8 @@ def test_a_dispatcher_lost_for_good_fails_within_the_bound(tmp_path, devices, mo
     """No row for DISPATCHER_LOST_S while the dispatcher does not answer: a ConnectionError
     naming it and the step, after whole batches only; never a hang, never a short epoch. The
     dispatcher is killed as the feeder reads the first rows (see `at_the_first_rows`)."""
-    monkeypatch.setattr(service_module, "STALL_S", 1.0)
-    monkeypatch.setattr(service_module, "DISPATCHER_LOST_S", 4.0)
+    monkeypatch.setattr(producer_module, "STALL_S", 1.0)
+    monkeypatch.setattr(producer_module, "DISPATCHER_LOST_S", 4.0)
     killed = at_the_first_rows(monkeypatch, lambda: cluster.kill_dispatcher())
     expected = local_stream(256, devices)
     with service_cluster(workers=2, logs=tmp_path) as cluster:
@@ -634,8 +635,8 @@ def test_a_dispatcher_that_stops_answering_fails_within_the_bound(tmp_path, devi
     new jobs without end. A timer starts it again after 40 s, so a feeder that waits for it
     goes on and the test fails instead of hanging. It is stopped as the feeder reads the first
     rows (see `at_the_first_rows`)."""
-    monkeypatch.setattr(service_module, "STALL_S", 1.0)
-    monkeypatch.setattr(service_module, "DISPATCHER_LOST_S", 4.0)
+    monkeypatch.setattr(producer_module, "STALL_S", 1.0)
+    monkeypatch.setattr(producer_module, "DISPATCHER_LOST_S", 4.0)
 
     def stop():
         os.kill(pid, signal.SIGSTOP)
@@ -701,9 +702,9 @@ def test_rows_of_another_job_served_under_a_reused_task_number_are_left_out():
             tagged = (job << service_module.JOB_SHIFT) | np.array(tags, np.int64)
             yield tf.constant(tagged), tf.constant(np.array(tags, np.float32) * 10)
 
-    job = service_module._Job(served, positions)
+    job = producer_module._Job(served, positions)
     items = []
-    while (item := job.get()) is not service_module._Job.END:
+    while (item := job.get()) is not producer_module._Job.END:
         if item is not None:
             items.append([value.tolist() for value in item])
     job.thread.join(5.0)
@@ -735,7 +736,7 @@ def test_rows_of_another_job_served_under_a_reused_task_number_are_left_out():
 def test_a_job_forgotten_by_a_restarted_dispatcher_is_told_from_the_transforms_errors(
     message, forgotten
 ):
-    assert service_module._forgotten(tf.errors.NotFoundError(None, None, message)) is forgotten
+    assert producer_module._forgotten(tf.errors.NotFoundError(None, None, message)) is forgotten
 
 
 def test_a_file_the_transform_cannot_find_reaches_the_loop_and_is_not_asked_again(
@@ -745,7 +746,7 @@ def test_a_file_the_transform_cannot_find_reaches_the_loop_and_is_not_asked_agai
     error: it reaches the loop naming the file, from the first job (a job a restarted
     dispatcher forgot would be asked for again, for up to DISPATCHER_LOST_S without a row),
     and no job's reader is left behind."""
-    monkeypatch.setattr(service_module, "DISPATCHER_LOST_S", 5.0)
+    monkeypatch.setattr(producer_module, "DISPATCHER_LOST_S", 5.0)
     paths = [tmp_path / f"{index}.txt" for index in range(16)]
     for path in paths[:11] + paths[12:]:
         path.write_text(path.stem)

@@ -15,6 +15,7 @@ from feedpipe.core.source import ArraySource, SampleSpec
 from feedpipe.core.split import ReplicaSplit
 from feedpipe.core.state import Position
 from feedpipe.service import client as service_module
+from feedpipe.service import producer as producer_module
 
 BILLION = 10**9
 GLOBAL_BATCH = 4096
@@ -64,7 +65,7 @@ def first_job(sampler: Sampler, start: Position) -> tuple[np.ndarray, np.ndarray
     asks for from `start` (no service: its start is recorded instead), and its rows a job."""
     features = np.zeros((1, 3), np.float32)
     work = service_module.ServiceWork(ArraySource((features, np.zeros(1, np.int64))), None, 0)
-    producer = service_module.ServiceProducer(work, "grpc://localhost:0", sampler)
+    producer = producer_module.ServiceProducer(work, "grpc://localhost:0", sampler)
     asked = []
 
     def record(indices, epoch, positions):
@@ -101,7 +102,7 @@ def value(indices: np.ndarray) -> np.ndarray:
     return indices * 10 + 1
 
 
-def served(rows: service_module._Rows, samples: np.ndarray, job_rows: int, seed: int):
+def served(rows: producer_module._Rows, samples: np.ndarray, job_rows: int, seed: int):
     """Plays a service against `rows` until its epoch is handed on, and returns what it handed
     on (each step and its slot's values, the slot then given back: the consumer takes each step at
     once), the most rows it kept outside the slots, and how many jobs sent rows too far ahead.
@@ -145,7 +146,7 @@ def test_rows_in_any_order_are_handed_on_once_each_in_the_plans_order(start, job
     sampler = Sampler(103, 8, shuffle=True, seed=4)
     plan = list(sampler.steps(1, start))
     pool = Pool(8, 3)
-    rows = service_module._Rows(sampler.steps(1, start), pool, window=2, held=held)
+    rows = producer_module._Rows(sampler.steps(1, start), pool, window=2, held=held)
     samples = np.concatenate([step.rows for step in plan])
     got, most_kept, too_far = served(rows, samples, job_rows, seed=start + job_rows)
     assert [step.index for step, _ in got] == list(range(start, len(sampler)))

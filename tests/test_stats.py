@@ -9,13 +9,8 @@ import time
 import pytest
 
 import feedpipe as fp
-from feedpipe.core.stats import (
-    HIGH_FRACTION,
-    MODERATE_FRACTION,
-    STARTUP_STEPS,
-    StatsRecorder,
-    verdict,
-)
+from feedpipe.core.recorder import StatsRecorder
+from feedpipe.core.stats import HIGH_FRACTION, MODERATE_FRACTION, STARTUP_STEPS, verdict
 from tests.fakes import SlowSource, index_arrays
 
 

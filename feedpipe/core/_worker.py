@@ -140,7 +140,7 @@ def pack_error(error: BaseException) -> bytes:
 
 def code_at(filename: str, make, args: tuple):
     """The code object `make(*args)` with `co_filename` set to `filename`: how code sent by
-    value arrives (see `feedpipe.core.workers.dumps`), so a traceback here names the user's
+    value arrives (see `feedpipe.core.pickling.dumps`), so a traceback here names the user's
     file and line, and `linecache` shows the line's text."""
     return make(*args).replace(co_filename=filename)
 

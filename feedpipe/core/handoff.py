@@ -14,8 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from feedpipe.core._sync import WAIT_SLICE_S, Failure, Stopped, Wakeup
+from feedpipe.core.recorder import StatsRecorder
 from feedpipe.core.sampler import EpochEnd
-from feedpipe.core.stats import StatsRecorder
 
 
 class Handoff:

@@ -16,10 +16,10 @@ from typing import Any
 from feedpipe.core._sync import WAIT_SLICE_S, Failure, Stopped, join_within
 from feedpipe.core.handoff import Handoff
 from feedpipe.core.producers import Producer
+from feedpipe.core.recorder import StatsRecorder
 from feedpipe.core.sampler import EpochEnd
 from feedpipe.core.slots import HostSlot, SlotPool
 from feedpipe.core.state import Position
-from feedpipe.core.stats import StatsRecorder
 
 
 class _Supply:

@@ -19,11 +19,11 @@ import numpy as np
 
 from feedpipe.core.agreement import Tally
 from feedpipe.core.copy_engine import CopyPath
+from feedpipe.core.recorder import StatsRecorder
 from feedpipe.core.sampler import Step
 from feedpipe.core.slots import SlotLayout
 from feedpipe.core.source import LeafSpec, SampleSpec
 from feedpipe.core.split import HostShare
-from feedpipe.core.stats import StatsRecorder
 
 _DLPACK_CPU = 1
 """DLPack's device type of host memory (kDLCPU)."""

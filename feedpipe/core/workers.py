@@ -5,9 +5,9 @@ interpreter and GIL, and write samples straight into host slots shared with them
 never travels through a pipe. They are spawned interpreters (`python -m feedpipe.core._worker`),
 not forks of a process that runs TensorFlow, and they see no GPU; a feeder adopts the idle ones
 an earlier feeder gave back (`feedpipe.core.warm`) and starts the rest. Their source and
-`transform` are sent pickled with cloudpickle (`dumps`, which keeps their file names for
-tracebacks), which carries functions and classes defined in `__main__` by value; numpy arrays
-inside them go out of band into read-only shared files that every worker maps
+`transform` are sent pickled with cloudpickle (`feedpipe.core.pickling`, which keeps their file
+names for tracebacks), which carries functions and classes defined in `__main__` by value;
+numpy arrays inside them go out of band into read-only shared files that every worker maps
 (`feedpipe.core._arrays`), so N workers do not hold N copies of an array dataset. Even sample
 0, which tells the feeder what a sample looks like, is read by a worker, and so are a
 PyDataset's first and last batches, which tell its batch size and length: a source that
@@ -24,10 +24,8 @@ closes), and so is a dead thread.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import ctypes
-import io
 import os
 import pickle
 import queue
@@ -35,23 +33,21 @@ import signal
 import subprocess
 import sys
 import threading
-import types
 import warnings
 import weakref
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import send_handle
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
-import cloudpickle
 import numpy as np
 
 from feedpipe.core import warm
-from feedpipe.core._arrays import Shared, share
 from feedpipe.core._shm import SharedBuffer, remove_orphans
 from feedpipe.core._sync import WAIT_SLICE_S, Watchdog, join_within
-from feedpipe.core._worker import TaskRunner, code_at
+from feedpipe.core._worker import TaskRunner
+from feedpipe.core.pickling import check_picklable as check_picklable
+from feedpipe.core.pickling import pack
 from feedpipe.core.slots import HostSlot
-from feedpipe.core.text import shown
 from feedpipe.core.writer import Skip
 
 SPEC_TASK = -1
@@ -71,62 +67,6 @@ class Reply(NamedTuple):
     kind: str
     task: int
     value: Any
-
-
-def _reduce_code(code: types.CodeType) -> tuple:
-    make, args = cloudpickle.Pickler.dispatch_table[types.CodeType](code)
-    return code_at, (code.co_filename, make, args)
-
-
-class _Pickler(cloudpickle.Pickler):
-    """cloudpickle's pickler, keeping the file of each code object it sends by value.
-
-    cloudpickle sends functions and classes defined in `__main__` (a script, a notebook) by
-    value, and since version 3 writes each code object's `co_filename` as "<dynamic-code>" so
-    that its payload does not depend on where the code was defined; a worker's traceback would
-    then show `File "<dynamic-code>"` where the user's own line is."""
-
-    dispatch_table: ClassVar = collections.ChainMap(
-        {types.CodeType: _reduce_code}, cloudpickle.Pickler.dispatch_table
-    )
-
-
-def dumps(value: Any, protocol: int | None = None, buffer_callback: Any = None) -> bytes:
-    """`value` pickled as `cloudpickle.dumps` pickles it, each code object keeping its file."""
-    with io.BytesIO() as file:
-        _Pickler(file, protocol=protocol, buffer_callback=buffer_callback).dump(value)
-        return file.getvalue()
-
-
-def check_picklable(name: str, value: Any) -> None:
-    """Refuses, up front, a `source` or `transform` that cannot be sent to worker processes.
-
-    Large buffers (numpy arrays) are left out of band, as `_pack` sends them: checking a source
-    holding 1 GB of arrays copies none of it."""
-    try:
-        dumps(value, protocol=5, buffer_callback=_out_of_band)
-    except Exception as error:
-        raise TypeError(
-            f"`{name}` cannot be sent to worker processes: pickling it failed with "
-            f"{type(error).__name__}: {shown(error)}. Build it from picklable parts (open "
-            "files, locks and connections inside the worker, on first use), or pass "
-            'worker_mode="thread" or workers=0.'
-        ) from error
-
-
-def _out_of_band(buffer: pickle.PickleBuffer) -> bool:
-    return False  # false: the buffer is left out of the pickle
-
-
-def _pack(setup: dict) -> tuple[bytes, Shared | None]:
-    """The setup pickled, with its large arrays moved out of band into shared files, which
-    every worker maps read-only: N workers, one copy (see `feedpipe.core._arrays`)."""
-    buffers: list[pickle.PickleBuffer] = []
-    payload = dumps(setup, protocol=5, buffer_callback=buffers.append)
-    if not buffers:
-        return payload, None
-    keep_s = warm.idle_s() if warm.capacity() else None
-    return payload, share([buffer.raw() for buffer in buffers], keep_s)
 
 
 def _idle_status(status: np.ndarray) -> np.ndarray:
@@ -280,7 +220,7 @@ class ProcessWorkers(_Pool):
         self._finalizer = weakref.finalize(self, warm.stop, self._spawned)
         if (on_open := getattr(_opening, "watcher", None)) is not None:
             on_open(self)
-        payload, data = _pack(setup)
+        payload, data = pack(setup)
         # None, not [] or 0 bytes, says no files follow: arrays may all be empty.
         data_sizes = None if data is None else data.sizes
         spans = [] if data is None else data.spans

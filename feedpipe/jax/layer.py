@@ -46,12 +46,12 @@ from feedpipe.core.copy_engine import (
 )
 from feedpipe.core.dlpack import Export
 from feedpipe.core.pinned import page_locker
+from feedpipe.core.recorder import StatsRecorder
 from feedpipe.core.sampler import Step
 from feedpipe.core.slots import SlotLayout, aligned_copy
 from feedpipe.core.source import SampleSpec
 from feedpipe.core.split import HostShare
 from feedpipe.core.stage import Imported, MaskCache, Narrowing, refuse_unstageable
-from feedpipe.core.stats import StatsRecorder
 from feedpipe.jax import agreement
 from feedpipe.jax.batch import Batch
 

@@ -33,12 +33,12 @@ from feedpipe.core._sync import poll_then_sleep
 from feedpipe.core.agreement import Tally
 from feedpipe.core.copy_engine import NO_COPY, CopyPath, LinkRate
 from feedpipe.core.pinned import page_locker
+from feedpipe.core.recorder import StatsRecorder
 from feedpipe.core.sampler import Step
 from feedpipe.core.slots import SlotLayout
 from feedpipe.core.source import SampleSpec
 from feedpipe.core.split import HostShare
 from feedpipe.core.stage import Imported, MaskCache, refuse_unstageable
-from feedpipe.core.stats import StatsRecorder
 from feedpipe.torch import agreement
 from feedpipe.torch.batch import Batch
 

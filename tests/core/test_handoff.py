@@ -10,8 +10,8 @@ import types
 import pytest
 
 from feedpipe.core import handoff as module
+from feedpipe.core.recorder import StatsRecorder
 from feedpipe.core.sampler import EpochEnd
-from feedpipe.core.stats import StatsRecorder
 
 
 def a_batch(num_valid: int = 4):

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from feedpipe.core import skips
+from feedpipe.core.pickling import dumps
 from feedpipe.core.sampler import Step
 from feedpipe.core.skips import (
     MESSAGE_CHARS,
@@ -23,7 +24,6 @@ from feedpipe.core.skips import (
     describe,
 )
 from feedpipe.core.state import Position
-from feedpipe.core.workers import dumps
 
 
 def test_a_skipped_row_is_masked_and_not_counted_wherever_it_lies():

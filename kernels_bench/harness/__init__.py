@@ -5,6 +5,12 @@ of one question side by side in each repetition, turn each repetition into ratio
 and noise from other work on the machine cancel within the repetition), and report the median
 over at least 3 repetitions, with the spread, as JSON in `kernels_bench/results/<name>.json`
 together with the environment it ran in. An absolute time means something only on a GPU.
+
+This module is that recipe; the package's other modules hold what several scripts share beyond
+it: `processes` (processes on loopback ended by PID), `accelerator` and `parts` (a run on one
+accelerator in parts, and its bookkeeping), `images` (a Python image source and the peers'
+inputs over it), `jax_staging` and `jax_gpu` (the JAX GPU questions' copies, step and command)
+and `keras_fit` (Keras 3's fit on JAX against its peers).
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-REPO_DIR = Path(__file__).resolve().parent.parent
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
+REPO_DIR = Path(__file__).resolve().parent.parent.parent
 
 MIN_REPS = 3
 """Fewest repetitions a median is taken over (DESIGN.md, Metrics)."""
