@@ -39,6 +39,12 @@ ENTRY = "feeder"
 "as_dataset", `feeder.as_dataset()` (its backend's module runs the cases on both)."""
 
 
+ONE_ENTRY = pytest.mark.one_entry
+"""Marks a case that never reads `ENTRY` (it fits on the feeder itself, or fits nothing): a
+backend that runs the cases on two entries runs it once, as the same fit twice would add
+nothing (`test_a_case_marked_for_one_entry_never_reads_the_entry` keeps the marks true)."""
+
+
 def fit_input(feeder):
     """What `model.fit` is given for `feeder` (see `ENTRY`)."""
     return feeder.as_dataset() if ENTRY == "as_dataset" else feeder
@@ -480,6 +486,7 @@ ONE_EPOCH_A_FIT = [
 ]
 
 
+@ONE_ENTRY
 @pytest.mark.parametrize(
     "kind, resume", ONE_EPOCH_A_FIT, ids=[f"{k}-{r}" for k, r in ONE_EPOCH_A_FIT]
 )
@@ -553,6 +560,7 @@ def held_out_arrays() -> tuple[np.ndarray, np.ndarray]:
     return held_out.x, held_out.y
 
 
+@ONE_ENTRY
 @pytest.mark.parametrize("validation_steps", [1, None])
 def test_validation_arrays_are_batched_by_the_feeders_batch_as_fit_on_arrays_batches_them(
     keras, keras_devices, validation_steps
@@ -587,6 +595,7 @@ class UnseededDropout(Structure):
         return self.compiled(keras, net, optimizer, compile_options)
 
 
+@ONE_ENTRY
 @pytest.mark.parametrize("kind", ["arrays", "generator"])
 def test_an_unseeded_dropout_draws_the_masks_it_draws_on_arrays(keras, keras_devices, kind):
     # Every random draw of Keras's own path is made again, at the same points: each epoch's,
@@ -731,6 +740,7 @@ def test_predict_and_evaluate_give_what_they_give_on_arrays_and_leave_the_state(
         np.testing.assert_allclose(evaluated[key], theirs[key], rtol=1e-6, err_msg=key)
 
 
+@ONE_ENTRY
 def test_a_feeder_only_predicted_on_still_says_its_state(keras, keras_devices):
     samples = Structure()
     net = samples.model(keras)
@@ -791,6 +801,7 @@ def test_class_weight_keras_would_refuse_is_refused_naming_the_way(keras, keras_
         assert int(net.optimizer.iterations) == 0
 
 
+@ONE_ENTRY
 def test_class_weight_that_is_not_a_dict_is_refused_naming_the_dict_that_works(
     keras, keras_devices
 ):
@@ -948,6 +959,7 @@ def test_steps_per_execution_counts_the_calls_fit_on_arrays_counts(
     assert_same_fit(fed, expected)
 
 
+@ONE_ENTRY
 def test_predict_keeps_the_order_of_the_samples(keras, keras_devices):
     inputs = keras.Input((1,))
     net = keras.Model(inputs, keras.layers.Identity()(inputs))
@@ -1110,6 +1122,7 @@ def test_two_fits_in_a_row_train_what_two_fits_on_arrays_train(keras, keras_devi
             assert_same_fit((net, history), (theirs, their_history))
 
 
+@ONE_ENTRY
 @pytest.mark.slow
 @pytest.mark.parametrize("at", [1, 2], ids=["the epoch's last step", "mid-epoch"])
 def test_a_ctrl_c_saved_in_its_handler_resumes_in_a_new_process_as_never_interrupted(

@@ -3,6 +3,9 @@ Keras's own `fit(x, y)` (`tests/keras_conformance.py`), on Keras's default devic
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import tensorflow as tf
 
@@ -12,6 +15,7 @@ from tests.keras_conformance import *  # noqa: F403 (every conformance case runs
 from tests.keras_conformance import (
     BATCH,
     FEATURES,
+    ONE_ENTRY,
     DictInputs,
     MapStyle,
     Structure,
@@ -37,12 +41,52 @@ def keras_devices():
     return None
 
 
-@pytest.fixture(autouse=True, params=["feeder", "as_dataset"])
-def entry(request, monkeypatch):
+def pytest_generate_tests(metafunc):
     """Every case on both of TensorFlow's ways to fit on a feeder: the feeder itself, and the
-    README's quick start, `feeder.as_dataset()`."""
+    README's quick start, `feeder.as_dataset()`; a case that reads neither (`ONE_ENTRY`) once."""
+    one = metafunc.definition.get_closest_marker("one_entry") is not None
+    entries = ["feeder"] if one else ["feeder", "as_dataset"]
+    metafunc.parametrize("entry", entries, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def entry(request, monkeypatch):
+    """The entry this case fits through (see `pytest_generate_tests`)."""
     monkeypatch.setattr(keras_conformance, "ENTRY", request.param)
     return request.param
+
+
+def _reads_entry(tree: ast.Module) -> set[str]:
+    """The functions of `tree` that read `ENTRY`, or call one that does."""
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    reading: set[str] = set()
+    while True:
+        more = {
+            name
+            for name, node in functions.items()
+            if name not in reading
+            and any(
+                isinstance(part, ast.Name) and part.id in reading | {"ENTRY"}
+                for part in ast.walk(node)
+            )
+        }
+        if not more:
+            return reading
+        reading |= more
+
+
+@ONE_ENTRY
+def test_a_case_marked_for_one_entry_never_reads_the_entry():
+    # A mark that stopped being true would leave as_dataset() untested on that case.
+    tree = ast.parse(Path(keras_conformance.__file__).read_text())
+    marked = {
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef)
+        and any("ONE_ENTRY" in ast.unparse(mark) for mark in node.decorator_list)
+    }
+    assert marked, "no case is marked: the check would pass on nothing"
+    assert not marked & _reads_entry(tree)
 
 
 def mirrored(devices: list[str]) -> tf.distribute.MirroredStrategy:
