@@ -602,7 +602,7 @@ def copy_engine(region: np.ndarray, device):
     (None, why not)."""
     from feedpipe.core.copy_engine import CopyEngine, cuda_devices
     from feedpipe.core.source import SampleSpec
-    from feedpipe.jax.layer import device_fence
+    from feedpipe.jax.stage import device_fence
 
     if device.platform != "gpu":
         return None, f"platform {device.platform}: feedpipe's own copy streams need a CUDA GPU"
@@ -629,7 +629,7 @@ class EngineTransfer:
         self.take = None
 
     def __call__(self) -> None:
-        from feedpipe.jax.layer import importer
+        from feedpipe.jax.stage import importer
 
         cpu = time.thread_time()
         with self.engine.copy(self.sources, self.stage_s) as exports:
