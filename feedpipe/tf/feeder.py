@@ -23,7 +23,7 @@ from feedpipe.core.source import ArraySource
 from feedpipe.core.stage import HostBatch
 from feedpipe.core.weights import row_weights, weighting, with_weights
 from feedpipe.keras.arguments import ClassWeights
-from feedpipe.tf.gather import GATHER_MAX_BYTES, gathered_dataset, weight_spec
+from feedpipe.tf.array_dataset import GATHER_MAX_BYTES, gathered_dataset, weight_spec
 from feedpipe.tf.layer import TensorFlowLayer
 
 
@@ -83,7 +83,7 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
 
         Arrays in memory read as they are (no `transform`, `transpose` or workers) are
         gathered by TensorFlow's own threads in the feeder's order, with no Python per batch
-        (see `feedpipe.tf.gather`); every other source's batches are handed over from the
+        (see `feedpipe.tf.array_dataset`); every other source's batches are handed over from the
         feeder's thread, each leasing its host slot to TensorFlow without a copy. The dataset
         runs without tf.data's autotuning (freeing an iterator whose autotuning runs stalled
         ~1 s at many of Keras's epoch boundaries); `with_options` turns it back on.
@@ -239,7 +239,7 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
 
     def _gathers(self, how: str | None = None) -> bool:
         """Whether TensorFlow's own threads gather this feeder's batches (see
-        `feedpipe.tf.gather`), weighted as `how` says (`weighting`): arrays in memory up to
+        `feedpipe.tf.array_dataset`), weighted as `how` says (`weighting`): arrays in memory up to
         `GATHER_MAX_BYTES`, read as they are, on one host, with no weights of the source's
         own to scale."""
         return (
