@@ -36,7 +36,7 @@ from feedpipe.core.remainder import Remainder
 from feedpipe.core.sampler import Sampler
 from feedpipe.core.skips import SkipLedger
 from feedpipe.core.slots import SlotLayout, SlotPool, check_host_memory
-from feedpipe.core.source import ArraySource, SampleSpec, TFDatasetSource, as_source, field_name
+from feedpipe.core.sources import ArraySource, SampleSpec, TFDatasetSource, as_source, field_name
 from feedpipe.core.stage import HostStager, Layer
 from feedpipe.core.state import Position, Stream
 from feedpipe.core.stats import StatsRecorder
@@ -94,7 +94,7 @@ class Assembly:
         self.source = as_source(
             source, text=transform is not None, global_batch_size=o.global_batch_size
         )
-        """The source as feedpipe reads it (`feedpipe.core.source`)."""
+        """The source as feedpipe reads it (`feedpipe.core.sources`)."""
         rule = self.rule = Remainder(o.remainder, o.global_batch_size)
         own_producer = self.source.producer(self.share, self.layer.devices, rule)
         self.own_producer, self.service = own_producer, service

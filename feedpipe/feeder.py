@@ -20,7 +20,7 @@ from feedpipe.assembly import Assembly
 from feedpipe.consumer import Consumer
 from feedpipe.core.cost import SampleCost
 from feedpipe.core.description import FeederDescription
-from feedpipe.core.source import SampleSpec
+from feedpipe.core.sources import SampleSpec
 from feedpipe.core.stage import Layer
 from feedpipe.core.stats import FeedStats, StatsRecorder
 from feedpipe.options import FeedOptions

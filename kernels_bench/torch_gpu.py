@@ -151,7 +151,7 @@ def slot_transfer(dev: Device, nbytes: int, page_locked: bool) -> tuple[object, 
     objects to keep alive and a call that stages the slot once and waits for its copy."""
     from feedpipe.core.sampler import Step
     from feedpipe.core.slots import SlotLayout, SlotPool
-    from feedpipe.core.source import SampleSpec
+    from feedpipe.core.sources import SampleSpec
     from feedpipe.core.split import ReplicaSplit
     from feedpipe.core.stats import StatsRecorder
     from feedpipe.torch.layer import TorchLayer

@@ -39,7 +39,7 @@ import numpy as np
 from feedpipe.core._cuda import OUT_OF_MEMORY, CudaDevice, CudaError, Driver, switched_off
 from feedpipe.core.dlpack import Export, type_code
 from feedpipe.core.slots import round_up
-from feedpipe.core.source import SampleSpec
+from feedpipe.core.sources import SampleSpec
 
 SWITCH = "FEEDPIPE_COPY_STREAM"
 """The environment variable that turns the engine off (`0`) or on (`1`, the default)."""

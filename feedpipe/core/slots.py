@@ -24,7 +24,7 @@ import numpy as np
 from feedpipe.core._shm import MEMFD, SHM_DIR, SharedBuffer
 from feedpipe.core._sync import Stopped
 from feedpipe.core.pinned import PageLocker
-from feedpipe.core.source import SampleSpec
+from feedpipe.core.sources import SampleSpec
 from feedpipe.core.split import ReplicaSplit
 
 ALIGN_BYTES = 64

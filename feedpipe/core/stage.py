@@ -21,7 +21,7 @@ from feedpipe.core.agreement import Tally
 from feedpipe.core.copy_engine import CopyPath
 from feedpipe.core.sampler import Step
 from feedpipe.core.slots import SlotLayout
-from feedpipe.core.source import LeafSpec, SampleSpec
+from feedpipe.core.sources import LeafSpec, SampleSpec
 from feedpipe.core.split import HostShare
 from feedpipe.core.stats import StatsRecorder
 

@@ -25,7 +25,7 @@ import optree
 from feedpipe.core.sampler import Step
 from feedpipe.core.skips import ErrorPolicy, listed, over_budget, shown
 from feedpipe.core.slots import HostSlot
-from feedpipe.core.source import ArraySource, SampleSpec, Source, TFDatasetSource, as_array
+from feedpipe.core.sources import ArraySource, SampleSpec, Source, TFDatasetSource, as_array
 
 Transform = Callable[..., Any]
 

@@ -27,7 +27,7 @@ from feedpipe.core.copy_engine import (
 )
 from feedpipe.core.pinned import page_locker
 from feedpipe.core.slots import SlotLayout
-from feedpipe.core.source import SampleSpec
+from feedpipe.core.sources import SampleSpec
 from feedpipe.core.stage import Narrowing, refuse_unstageable
 from feedpipe.core.stats import StatsRecorder
 from feedpipe.jax import agreement

@@ -36,7 +36,7 @@ from feedpipe.core._sync import WAIT_SLICE_S, Failure
 from feedpipe.core.producers import Producer, SlotSupply
 from feedpipe.core.sampler import EpochEnd, Sampler, Step
 from feedpipe.core.slots import HostSlot
-from feedpipe.core.source import ArraySource, Source
+from feedpipe.core.sources import ArraySource, Source
 from feedpipe.core.state import Position
 from feedpipe.core.writer import RNG, SEED, randomness, sample_seeds
 

@@ -19,7 +19,7 @@ import tensorflow as tf
 from feedpipe import feeder as core
 from feedpipe._internals import dataset_pipeline, generator_dataset
 from feedpipe.consumer import SUPERSEDED
-from feedpipe.core.source import ArraySource
+from feedpipe.core.sources import ArraySource
 from feedpipe.core.stage import HostBatch
 from feedpipe.core.weights import row_weights, weighting, with_weights
 from feedpipe.keras.arguments import ClassWeights

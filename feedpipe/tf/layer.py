@@ -15,7 +15,7 @@ from feedpipe.core.agreement import Tally, tally_of
 from feedpipe.core.copy_engine import NO_COPY, CopyPath
 from feedpipe.core.description import is_cpu
 from feedpipe.core.slots import SlotLayout
-from feedpipe.core.source import SampleSpec
+from feedpipe.core.sources import SampleSpec
 from feedpipe.core.stats import StatsRecorder
 from feedpipe.tf import agreement
 from feedpipe.tf.devices import host_share, resolve_devices

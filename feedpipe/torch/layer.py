@@ -17,7 +17,7 @@ from feedpipe.core.agreement import Tally
 from feedpipe.core.copy_engine import NO_COPY, CopyPath
 from feedpipe.core.pinned import page_locker
 from feedpipe.core.slots import SlotLayout
-from feedpipe.core.source import SampleSpec
+from feedpipe.core.sources import SampleSpec
 from feedpipe.core.split import HostShare
 from feedpipe.core.stage import refuse_unstageable
 from feedpipe.core.stats import StatsRecorder
