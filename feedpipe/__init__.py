@@ -48,7 +48,7 @@ _EXPORTS = {
     "WarmupLinearScaling": "feedpipe.tf.training",
     "WorkerError": "feedpipe.core.workers",
     "diagnose": "feedpipe.diagnostics.diagnosis",
-    "from_generator": "feedpipe.core.source",
+    "from_generator": "feedpipe.core.sources",
     "release": "feedpipe.core.warm",
     "train": "feedpipe.tf.training",
     "warm_workers": "feedpipe.core.warm",
@@ -76,7 +76,7 @@ __all__ = [
 if TYPE_CHECKING:
     from feedpipe.core.batch import Batch
     from feedpipe.core.description import FeederDescription
-    from feedpipe.core.source import from_generator
+    from feedpipe.core.sources import from_generator
     from feedpipe.core.stats import FeedStats
     from feedpipe.core.warm import release, warm_workers
     from feedpipe.core.workers import WorkerError

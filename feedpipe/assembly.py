@@ -50,7 +50,7 @@ class Assembly:
         self.split = self.share.local_split
         """How this host's rows divide among its devices."""
         self.source = parts.source
-        """The source as feedpipe reads it (`feedpipe.core.source`)."""
+        """The source as feedpipe reads it (`feedpipe.core.sources`)."""
         self.transform = parts.writer.transform
         self.rule = parts.rule
         self.plan = parts.epochs

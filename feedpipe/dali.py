@@ -41,7 +41,7 @@ from feedpipe.core.checks import check_int
 from feedpipe.core.producers import Producer, SlotSupply
 from feedpipe.core.remainder import Remainder
 from feedpipe.core.sampler import EpochEnd, Step
-from feedpipe.core.source import Source
+from feedpipe.core.sources import Source
 from feedpipe.core.split import HostShare
 from feedpipe.core.stage import Imported
 from feedpipe.core.state import Position

@@ -22,7 +22,7 @@ from feedpipe.consumer import Consumer
 from feedpipe.core.cost import SampleCost
 from feedpipe.core.description import FeederDescription
 from feedpipe.core.recorder import StatsRecorder
-from feedpipe.core.source import SampleSpec
+from feedpipe.core.sources import SampleSpec
 from feedpipe.core.stage import Layer
 from feedpipe.core.stats import FeedStats
 from feedpipe.options import FeedOptions

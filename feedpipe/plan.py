@@ -35,7 +35,7 @@ from feedpipe.core.remainder import Remainder
 from feedpipe.core.sampler import Sampler
 from feedpipe.core.skips import SkipLedger
 from feedpipe.core.slots import SlotLayout, check_host_memory
-from feedpipe.core.source import (
+from feedpipe.core.sources import (
     ArraySource,
     SampleSpec,
     Source,
@@ -116,7 +116,7 @@ class PlanParts:
     built from the plan runs them (and owns them from then on)."""
 
     source: Source
-    """The source as feedpipe reads it (`feedpipe.core.source`), measured."""
+    """The source as feedpipe reads it (`feedpipe.core.sources`), measured."""
     rule: Remainder
     """The rule for an epoch's last, partial batch."""
     epochs: Sampler | None

@@ -263,7 +263,7 @@ def open_peer(
         return
     if peer.startswith("fp_job"):
         from feedpipe.core.sampler import Sampler
-        from feedpipe.core.source import as_source
+        from feedpipe.core.sources import as_source
         from feedpipe.service.client import ServiceWork, check_address
 
         work = ServiceWork(as_source(arrays, text=True), augment, seed)

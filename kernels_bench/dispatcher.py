@@ -215,7 +215,7 @@ def run_split(
     import psutil
 
     from feedpipe.core.sampler import Sampler
-    from feedpipe.core.source import as_source
+    from feedpipe.core.sources import as_source
     from feedpipe.service.client import ServiceWork
 
     (dispatcher_pid,) = servers.pids("dispatcher")
@@ -353,7 +353,7 @@ def start_cluster(servers: Servers, stack: contextlib.ExitStack) -> dict[str, li
 
 
 def finish(report: harness.Report, args, arrays, rows: list[dict]) -> None:
-    from feedpipe.core.source import as_source
+    from feedpipe.core.sources import as_source
     from feedpipe.service import client
 
     case = "4 workers"

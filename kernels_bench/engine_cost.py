@@ -104,14 +104,14 @@ def host_devices():
 @contextlib.contextmanager
 def public_import():
     """JAX's public DLPack import, for every feeder made in the block."""
-    from feedpipe.jax import layer
+    from feedpipe.jax import stage
 
-    original = layer._direct_import
-    layer._direct_import = lambda: None
+    original = stage._direct_import
+    stage._direct_import = lambda: None
     try:
         yield
     finally:
-        layer._direct_import = original
+        stage._direct_import = original
 
 
 def run_feeder(rows: int, batch: int, devices: int, steps: int, warm: int) -> dict:

@@ -11,7 +11,7 @@ loss, optimizer and metric, each shuffling every epoch:
   `fp.Feeder((x, y), B, shuffle=True)` (its defaults otherwise: the dataset yields `(x, y)`,
   a last batch that the data do not fill as its real rows, as `fit(x, y)` gives it). Arrays
   in memory are gathered by TensorFlow's threads in the feeder's order
-  (`feedpipe/tf/gather.py`);
+  (`feedpipe/tf/array_dataset.py`);
 * `train`: `fp.train(model, feeder, ...)` over the same kind of feeder, its batches staged on
   the replicas' devices.
 

@@ -111,7 +111,7 @@ def slot_gather_rate(data, orders, count, threads) -> float:
     from feedpipe.core.gather import GatherPool
     from feedpipe.core.sampler import Step
     from feedpipe.core.slots import HostSlot, SlotLayout
-    from feedpipe.core.source import ArraySource
+    from feedpipe.core.sources import ArraySource
     from feedpipe.core.split import ReplicaSplit
     from feedpipe.core.writer import SampleWriter, first_look
 

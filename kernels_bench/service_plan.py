@@ -86,7 +86,7 @@ def _work():
     of the transform's) depends on a row's bytes alone, not on the source's length."""
     import tensorflow as tf
 
-    from feedpipe.core.source import ArraySource
+    from feedpipe.core.sources import ArraySource
     from feedpipe.service.client import ServiceWork
 
     paths = np.array(["/" + "x" * (PATH_CHARACTERS - 1)], dtype=f"<U{PATH_CHARACTERS}")

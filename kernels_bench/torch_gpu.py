@@ -152,7 +152,7 @@ def slot_transfer(dev: Device, nbytes: int, page_locked: bool) -> tuple[object, 
     from feedpipe.core.recorder import StatsRecorder
     from feedpipe.core.sampler import Step
     from feedpipe.core.slots import SlotLayout, SlotPool
-    from feedpipe.core.source import SampleSpec
+    from feedpipe.core.sources import SampleSpec
     from feedpipe.core.split import ReplicaSplit
     from feedpipe.torch.layer import TorchLayer
 

@@ -36,7 +36,7 @@ LIGHT_MODULES = [
     "feedpipe.core.remainder",
     "feedpipe.core.sampler",
     "feedpipe.core.slots",
-    "feedpipe.core.source",
+    "feedpipe.core.sources",
     "feedpipe.core.split",
     "feedpipe.core.workers",
     "feedpipe.core.writer",

@@ -27,7 +27,7 @@ from tensorflow.python.data.experimental.ops import testing
 import feedpipe as fp
 from feedpipe._internals.tf import dataset_graph
 from feedpipe.core.handoff import Handoff
-from feedpipe.core.source import as_source
+from feedpipe.core.sources import as_source
 from feedpipe.service import client as service_module
 from feedpipe.service import producer as producer_module
 from tests.service_cluster import service_cluster

@@ -11,7 +11,7 @@ import pytest
 
 from feedpipe.core.sampler import Sampler
 from feedpipe.core.slots import HostSlot, SlotLayout
-from feedpipe.core.source import ArraySource, SampleSpec
+from feedpipe.core.sources import ArraySource, SampleSpec
 from feedpipe.core.split import ReplicaSplit
 from feedpipe.core.state import Position
 from feedpipe.service import client as service_module

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import feedpipe as fp
 from feedpipe.core.skips import ErrorPolicy
-from feedpipe.core.source import (
+from feedpipe.core.sources import (
     ArraySource,
     GeneratorSource,
     MapSource,

@@ -13,7 +13,7 @@ import tensorflow as tf
 import feedpipe as fp
 from feedpipe.core.sampler import Step
 from feedpipe.core.slots import HostSlot, SlotLayout
-from feedpipe.core.source import SampleSpec
+from feedpipe.core.sources import SampleSpec
 from feedpipe.core.split import ReplicaSplit
 from feedpipe.core.stage import HostStager
 from feedpipe.tf.batch import Batch

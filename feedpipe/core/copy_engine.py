@@ -40,7 +40,7 @@ from feedpipe.core import env
 from feedpipe.core._cuda import OUT_OF_MEMORY, CudaDevice, CudaError, Driver
 from feedpipe.core.dlpack import Export, type_code
 from feedpipe.core.slots import round_up
-from feedpipe.core.source import SampleSpec
+from feedpipe.core.sources import SampleSpec
 
 BLOCK_ALIGN = 256
 """Each field of a block starts on a 256-byte boundary: XLA checks its arguments' alignment,

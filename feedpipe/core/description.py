@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from feedpipe.core.source import (
+from feedpipe.core.sources import (
     ArraySource,
     GeneratorSource,
     MapSource,

@@ -16,7 +16,7 @@ import cloudpickle
 from feedpipe.core import warm
 from feedpipe.core._arrays import Shared, share
 from feedpipe.core._worker import code_at
-from feedpipe.core.skips import shown
+from feedpipe.core.text import shown
 
 
 def _reduce_code(code: types.CodeType) -> tuple:

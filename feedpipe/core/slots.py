@@ -24,7 +24,7 @@ from feedpipe.core._shm import SharedBuffer
 from feedpipe.core._sync import Stopped
 from feedpipe.core.machine import available_host_bytes
 from feedpipe.core.pinned import PageLocker
-from feedpipe.core.source import SampleSpec
+from feedpipe.core.sources import SampleSpec
 from feedpipe.core.split import ReplicaSplit
 
 ALIGN_BYTES = 64

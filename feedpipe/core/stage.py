@@ -22,7 +22,7 @@ from feedpipe.core.copy_engine import CopyPath
 from feedpipe.core.recorder import StatsRecorder
 from feedpipe.core.sampler import Step
 from feedpipe.core.slots import SlotLayout
-from feedpipe.core.source import LeafSpec, SampleSpec
+from feedpipe.core.sources import LeafSpec, SampleSpec
 from feedpipe.core.split import HostShare
 
 _DLPACK_CPU = 1

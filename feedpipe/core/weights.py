@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import optree
 
-from feedpipe.core.source import SampleSpec
+from feedpipe.core.sources import SampleSpec
 
 
 def weighting(spec: SampleSpec, remainder: str, errors: str = "raise") -> str | None:

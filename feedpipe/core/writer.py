@@ -25,7 +25,7 @@ import optree
 from feedpipe.core.sampler import Step
 from feedpipe.core.skips import ErrorPolicy, over_budget
 from feedpipe.core.slots import HostSlot
-from feedpipe.core.source import ArraySource, SampleSpec, Source, TFDatasetSource, as_array
+from feedpipe.core.sources import ArraySource, SampleSpec, Source, TFDatasetSource, as_array
 from feedpipe.core.text import listed, shown
 
 Transform = Callable[..., Any]

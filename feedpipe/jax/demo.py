@@ -31,7 +31,7 @@ from feedpipe.demo import (
     progress_line,
 )
 from feedpipe.feeder import Feeder
-from feedpipe.jax.layer import BATCH_AXIS
+from feedpipe.jax.devices import BATCH_AXIS
 
 HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 

@@ -62,13 +62,7 @@ class KerasInput:
                 "tf.data.Dataset; build the feeder with TensorFlow devices (or none) under "
                 "KERAS_BACKEND=tensorflow."
             )
-        reading, class_weight = keras_arguments(self)
-        return self._dataset(
-            real_only=self.share.num_hosts == 1,
-            whole=True,
-            aside=reading in ("evaluate", "predict"),
-            class_weight=class_weight,
-        )
+        return self._keras_batches(*keras_arguments(self))
 
     def get_jax_iterator(self) -> Any:
         if self.layer.name != "jax":

@@ -12,7 +12,7 @@ the structure of its first batch), with a warning that says what differs; `predi
 (`feedpipe.keras.arguments`). `predict` and `evaluate` read a whole epoch aside: the feeder's
 position, and so its state, stays where training left it. The rule is written here once;
 each framework gives its array operations (`DeviceRows`). TensorFlow's trainer reads a
-`tf.data.Dataset` of the same batches instead (`feedpipe.tf.feeder`).
+`tf.data.Dataset` of the same batches instead (`feedpipe.tf.keras`).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ import optree
 import tensorflow as tf
 
 from feedpipe._internals.tf import dataset_graph, dispatcher_error
-from feedpipe.core.source import ArraySource, Source
+from feedpipe.core.sources import ArraySource, Source
 from feedpipe.core.writer import RNG, SEED, randomness, sample_seeds
 
 SERVICE_LIMIT = (

@@ -19,11 +19,11 @@ import tensorflow as tf
 from feedpipe import feeder as core
 from feedpipe._internals.tf import dataset_pipeline, generator_dataset
 from feedpipe.consumer import SUPERSEDED
-from feedpipe.core.source import ArraySource
+from feedpipe.core.sources import ArraySource
 from feedpipe.core.stage import HostBatch
 from feedpipe.core.weights import row_weights, weighting, with_weights
-from feedpipe.keras.arguments import ClassWeights
-from feedpipe.tf.gather import GATHER_MAX_BYTES, gathered_dataset, weight_spec
+from feedpipe.tf.array_dataset import GATHER_MAX_BYTES, gathered_dataset, weight_spec
+from feedpipe.tf.keras import class_weighted, keras_batches
 from feedpipe.tf.layer import TensorFlowLayer
 
 
@@ -46,6 +46,12 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
 
     def _layer(self, devices: Any, strategy: Any, global_batch_size: int) -> TensorFlowLayer:
         return TensorFlowLayer(devices, strategy, global_batch_size)
+
+    def _keras_batches(
+        self, reading: str | None, class_weight: dict | None
+    ) -> tf.data.Dataset | tf.distribute.DistributedDataset:
+        """What Keras's TensorFlow trainer reads from this feeder (`feedpipe.tf.keras`)."""
+        return keras_batches(self, reading=reading, class_weight=class_weight)
 
     def as_dataset(
         self, *, pad_last: bool | None = None
@@ -83,7 +89,7 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
 
         Arrays in memory read as they are (no `transform`, `transpose` or workers) are
         gathered by TensorFlow's own threads in the feeder's order, with no Python per batch
-        (see `feedpipe.tf.gather`); every other source's batches are handed over from the
+        (see `feedpipe.tf.array_dataset`); every other source's batches are handed over from the
         feeder's thread, each leasing its host slot to TensorFlow without a copy. The dataset
         runs without tf.data's autotuning (freeing an iterator whose autotuning runs stalled
         ~1 s at many of Keras's epoch boundaries); `with_options` turns it back on.
@@ -159,7 +165,7 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
         steps = None if hosts or whole else self._consumer.steps_left()
         if self._gathers(how) and not aside:
             dataset = gathered_dataset(self, signature, how, steps, SUPERSEDED, real_only=real_only)
-            dataset = _class_weighted(dataset, class_weight)
+            dataset = class_weighted(dataset, class_weight)
             return self._as_dataset(dataset, steps, padded=not real_only)
         feeder = weakref.ref(self)  # TensorFlow keeps `generate` for the life of the process
         reader = object()  # this dataset's record: its passes are told from another's by it
@@ -189,7 +195,7 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
                     for lo in range(0, len(batch.arrays[0]), per_replica):
                         yield optree.tree_map(lambda a, lo=lo: a[lo : lo + per_replica], sample)
 
-        dataset = _class_weighted(generator_dataset(generate, signature), class_weight)
+        dataset = class_weighted(generator_dataset(generate, signature), class_weight)
         if hosts:
             dataset = dataset.apply(
                 tf.data.experimental.assert_cardinality(tf.data.INFINITE_CARDINALITY)
@@ -239,7 +245,7 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
 
     def _gathers(self, how: str | None = None) -> bool:
         """Whether TensorFlow's own threads gather this feeder's batches (see
-        `feedpipe.tf.gather`), weighted as `how` says (`weighting`): arrays in memory up to
+        `feedpipe.tf.array_dataset`), weighted as `how` says (`weighting`): arrays in memory up to
         `GATHER_MAX_BYTES`, read as they are, on one host, with no weights of the source's
         own to scale."""
         return (
@@ -311,16 +317,6 @@ def _as_tuples(spec: Any) -> optree.PyTreeSpec:
         return node
 
     return optree.tree_structure(tuples(spec.unflatten(list(range(len(spec.leaves))))))
-
-
-def _class_weighted(dataset: tf.data.Dataset, class_weight: dict | None) -> tf.data.Dataset:
-    """`dataset`, each `(x, y)` element weighted by its rows' classes where `class_weight` is
-    given (see `feedpipe.keras.batches`)."""
-    if class_weight is None:
-        return dataset
-    by_class = ClassWeights(class_weight)
-    # `map` hands a tuple's fields over one by one, and a namedtuple whole.
-    return dataset.map(lambda *fields: by_class.weigh(fields[0] if len(fields) == 1 else fields))
 
 
 def _real(batch: HostBatch, unflatten: Any) -> Any:

@@ -16,7 +16,7 @@ from feedpipe.core.copy_engine import NO_COPY, CopyPath
 from feedpipe.core.description import is_cpu
 from feedpipe.core.recorder import StatsRecorder
 from feedpipe.core.slots import SlotLayout
-from feedpipe.core.source import SampleSpec
+from feedpipe.core.sources import SampleSpec
 from feedpipe.tf import agreement
 from feedpipe.tf.devices import host_share, resolve_devices
 from feedpipe.tf.stage import Stager, check_stageable

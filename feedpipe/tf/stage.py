@@ -21,7 +21,7 @@ import tensorflow as tf
 from feedpipe._internals.tf import copy_to_device
 from feedpipe.core.sampler import Step
 from feedpipe.core.slots import SlotLayout
-from feedpipe.core.source import SampleSpec
+from feedpipe.core.sources import SampleSpec
 from feedpipe.core.split import HostShare
 from feedpipe.core.stage import Imported, MaskCache, refuse_unstageable
 from feedpipe.tf.batch import Batch

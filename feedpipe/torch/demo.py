@@ -26,7 +26,7 @@ from feedpipe.demo import (
     progress_line,
 )
 from feedpipe.feeder import Feeder
-from feedpipe.torch.layer import resolve_devices
+from feedpipe.torch.devices import resolve_devices
 
 STEP_THREADS = 1
 """PyTorch's intra-op threads while the demo runs. Its default, a thread per core, swung under

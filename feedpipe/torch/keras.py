@@ -21,7 +21,7 @@ import torch
 from feedpipe._internals.keras import keras_torch_device
 from feedpipe.core.weights import broadcastable
 from feedpipe.keras.batches import keras_batches as batches_of
-from feedpipe.torch.layer import resolve_devices
+from feedpipe.torch.devices import resolve_devices
 
 
 def _check_device(feeder: Any) -> None:

@@ -19,7 +19,7 @@ def slot_region(nbytes: int, page_lock) -> tuple[object, np.ndarray]:
     """A pooled, shared feedpipe slot of `nbytes` (one float32 field, one row), filled, and its
     region; page-locked by the pool when `page_lock` is a locker."""
     from feedpipe.core.slots import SlotLayout, SlotPool
-    from feedpipe.core.source import SampleSpec
+    from feedpipe.core.sources import SampleSpec
     from feedpipe.core.split import ReplicaSplit
 
     layout = SlotLayout(SampleSpec.of(np.zeros(nbytes // 4, np.float32)), ReplicaSplit(1, 1))
@@ -34,8 +34,8 @@ def copy_engine(region: np.ndarray, device):
     """feedpipe's copy engine for `region`'s layout on `device`, as the JAX feeder makes it, or
     (None, why not)."""
     from feedpipe.core.copy_engine import CopyEngine, cuda_devices
-    from feedpipe.core.source import SampleSpec
-    from feedpipe.jax.layer import device_fence
+    from feedpipe.core.sources import SampleSpec
+    from feedpipe.jax.stage import device_fence
 
     if device.platform != "gpu":
         return None, f"platform {device.platform}: feedpipe's own copy streams need a CUDA GPU"
@@ -62,7 +62,7 @@ class EngineTransfer:
         self.take = None
 
     def __call__(self) -> None:
-        from feedpipe.jax.layer import importer
+        from feedpipe.jax.stage import importer
 
         cpu = time.thread_time()
         with self.engine.copy(self.sources, self.stage_s) as exports:

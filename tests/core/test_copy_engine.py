@@ -32,7 +32,7 @@ from feedpipe.core.copy_engine import (
 )
 from feedpipe.core.env import COPY_STREAM
 from feedpipe.core.slots import SlotLayout
-from feedpipe.core.source import SampleSpec
+from feedpipe.core.sources import SampleSpec
 from feedpipe.core.split import ReplicaSplit
 from tests.device_fakes import POISON, HostMemory, ManualFence
 

@@ -113,7 +113,7 @@ import numpy as np
 
 from feedpipe.core.copy_engine import STAGES, CopyEngine, cuda_devices
 from feedpipe.core.slots import SlotLayout
-from feedpipe.core.source import SampleSpec
+from feedpipe.core.sources import SampleSpec
 from feedpipe.core.split import ReplicaSplit
 from tests.device_fakes import ManualFence
 

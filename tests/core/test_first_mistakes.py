@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from feedpipe.core.source import as_source, from_generator
+from feedpipe.core.sources import as_source, from_generator
 
 
 def test_a_list_of_field_arrays_is_told_a_tuple_holds_fields():

@@ -19,7 +19,7 @@ from feedpipe.core.producers import ThreadProducer
 from feedpipe.core.remainder import Remainder
 from feedpipe.core.sampler import EpochEnd, Sampler
 from feedpipe.core.slots import HostSlot, SlotLayout
-from feedpipe.core.source import ArraySource
+from feedpipe.core.sources import ArraySource
 from feedpipe.core.split import HostShare, ReplicaSplit
 from feedpipe.core.state import Position
 from feedpipe.core.writer import SampleWriter, first_look

@@ -157,7 +157,7 @@ import numpy as np
 
 from feedpipe.core.pinned import page_locker
 from feedpipe.core.slots import SlotLayout, SlotPool
-from feedpipe.core.source import SampleSpec
+from feedpipe.core.sources import SampleSpec
 from feedpipe.core.split import ReplicaSplit
 
 facts = {}

@@ -13,7 +13,7 @@ from feedpipe.core.producers import ThreadProducer
 from feedpipe.core.remainder import Remainder
 from feedpipe.core.sampler import EpochEnd, Sampler
 from feedpipe.core.slots import HostSlot, SlotLayout
-from feedpipe.core.source import GeneratorSource, MapSource
+from feedpipe.core.sources import GeneratorSource, MapSource
 from feedpipe.core.split import ReplicaSplit
 from feedpipe.core.state import Position
 from feedpipe.core.writer import SampleWriter, first_look

@@ -22,7 +22,7 @@ from feedpipe.core.slots import (
     SlotPool,
     check_host_memory,
 )
-from feedpipe.core.source import SampleSpec
+from feedpipe.core.sources import SampleSpec
 from feedpipe.core.split import ReplicaSplit
 
 

@@ -13,7 +13,7 @@ import pytest
 from feedpipe.core.sampler import Step
 from feedpipe.core.skips import ErrorPolicy
 from feedpipe.core.slots import HostSlot, SlotLayout
-from feedpipe.core.source import ArraySource, GeneratorSource, MapSource
+from feedpipe.core.sources import ArraySource, GeneratorSource, MapSource
 from feedpipe.core.split import ReplicaSplit
 from feedpipe.core.writer import (
     RNG,

@@ -215,7 +215,7 @@ def test_on_cpu_devices_describe_says_no_batch_crosses(devices):
 def test_where_the_direct_import_is_missing_or_wrong_the_public_one_gives_exact_batches(
     devices, fake_gpus, monkeypatch, direct
 ):
-    from feedpipe.jax import layer
+    from feedpipe.jax import stage
 
     def refused(export, device):
         raise TypeError("dlpack_managed_tensor_to_buffer() takes 4 positional arguments")
@@ -224,10 +224,10 @@ def test_where_the_direct_import_is_missing_or_wrong_the_public_one_gives_exact_
         return jnp.zeros(export.shape[1:], export.dtype)  # the wrong shape
 
     taken = {"missing": None, "refused": refused, "other arrays": other}[direct]
-    monkeypatch.setattr(layer, "_direct_import", lambda: taken)
+    monkeypatch.setattr(stage, "_direct_import", lambda: taken)
     public = []
     monkeypatch.setattr(
-        layer, "_public_import", lambda e, d: public.append(1) or jax.dlpack.from_dlpack(e, d)
+        stage, "_public_import", lambda e, d: public.append(1) or jax.dlpack.from_dlpack(e, d)
     )
     plan = Sampler(20, 8, shuffle=True, seed=1)
     with fp.Feeder(index_pairs(20), 8, devices=devices, shuffle=True, seed=1) as feeder:

@@ -232,7 +232,7 @@ def test_a_device_that_takes_no_array_is_refused_as_the_device_not_a_dtype(monke
         raise RuntimeError("the device fell off the bus")
 
     monkeypatch.setattr(torch.Tensor, "to", refuses)
-    monkeypatch.setattr("feedpipe.torch.layer._counted", lambda kind: None)
+    monkeypatch.setattr("feedpipe.torch.devices._counted", lambda kind: None)
     with pytest.raises(
         ValueError, match=r"PyTorch cannot place any array on cuda:0 .*fell off the bus.*not a "
     ):
