@@ -11,7 +11,6 @@ TensorFlow: worker processes run it.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import inspect
 import threading
@@ -144,20 +143,20 @@ def first_look(
     if policy is not None and policy.skips and source.indexed:
         budget = policy.budget(source.length)
         tries = min(budget + 1, source.length)
-    for index in range(tries - 1):
-        with contextlib.suppress(Exception):
+    for index in range(tries):
+        try:
             return _look(source, transform, seed, index, status)
-    try:
-        return _look(source, transform, seed, tries - 1, status)
-    except Exception as error:
-        if tries > 1 and tries == source.length:
-            error.add_note(
-                f'feedpipe: errors="skip" found no sample that reads: all {tries} raised.'
-            )
-        elif tries > 1:
-            skipping = f"{tries} samples of epoch 0 (indices {listed(range(tries))})"
-            error.add_note(over_budget(skipping, policy, budget))
-        raise
+        except Exception as error:
+            if index + 1 < tries:
+                continue  # passed over, as its batch will skip it
+            if tries > 1 and tries == source.length:
+                error.add_note(
+                    f'feedpipe: errors="skip" found no sample that reads: all {tries} raised.'
+                )
+            elif tries > 1:
+                skipping = f"{tries} samples of epoch 0 (indices {listed(range(tries))})"
+                error.add_note(over_budget(skipping, policy, budget))
+            raise
 
 
 def _look(

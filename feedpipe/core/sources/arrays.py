@@ -9,7 +9,13 @@ from typing import Any
 import numpy as np
 import optree
 
-from feedpipe.core.sources.base import Source, field_name, is_tensor_dtype, refuse_empty
+from feedpipe.core.sources.base import (
+    Source,
+    field_name,
+    is_instance_of_loaded,
+    is_tensor_dtype,
+    refuse_empty,
+)
 
 
 class ArraySource(Source):
@@ -18,6 +24,16 @@ class ArraySource(Source):
     is what reaches a slot."""
 
     indexed = True
+
+    @classmethod
+    def adapts(cls, data: Any) -> bool:
+        return isinstance(data, np.ndarray | tuple | dict) or is_instance_of_loaded(
+            data, "tensorflow", "Tensor"
+        )
+
+    @classmethod
+    def adapt(cls, data: Any, *, text: bool, global_batch_size: int | None) -> ArraySource:
+        return cls(data, text=text)
 
     def __init__(self, data: Any, *, text: bool = False):
         paths, nodes, _ = optree.tree_flatten_with_path(data, is_leaf=_is_list)

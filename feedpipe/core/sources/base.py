@@ -151,6 +151,19 @@ class SampleSpec:
         return f"{self.treespec} with {fields}"
 
 
+def is_instance_of_loaded(obj: Any, module: str, path: str) -> bool:
+    """isinstance against a class of `module`, without importing it when it is not loaded yet."""
+    root = sys.modules.get(module)
+    if root is None:
+        return False
+    cls: Any = root
+    for part in path.split("."):
+        cls = getattr(cls, part, None)
+        if cls is None:
+            return False
+    return isinstance(obj, cls)
+
+
 class Source:
     """What the pipeline asks of every source; the defaults suit most of them."""
 
@@ -168,6 +181,17 @@ class Source:
     own_threads: int | None = None
     """Threads the source runs its work in itself (DALI's `num_threads`); None: the feeder's
     producer thread or workers do the work."""
+
+    @classmethod
+    def adapts(cls, data: Any) -> bool:
+        """Whether `data` is what this kind reads (`as_source` asks each kind in turn)."""
+        return False
+
+    @classmethod
+    def adapt(cls, data: Any, *, text: bool, global_batch_size: int | None) -> Source:
+        """This kind over `data`, which `adapts` accepted; `text` and `global_batch_size` as
+        `as_source` takes them."""
+        return cls(data)
 
     def on_epoch_end(self) -> None:
         """Called once an epoch's last sample has been read."""

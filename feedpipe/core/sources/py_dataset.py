@@ -9,7 +9,7 @@ import numpy as np
 import optree
 
 from feedpipe.core.skips import ErrorPolicy, over_budget
-from feedpipe.core.sources.base import Source
+from feedpipe.core.sources.base import Source, is_instance_of_loaded
 from feedpipe.core.text import listed
 
 
@@ -23,6 +23,10 @@ class PyDatasetSource(Source):
     """
 
     indexed = True
+
+    @classmethod
+    def adapts(cls, data: Any) -> bool:
+        return is_instance_of_loaded(data, "keras", "utils.PyDataset")
 
     def __init__(self, dataset: Any):
         self.dataset = dataset

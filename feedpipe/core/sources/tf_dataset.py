@@ -9,11 +9,15 @@ from typing import Any
 import numpy as np
 import optree
 
-from feedpipe.core.sources.base import Source, field_name
+from feedpipe.core.sources.base import Source, field_name, is_instance_of_loaded
 
 
 class TFDatasetSource(Source):
     """Samples are the elements of a `tf.data.Dataset`, read in blocks batched by TensorFlow."""
+
+    @classmethod
+    def adapts(cls, data: Any) -> bool:
+        return is_instance_of_loaded(data, "tensorflow", "data.Dataset")
 
     def __init__(self, dataset: Any):
         import tensorflow as tf
