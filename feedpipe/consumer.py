@@ -14,25 +14,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 from feedpipe.assembly import Assembly
 from feedpipe.core._sync import Failure
-from feedpipe.core.sampler import EpochEnd
 from feedpipe.core.state import Position
 from feedpipe.core.stats import FeedStats, StatsRecorder
 from feedpipe.keras.ledger import FitLedger
-from feedpipe.passes import KINDS, GatheredPass, Loop, Pass
-
-SUPERSEDED = (
-    "This pass of a fit over the feeder (model.fit(feeder) or feeder.as_dataset()) was "
-    "superseded: another loop over the feeder or its dataset began, or set_state() was called, "
-    "before it ended. A feeder is one stream with one consumer: finish or drop one iterator "
-    "before starting the next, and build a second fp.Feeder to read the same data twice at once."
-)
+from feedpipe.passes import KINDS, FitPass, GatheredPass, Loop, Pass
 
 
 def _locked(method):
@@ -61,7 +52,7 @@ class Consumer:
         self._active: Pass | None = None
         self.passes = 0
         """Passes begun so far."""
-        self.last_fit: Pass | None = None
+        self.last_fit: FitPass | None = None
         """The latest pass of `as_dataset`, ended or not: what a `fit` has been reading."""
         self.failure: BaseException | None = None
         """The error that closed the feeder: every later read raises it again."""
@@ -71,7 +62,7 @@ class Consumer:
         the passes of `as_dataset` while the user's thread ends a fit or reads the state."""
         self.fits = FitLedger(self)
         """What the fits reading this feeder trained on."""
-        self.lent: Pass | None = None
+        self.lent: Loop | None = None
         """The user's loop that handed out batches last, until another pass begins or the
         position is set: the loop whose batches a `with` block may give back."""
         self.begun_at = self.position
@@ -98,65 +89,15 @@ class Consumer:
     ) -> Iterator[Any]:
         """One pass of `kind` (`feedpipe.passes.KINDS`: a user's "loop", a "fit"'s pass, a
         pass read "aside") over the rest of the current epoch (`steps` batches, where given),
-        staged on the devices or, with `host`, kept on the host; what a pass left early counts,
-        or one read aside reads, is its kind's. A pass superseded raises if read again.
-        `reader` is the record of the dataset read (see `FitPass.reader`).
+        staged on the devices or, with `host`, kept on the host, run by the loop every kind
+        shares (`Pass.run`); what a pass left early counts, or one read aside reads, is its
+        kind's. `reader` is the record of the dataset read (see `FitPass.reader`).
         """
         with self.lock:
             fields = {} if reader is None else {"reader": reader}
             this = self.begin_pass(KINDS[kind], steps=steps, **fields)
             pipeline = self.assembly.start(host, this.start, self.stats)
-        plan = self.assembly.plan
-        after = None  # the item after the one being handed over, where it was read already
-        try:
-            while True:
-                item, after = self._taken(pipeline.get() if after is None else after), None
-                with self.lock:
-                    if self.active is not this:
-                        raise RuntimeError(SUPERSEDED)
-                    if isinstance(item, EpochEnd):
-                        if this.handed == 0 and this.start.step > 0:
-                            # A state of an older release taken after the last batch of a
-                            # source of unknown length can say (e, steps): that epoch is over,
-                            # and this pass is the next one, never an empty one.
-                            this.start = Position(item.epoch + 1, 0)
-                            this.reaches(self, this.start)
-                            continue
-                        this.on_epoch_end(self, item)
-                        return
-                    this.on_item(self, item)
-                    this.handed += 1
-                    item.handed_over()
-                if plan is None:
-                    # A source of unknown length learns its epoch's end by reading on: it is
-                    # read before the batch goes, so that the state after an epoch's last step
-                    # says (e + 1, 0), as it does where the length is known. A failure read
-                    # so is raised once this batch is done, as it would be without reading on.
-                    after = pipeline.get()
-                    last = isinstance(after, EpochEnd)
-                else:
-                    last = item.step + 1 == len(plan)
-                if last:
-                    # The epoch's end is taken with its last batch: Keras never asks past it,
-                    # nor does a loop that takes len(feeder) batches (islice, zip with range).
-                    end = self._taken(pipeline.get() if after is None else after)
-                    with self.lock:
-                        if self.active is this:
-                            this.on_epoch_end(self, end)
-                    yield item
-                    with self.lock:
-                        this.on_next(self)
-                    return
-                yield item
-                with self.lock:
-                    this.on_next(self)
-                del item  # the slot returns when the consumer drops the batch, not this frame
-        finally:
-            # At interpreter exit a suspended loop is finalised after modules are torn down.
-            with self.lock:
-                if self.active is this and not sys.is_finalizing():
-                    self.stats.loop_ended()
-                    this.on_exit(self)
+        yield from this.run(self, pipeline)
 
     def block_ended(self, loop: Loop, epoch: int, step: int, *, failed: bool) -> None:
         """A `with` block on a batch the user's `loop` handed out ended (`Loop.block_ended`)."""
@@ -191,20 +132,19 @@ class Consumer:
         self.lent = None
         return this
 
-    @_locked
     def gathered_pass(self, steps: int | None, taken: Any) -> GatheredPass:
         """Begins a pass of `as_dataset()` whose batches the framework gathers itself, what
         `taken` records of it (see `GatheredPass`); `gathered_rows` plans its batches' rows."""
         return self.begin_pass(GatheredPass, steps=steps, taken=taken, reader=taken)
 
-    def gathered_rows(self, this: Pass) -> Iterator[tuple[int, Any, Any]]:
+    def gathered_rows(self, this: GatheredPass) -> Iterator[tuple[int, Any, Any]]:
         """The batches of the gathered pass `this` to its epoch's end, a chunk of steps at a
         time (`Sampler.padded_chunks`): each chunk's first step, the rows of its batches
         (padded as a slot pads: the real rows repeated in order, so `HostSlot.pad` and this
         agree row for row) and each batch's count of real rows."""
         return self.assembly.plan.padded_chunks(this.start.epoch, this.start.step)
 
-    def _taken(self, item: Any) -> Any:
+    def take(self, item: Any) -> Any:
         """`item` of the hand-off, taken; a failure closes the feeder and raises its error."""
         if isinstance(item, Failure):
             self.failure = item.error

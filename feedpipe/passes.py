@@ -1,27 +1,38 @@
-"""Passes: what each kind of pass over a feeder does at each point of the consumer's one loop.
+"""Passes: the one loop of a pass over a feeder, and what each kind of pass does in it.
 
-`Consumer.iterate` hands out a pass's batches and moves the consumer's position; what differs
-between passes is their kind's: the hooks the loop calls as it hands out a batch (`on_item`),
-as the consumer asks for the next one (`on_next`), at the epoch's end (`on_epoch_end`), when
-the consumer leaves the pass early (`on_exit`), when the next pass supersedes it
-(`on_superseded`), and once it is no longer the active pass, whatever ended it (`on_closed`).
+Every pass `Consumer.iterate` begins runs one loop (`Pass.run`), which hands out the batches and
+moves the consumer's position; what differs between passes is their kind's, as hooks: as the
+pass begins (`on_begin`), as it hands out a batch (`on_item`), as the consumer asks for the next
+one (`on_next`), at the epoch's end (`on_epoch_end`), when the consumer leaves the pass early
+(`on_exit`), when the next pass supersedes it (`on_superseded`), and once it is no longer the
+active pass, whatever ended it (`on_closed`).
 
 The kinds: a user's loop (`Loop`), a pass a framework's `fit` reads (`FitPass`: `as_dataset`,
 Keras's adapter), a pass read aside for `predict` and `evaluate` (`AsidePass`), and a pass whose
-batches the framework's threads gather themselves (`GatheredPass`). Each hook is given the
-consumer (`feedpipe.consumer.Consumer`) under its lock; this module imports no consumer.
+batches the framework's threads gather themselves (`GatheredPass`, never run by the loop). Each
+hook is given the consumer (`feedpipe.consumer.Consumer`) under its lock; this module imports
+no consumer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from feedpipe.core.remainder import warn_dropped
 from feedpipe.core.sampler import EpochEnd
 from feedpipe.core.state import Position
 from feedpipe.core.stats import FeedStats
+
+SUPERSEDED = (
+    "This pass of a fit over the feeder (model.fit(feeder) or feeder.as_dataset()) was "
+    "superseded: another loop over the feeder or its dataset began, or set_state() was called, "
+    "before it ended. A feeder is one stream with one consumer: finish or drop one iterator "
+    "before starting the next, and build a second fp.Feeder to read the same data twice at once."
+)
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -43,6 +54,61 @@ class Pass:
         if count == self.handed and self.end is not None:
             return self.end
         return Position(self.start.epoch, self.start.step + count)
+
+    def run(self, consumer: Any, pipeline: Any) -> Iterator[Any]:
+        """The loop every kind runs: hands `consumer` the batches `pipeline` hands over to the
+        epoch's end, calling the kind's hooks; a pass superseded raises if read again."""
+        plan = consumer.assembly.plan
+        after = None  # the item after the one being handed over, where it was read already
+        try:
+            while True:
+                item, after = consumer.take(pipeline.get() if after is None else after), None
+                with consumer.lock:
+                    if consumer.active is not self:
+                        raise RuntimeError(SUPERSEDED)
+                    if isinstance(item, EpochEnd):
+                        if self.handed == 0 and self.start.step > 0:
+                            # A state of an older release taken after the last batch of a
+                            # source of unknown length can say (e, steps): that epoch is over,
+                            # and this pass is the next one, never an empty one.
+                            self.start = Position(item.epoch + 1, 0)
+                            self.reaches(consumer, self.start)
+                            continue
+                        self.on_epoch_end(consumer, item)
+                        return
+                    self.on_item(consumer, item)
+                    self.handed += 1
+                    item.handed_over()
+                if plan is None:
+                    # A source of unknown length learns its epoch's end by reading on: it is
+                    # read before the batch goes, so that the state after an epoch's last step
+                    # says (e + 1, 0), as it does where the length is known. A failure read
+                    # so is raised once this batch is done, as it would be without reading on.
+                    after = pipeline.get()
+                    last = isinstance(after, EpochEnd)
+                else:
+                    last = item.step + 1 == len(plan)
+                if last:
+                    # The epoch's end is taken with its last batch: Keras never asks past it,
+                    # nor does a loop that takes len(feeder) batches (islice, zip with range).
+                    end = consumer.take(pipeline.get() if after is None else after)
+                    with consumer.lock:
+                        if consumer.active is self:
+                            self.on_epoch_end(consumer, end)
+                    yield item
+                    with consumer.lock:
+                        self.on_next(consumer)
+                    return
+                yield item
+                with consumer.lock:
+                    self.on_next(consumer)
+                del item  # the slot returns when the consumer drops the batch, not this frame
+        finally:
+            # At interpreter exit a suspended loop is finalised after modules are torn down.
+            with consumer.lock:
+                if consumer.active is self and not sys.is_finalizing():
+                    consumer.stats.loop_ended()
+                    self.on_exit(consumer)
 
     @classmethod
     def prepare(cls, consumer: Any) -> None:
@@ -233,9 +299,6 @@ class AsidePass(FitPass):
     def reaches(self, consumer: Any, position: Position) -> None:
         """The consumer's position stays where it was."""
 
-    def on_item(self, consumer: Any, item: Any) -> None:
-        """The consumer's position stays where it was."""
-
     def on_epoch_end(self, consumer: Any, end: EpochEnd) -> None:
         self.end = Position(end.epoch + 1, 0)
         self.close(consumer)
@@ -291,7 +354,7 @@ class GatheredPass(FitPass):
 
     def on_closed(self, consumer: Any) -> None:
         """Its batches still waiting in the framework's threads are refused when taken, as
-        `Consumer.iterate` refuses a superseded pass's; those taken join the stats."""
+        `Pass.run` refuses a superseded pass's; those taken join the stats."""
         self.taken.revoke(self.number)
         if not self.counted:
             self.counted = True

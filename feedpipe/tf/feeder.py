@@ -18,11 +18,11 @@ import tensorflow as tf
 
 from feedpipe import feeder as core
 from feedpipe._internals import dataset_pipeline, generator_dataset
-from feedpipe.consumer import SUPERSEDED
 from feedpipe.core.source import ArraySource
 from feedpipe.core.stage import HostBatch
 from feedpipe.core.weights import row_weights, weighting, with_weights
 from feedpipe.keras.arguments import ClassWeights
+from feedpipe.passes import SUPERSEDED
 from feedpipe.tf.gather import GATHER_MAX_BYTES, gathered_dataset, weight_spec
 from feedpipe.tf.layer import TensorFlowLayer
 
