@@ -217,6 +217,7 @@ FLOORS = {
     "keras": 2,
     "_frameworks": 3,
     "assembly": 3,
+    "passes": 3,
     "consumer": 4,
     "feeder": 5,
     "demo": 6,
