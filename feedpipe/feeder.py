@@ -187,7 +187,7 @@ class Feeder:
         A batch counts as taken once the loop takes it; a step written as `with batch:` that
         an exception (Ctrl-C) ends gives its batch back, for `get_state()` and the next loop.
         """
-        return self._consumer.iterate(fit=False, host=False)
+        return self._consumer.iterate("loop", host=False)
 
     def as_dataset(self) -> Any:
         """A `tf.data.Dataset` of global batches for `model.fit` on TensorFlow (see the

@@ -221,6 +221,7 @@ FLOORS = {
     "keras": 2,
     "_frameworks": 3,
     "plan": 3,
+    "passes": 3,
     "assembly": 4,
     "consumer": 5,
     "feeder": 6,

@@ -73,7 +73,7 @@ def keras_batches(
     warned = False
     by_class = None if class_weight is None else ClassWeights(class_weight)
     feeder._consumer.end_open_pass()
-    for batch in feeder._consumer.iterate(fit=True, host=False, aside=aside):
+    for batch in feeder._consumer.iterate("aside" if aside else "fit", host=False):
         inputs, mask = batch.distributed()
         if batch.num_valid < size:
             reason = rows.uneven(batch.num_valid)

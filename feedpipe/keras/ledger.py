@@ -29,7 +29,7 @@ class FitLedger:
         self.untracked = False
         """Passes of `as_dataset` were read since the position was settled, with no tracker."""
         self.ended_reader: Any = None
-        """The dataset the last tracked `fit` read (its record, `Pass.reader`), until the
+        """The dataset the last tracked `fit` read (its record, `FitPass.reader`), until the
         position is next settled: TensorFlow's threads may begin passes of it after the fit
         ended (a `repeat().prefetch()` reads on until Keras drops its iterator)."""
         self.read_ahead = False

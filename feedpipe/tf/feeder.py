@@ -18,10 +18,10 @@ import tensorflow as tf
 
 from feedpipe import feeder as core
 from feedpipe._internals.tf import dataset_pipeline, generator_dataset
-from feedpipe.consumer import SUPERSEDED
 from feedpipe.core.sources import ArraySource
 from feedpipe.core.stage import HostBatch
 from feedpipe.core.weights import row_weights, weighting, with_weights
+from feedpipe.passes import SUPERSEDED
 from feedpipe.tf.array_dataset import GATHER_MAX_BYTES, gathered_dataset, weight_spec
 from feedpipe.tf.keras import class_weighted, keras_batches
 from feedpipe.tf.layer import TensorFlowLayer
@@ -178,9 +178,8 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
                     "while its dataset is read."
                 )
             if not hosts:
-                batches = this._consumer.iterate(
-                    fit=True, host=True, steps=steps, reader=reader, aside=aside
-                )
+                kind = "aside" if aside else "fit"
+                batches = this._consumer.iterate(kind, host=True, steps=steps, reader=reader)
                 for batch in batches:
                     yield (
                         _real(batch, unflatten)
@@ -190,7 +189,7 @@ class Feeder(core.Feeder, tf.train.experimental.PythonState):
                 return
             per_replica = this.split.per_replica
             while True:  # every epoch, one replica's rows at a time, as the strategy takes them
-                for batch in this._consumer.iterate(fit=True, host=True, reader=reader):
+                for batch in this._consumer.iterate("fit", host=True, reader=reader):
                     sample = _weighted(this, batch, how, unflatten)
                     for lo in range(0, len(batch.arrays[0]), per_replica):
                         yield optree.tree_map(lambda a, lo=lo: a[lo : lo + per_replica], sample)

@@ -12,8 +12,8 @@ and a source may make whole batches itself (`producer`: DALI's pipelines).
 
 Each kind's module holds that kind alone, over the base they share (`base`: `Source`, and the
 `SampleSpec` that records what a sample is), and says which inputs it reads (`Source.adapts`);
-`as_source`, here, asks the kinds in order (`KINDS`). Nothing in the package imports TensorFlow at module level: worker processes
-import it.
+`as_source`, here, asks the kinds in order (`KINDS`). Nothing in the package imports
+TensorFlow at module level: worker processes import it.
 """
 
 from __future__ import annotations
