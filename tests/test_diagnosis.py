@@ -38,6 +38,7 @@ from feedpipe.diagnostics.diagnosis import (
     rank_remedies,
 )
 from feedpipe.diagnostics.report import GLOSSARY, write_report
+from tests.core.test_cost import sample_cost
 from tests.fakes import SlowSource, sleeping_model
 from tests.test_monitor import Spin, competing_cpu_load, in_memory_data
 
@@ -790,16 +791,8 @@ def test_an_input_that_is_not_a_feeder_and_waits_is_told_to_use_threads():
 
 
 def cost_of(wall_ms: float, cpu_ms: float, gil_ms: float, cores: float = 2.0) -> SampleCost:
-    return SampleCost(
-        wall_s=wall_ms / 1e3,
-        cpu_s=cpu_ms / 1e3,
-        gil_s=gil_ms / 1e3,
-        threads=4,
-        threads_rate=1.0,
-        parallel_cpu=1.0,
-        samples=100,
-        free_cores=cores,
-    )
+    cost = sample_cost(wall_ms, cpu_ms, gil_ms, cores)
+    return dataclasses.replace(cost, threads_rate=1.0, parallel_cpu=1.0)
 
 
 def test_what_needs_other_machines_ranks_below_what_works_here():
