@@ -108,10 +108,10 @@ class Assembly:
     def _started_pool(self, setting: Setting) -> WorkerProducer:
         """The producer of `setting`'s pool, started for `workers="auto"` (in its background
         thread: a process pool takes a while to spawn)."""
-        from feedpipe.core.workers import ProcessWorkers, ThreadWorkers
+        from feedpipe.core.workers import start_pool
 
-        o, kind = self.options, ProcessWorkers if setting.mode == "process" else ThreadWorkers
-        workers = kind(setting.workers, self.parts.worker_setup, o.timeout_s)
+        o = self.options
+        workers = start_pool(setting.mode, setting.workers, self.parts.worker_setup, o.timeout_s)
         try:
             _, measured = workers.first_spec(o.error_policy)
             return self._pool_producer(workers, measured)

@@ -23,6 +23,7 @@ from typing import Any
 import optree
 
 from feedpipe.core.agreement import check_hosts_agree
+from feedpipe.core.auto import AutoProducer
 from feedpipe.core.description import (
     FeederDescription,
     describe_fields,
@@ -31,6 +32,7 @@ from feedpipe.core.description import (
     is_cpu,
 )
 from feedpipe.core.gather import GatherPlan, plan_gather
+from feedpipe.core.producers import ThreadProducer, WorkerProducer
 from feedpipe.core.remainder import Remainder
 from feedpipe.core.sampler import Sampler
 from feedpipe.core.skips import SkipLedger
@@ -187,10 +189,9 @@ def plan_feeder(
         # plan needs (a PyDataset's length): a crash or a hang there is theirs.
         workers = measured = address = work = None
         if o.workers:
-            from feedpipe.core.workers import ProcessWorkers, ThreadWorkers
+            from feedpipe.core.workers import start_pool
 
-            kind = ProcessWorkers if o.worker_mode == "process" else ThreadWorkers
-            workers = kind(o.workers, setup, o.timeout_s)
+            workers = start_pool(o.worker_mode, o.workers, setup, o.timeout_s)
             on_failure.callback(workers.close)
             sample_spec, measured = workers.first_spec(o.error_policy)
             source.learn(measured)
@@ -235,13 +236,18 @@ def plan_feeder(
         gather = None
         if producer in ("thread", "auto") and writer.vectorised and sampler is not None:
             gather = plan_gather(layout.batch_bytes)  # arrays gathered a field at a time
-        in_flight = {
-            "dali": 0,  # its batches stay in DALI's memory
-            "service": 2,
-            "workers": o.workers if sampler is None else 2,  # one a generator shard, else two
-            "thread": 1 if gather is None or gather.threads < 2 else 2,  # two: one gathered ahead
-            "auto": 2,
-        }[producer]
+        if producer == "dali":
+            in_flight = own_producer.slots_in_flight
+        elif producer == "service":
+            from feedpipe.service.producer import ServiceProducer
+
+            in_flight = ServiceProducer.slots_in_flight
+        elif producer == "workers":
+            in_flight = WorkerProducer.in_flight(sampler is not None, o.workers)
+        elif producer == "auto":
+            in_flight = AutoProducer.slots_in_flight
+        else:
+            in_flight = ThreadProducer.in_flight(gather is not None and gather.threads >= 2)
         shared = (o.workers > 0 and o.worker_mode == "process") or (auto and not refused)
         slots = o.depth + 1 + in_flight if in_flight else 0
         check_host_memory(layout, slots, shared=shared, hosts=share.num_hosts)

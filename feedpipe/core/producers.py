@@ -140,10 +140,15 @@ class ThreadProducer(Producer):
         self.gather = gather
         """The threads gathering each batch of arrays (None: one `np.take` a field, here)."""
 
+    @staticmethod
+    def in_flight(gathering: bool) -> int:
+        """Slots being filled at once: two where the next batch is gathered ahead (a plan
+        sizes the slots by it before the producer exists)."""
+        return 2 if gathering else 1
+
     @property
     def slots_in_flight(self) -> int:
-        """Slots being filled at once: two where the next batch is gathered ahead."""
-        return 1 if self.gather is None else 2
+        return self.in_flight(self.gather is not None)
 
     def slots(
         self, start: Position, supply: SlotSupply
@@ -281,10 +286,15 @@ class WorkerProducer(Producer):
         self._held: set[_Filling] = set()
         self._generation = 0
 
+    @staticmethod
+    def in_flight(indexed: bool, workers: int) -> int:
+        """Slots being filled at once: two batches of an indexed source, one per shard (a plan
+        sizes the slots by it before the producer exists)."""
+        return 2 if indexed else workers
+
     @property
     def slots_in_flight(self) -> int:
-        """Slots being filled at once: two batches of an indexed source, one per shard."""
-        return 2 if self.sampler is not None else self.workers.count
+        return self.in_flight(self.sampler is not None, self.workers.count)
 
     def slots(
         self, start: Position, supply: SlotSupply

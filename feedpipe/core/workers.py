@@ -455,3 +455,9 @@ class ThreadWorkers(_Pool):
 
     def close(self) -> None:
         self._finalizer()
+
+
+def start_pool(mode: str, count: int, setup: dict, timeout_s: float | None) -> _Pool:
+    """`count` workers of `mode` ("process" or "thread"), each started from `setup`."""
+    kind = ProcessWorkers if mode == "process" else ThreadWorkers
+    return kind(count, setup, timeout_s)
