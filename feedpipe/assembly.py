@@ -84,6 +84,20 @@ class Assembly:
             return self._pool_producer(parts.workers, parts.measured)
         if plan.producer == "dali":
             return parts.own_producer
+        if plan.producer == "ray":
+            from feedpipe.ray.producer import RayProducer
+
+            layout = SlotLayout(self.spec, self.split)
+            o = self.options
+            return RayProducer(
+                parts.work,
+                self.sampler,
+                self.skips,
+                layout,
+                self.source.block_size,
+                o.depth,
+                o.timeout_s,
+            )
         if plan.producer == "service":
             from feedpipe.service.producer import ServiceProducer
 

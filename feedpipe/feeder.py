@@ -59,15 +59,18 @@ class Feeder:
         transform: A per-sample callable run by the producers, `transform(sample)` or
             `transform(sample, rng)` (or `(sample, seed)` for tf.data service).
         worker_mode: "process" (each worker its own interpreter and GIL) or "thread".
-        timeout_s: Longest a worker may spend on one sample before `TimeoutError`.
+        timeout_s: Longest a worker may spend on one sample before `TimeoutError`; on Ray, a
+            task unanswered this long is asked for again.
         errors: A sample that raises: "raise" (default) or "skip" (a masked padding row, named
             in `stats().skipped` and the state; docs/errors.md).
         max_skipped: With errors="skip", the samples an epoch may skip: a count, or a fraction
             of the epoch (default 0.01).
         transpose: Axis orders applied as samples are written, one order or a dict from field
             to order: `{"image": (2, 0, 1)}` makes HWC images CHW.
-        service: A tf.data service dispatcher, "grpc://host:port", to run a TensorFlow-ops
-            `transform` on.
+        service: Where the per-sample work runs instead of this host: a tf.data service
+            dispatcher, "grpc://host:port", for a TensorFlow-ops `transform`; or a Ray
+            cluster, "ray" (the one this process is connected to, or RAY_ADDRESS's) or
+            "ray://host:port", for any Python (docs/multi-host.md).
         framework: "tensorflow", "jax" or "torch", where `devices` and `strategy` do not say.
     """
 
@@ -119,6 +122,7 @@ class Feeder:
             timeout_s=timeout_s,
             errors=errors,
             max_skipped=max_skipped,
+            service=service,
         )
         if transform is not None and not callable(transform):
             raise TypeError(
@@ -136,7 +140,6 @@ class Feeder:
                 self.layer,
                 transform=transform,
                 transpose=transpose,
-                service=service,
             )
             self._assembly = Assembly(plan, parts, self.layer)
         except BaseException:

@@ -13,6 +13,17 @@ WORKER_MODES = ("process", "thread")
 AUTO = "auto"
 """`workers="auto"`: the feeder measures what a sample costs and picks the workers itself."""
 
+RAY = "ray"
+"""`service="ray"`: the Ray cluster this process is connected to (or `RAY_ADDRESS`'s)."""
+RAY_CLIENT = "ray://"
+"""`service="ray://HOST:PORT"`: a Ray cluster's client server."""
+
+
+def is_ray(service: str | None) -> bool:
+    """Whether `service` names a Ray cluster rather than a tf.data service dispatcher."""
+    return service == RAY or (isinstance(service, str) and service.startswith(RAY_CLIENT))
+
+
 SEED_LIMIT = 2**63
 """Seeds stay below it: a `transform(sample, seed)` gets the seed in an int64 array, as
 TensorFlow's stateless random ops take it."""
@@ -63,7 +74,8 @@ class FeedOptions:
     only processes scale it (see kernels_bench/workers.py)."""
     timeout_s: float | None = None
     """Longest a worker may spend on one sample before `TimeoutError`; None waits forever
-    (`close()` still ends a hung worker)."""
+    (`close()` still ends a hung worker). On Ray, how long a task may go unanswered before it
+    is asked for again, and how long joining the cluster may take."""
 
     errors: str = "raise"
     """A sample whose reading or `transform` raises: "raise" (the error reaches the loop, the
@@ -75,6 +87,10 @@ class FeedOptions:
     (int >= 0) or a fraction of the epoch's samples (float in (0, 1], at least 1 sample).
     Default None: 0.01 of the epoch, room for a few corrupt files while a transform broken
     for every sample stops in its first batches."""
+
+    service: str | None = None
+    """Where the per-sample work runs instead: a tf.data service dispatcher
+    ("grpc://host:port") or a Ray cluster ("ray", "ray://host:port"); None: on this host."""
 
     @property
     def error_policy(self) -> ErrorPolicy:
@@ -111,7 +127,7 @@ class FeedOptions:
                 raise TypeError(f"`timeout_s`={self.timeout_s!r} must be a number of seconds.")
             if not self.timeout_s > 0:
                 raise ValueError(f"`timeout_s`={self.timeout_s!r} must be > 0 seconds or None.")
-            if self.workers == 0:
+            if self.workers == 0 and not is_ray(self.service):
                 raise ValueError(
                     f"`timeout_s`={self.timeout_s!r} watches workers, but `workers`=0; use "
                     "workers >= 1 or timeout_s=None."

@@ -48,7 +48,7 @@ from feedpipe.core.sources import (
 from feedpipe.core.stage import Layer
 from feedpipe.core.state import Stream
 from feedpipe.core.writer import SampleWriter, first_look
-from feedpipe.options import AUTO, FeedOptions
+from feedpipe.options import AUTO, FeedOptions, is_ray
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -77,8 +77,9 @@ class FeederPlan:
     """What the feeder's order depends on: a state restores only where it agrees, and every
     host's feeder must agree on it (checked as the plan is made)."""
     producer: str
-    """Who makes the batches: "dali" (DALI's own threads), "service" (tf.data service), "workers",
-    "thread" (one background thread) or "auto" (it, while `workers="auto"` measures)."""
+    """Who makes the batches: "dali" (DALI's own threads), "service" (tf.data service), "ray"
+    (Ray tasks), "workers", "thread" (one background thread) or "auto" (it, while
+    `workers="auto"` measures)."""
     producer_reason: str
     """Why that producer: the option that asked for it, or what ruled the others out."""
     rows_as_given: bool
@@ -133,7 +134,8 @@ class PlanParts:
     own_producer: Any
     """The producer of a source that makes batches in threads of its own (DALI), else None."""
     work: Any
-    """What tf.data service runs per sample (`feedpipe.service.client.ServiceWork`), or None."""
+    """What tf.data service runs per sample (`feedpipe.service.client.ServiceWork`), or the
+    work put on a Ray cluster (`feedpipe.ray.cluster.RayWork`); else None."""
     workers: Any
     """The pool started to read the first sample, which then makes the batches; else None."""
     measured: Any
@@ -147,6 +149,8 @@ class PlanParts:
         """Lets go of the pool planning started, for parts that will not be built."""
         if self.workers is not None:
             self.workers.close()
+        if self.work is not None and hasattr(self.work, "close"):
+            self.work.close()
 
 
 def plan_feeder(
@@ -156,7 +160,6 @@ def plan_feeder(
     *,
     transform: Callable[..., Any] | None,
     transpose: Any,
-    service: str | None,
 ) -> tuple[FeederPlan, PlanParts]:
     """The plan of a feeder of `source` with `options` on `layer`, and its parts.
 
@@ -164,7 +167,7 @@ def plan_feeder(
     options and hosts; service; workers; the first sample (read in worker 0 where there are
     workers); the epochs; `transpose`; what the framework cannot stage; `errors="skip"` with
     service; gather threads; host memory; other hosts' feeders. What it started, it stops."""
-    o, share = options, layer.share
+    o, share, service = options, layer.share, options.service
     source = as_source(source, text=transform is not None, global_batch_size=o.global_batch_size)
     rule = Remainder(o.remainder, o.global_batch_size)
     own_producer = source.producer(share, layer.devices, rule)
@@ -174,7 +177,7 @@ def plan_feeder(
     chosen = None if o.workers != AUTO or auto else f"workers=0: {kept}"
     o = dataclasses.replace(o, workers=0) if o.workers == AUTO else o
     _refuse_mismatches(source, o, share.num_hosts, own_producer, transform, transpose)
-    _refuse_service(service, o, transpose)
+    _refuse_service(service, o, transpose, source, transform)
     refused = _refuse_workers(source, o, transform, auto)
     producer, why = _producer(o, own_producer, service, auto, kept)
     setup = {
@@ -194,6 +197,15 @@ def plan_feeder(
             workers = start_pool(o.worker_mode, o.workers, setup, o.timeout_s)
             on_failure.callback(workers.close)
             sample_spec, measured = workers.first_spec(o.error_policy)
+            source.learn(measured)
+        elif is_ray(service):
+            from feedpipe.ray.cluster import RayWork, connect
+
+            connect(service, o.timeout_s)
+            address = service
+            work = RayWork(source, transform, o.seed, o.error_policy.skips)
+            on_failure.callback(work.close)
+            sample_spec, measured = work.first_spec(o.error_policy, o.timeout_s)
             source.learn(measured)
         elif service is not None:
             from feedpipe.service.client import ServiceWork, check_address
@@ -236,7 +248,12 @@ def plan_feeder(
         gather = None
         if producer in ("thread", "auto") and writer.vectorised and sampler is not None:
             gather = plan_gather(layout.batch_bytes)  # arrays gathered a field at a time
-        if producer == "dali":
+        if producer == "ray":
+            from feedpipe.ray.producer import RayProducer
+
+            work.set_plan(sample_spec, axes, measured, epochs)
+            in_flight = RayProducer.slots_in_flight
+        elif producer == "dali":
             in_flight = own_producer.slots_in_flight
         elif producer == "service":
             from feedpipe.service.producer import ServiceProducer
@@ -276,7 +293,7 @@ def plan_feeder(
         framework=layer.name,
         source=describe_source(source, max(setup["num_shards"], 1)),
         fields=describe_fields(staged_spec),
-        service=address if producer == "service" else None,
+        service=address if producer in ("service", "ray") else None,
         global_batch_size=o.global_batch_size,
         per_replica_batch_size=share.local_split.per_replica,
         host_batch_size=share.local_split.global_batch_size,
@@ -339,6 +356,8 @@ def _nothing_to_choose(
     are: an indexed source with work per sample."""
     if own_producer is not None:
         return "a DaliSource makes its batches in DALI's own threads (num_threads)"
+    if is_ray(service):
+        return "the per-sample work runs in Ray tasks"
     if service is not None:
         return "the per-sample work runs on tf.data service workers"
     if not source.indexed:
@@ -431,13 +450,43 @@ def _refuse_workers(source: Source, o: FeedOptions, transform: Any, auto: bool) 
     return ""
 
 
-def _refuse_service(service: str | None, o: FeedOptions, transpose: Any) -> None:
-    """Refuses what tf.data service cannot run: the per-sample work is on its workers."""
-    if service is not None and (o.workers or transpose is not None):
+def _refuse_service(
+    service: str | None, o: FeedOptions, transpose: Any, source: Source, transform: Any
+) -> None:
+    """Refuses what a service cannot run: the per-sample work is on its workers or tasks."""
+    if is_ray(service):
+        _refuse_ray(service, o, source, transform)
+    elif service is not None and (o.workers or transpose is not None):
         raise ValueError(
             f"`service`={service!r} runs the per-sample work on tf.data service workers: "
             "pass workers=0, and transpose inside `transform` (tf.transpose)."
         )
+
+
+RAY_FIX = (
+    "Build it from picklable parts (open files, locks and connections inside the task, on "
+    "first use), or run it on this host: drop `service`."
+)
+"""What to do about a source or `transform` that cannot reach Ray's tasks."""
+
+
+def _refuse_ray(service: str, o: FeedOptions, source: Source, transform: Any) -> None:
+    """Refuses what Ray tasks cannot run: they read samples by index, sent once to each node."""
+    if o.workers:
+        raise ValueError(
+            f"`service`={service!r} runs the per-sample work in Ray tasks on the cluster's "
+            f"CPUs, so `workers`={o.workers!r} has nothing to run; pass workers=0."
+        )
+    if not source.indexed:
+        raise ValueError(
+            f"`service`={service!r} reads samples by index in Ray tasks, but a "
+            f"{type(source).__name__} has no indices; pass an indexed source (arrays, a "
+            "sequence with __len__ and __getitem__, a PyDataset), or drop `service`."
+        )
+    from feedpipe.core.pickling import check_picklable
+
+    for name, value in (("source", source), ("transform", transform)):
+        check_picklable(name, value, to="Ray tasks", fix=RAY_FIX)
 
 
 def _producer(
@@ -446,6 +495,8 @@ def _producer(
     """Who makes the batches (`FeederPlan.producer`), and why."""
     if own_producer is not None:
         return "dali", kept
+    if is_ray(service):
+        return "ray", kept
     if service is not None:
         return "service", kept
     if o.workers:

@@ -44,20 +44,56 @@ def dumps(value: Any, protocol: int | None = None, buffer_callback: Any = None) 
         return file.getvalue()
 
 
-def check_picklable(name: str, value: Any) -> None:
-    """Refuses, up front, a `source` or `transform` that cannot be sent to worker processes.
+WORKER_FIX = (
+    "Build it from picklable parts (open files, locks and connections inside the worker, on "
+    'first use), or pass worker_mode="thread" or workers=0.'
+)
+"""What to do about a source or `transform` that cannot reach worker processes."""
+
+
+def check_picklable(
+    name: str, value: Any, to: str = "worker processes", fix: str = WORKER_FIX
+) -> None:
+    """Refuses, up front, a `source` or `transform` that cannot be sent `to` where it runs,
+    naming the part of it that fails (`source.lock`) where one does.
 
     Large buffers (numpy arrays) are left out of band, as `pack` sends them: checking a source
     holding 1 GB of arrays copies none of it."""
     try:
-        dumps(value, protocol=5, buffer_callback=_out_of_band)
+        _dumps_checked(value)
     except Exception as error:
+        part = _failing_part(name, value)
+        where = "" if part == name else f"its field `{part}` cannot be pickled, "
         raise TypeError(
-            f"`{name}` cannot be sent to worker processes: pickling it failed with "
-            f"{type(error).__name__}: {shown(error)}. Build it from picklable parts (open "
-            "files, locks and connections inside the worker, on first use), or pass "
-            'worker_mode="thread" or workers=0.'
+            f"`{name}` cannot be sent to {to}: {where}pickling it failed with "
+            f"{type(error).__name__}: {shown(error)}. {fix}"
         ) from error
+
+
+def _dumps_checked(value: Any) -> None:
+    dumps(value, protocol=5, buffer_callback=_out_of_band)
+
+
+def _failing_part(path: str, value: Any, depth: int = 3) -> str:
+    """The innermost attribute, item or entry of `value` (`path`) that fails to pickle, looked
+    for `depth` levels down; `path` itself where none of its parts does."""
+    if depth == 0:
+        return path
+    if isinstance(value, dict):
+        parts = ((f"{path}[{key!r}]", item) for key, item in value.items())
+    elif isinstance(value, list | tuple):
+        parts = ((f"{path}[{i}]", item) for i, item in enumerate(value))
+    else:
+        fields = getattr(value, "__dict__", None)
+        if not isinstance(fields, dict):
+            return path
+        parts = ((f"{path}.{key}", item) for key, item in fields.items())
+    for part, item in parts:
+        try:
+            _dumps_checked(item)
+        except Exception:
+            return _failing_part(part, item, depth - 1)
+    return path
 
 
 def _out_of_band(buffer: pickle.PickleBuffer) -> bool:

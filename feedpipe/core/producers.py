@@ -111,6 +111,25 @@ def book_skips(step: Step, skipped: list[Skip], ledger: SkipLedger) -> Step:
     return step
 
 
+def handed_on(step: Step, slot: HostSlot, skipped: list[Skip], ledger: SkipLedger | None) -> Step:
+    """`step` as its filled `slot` is handed on: the rows `errors="skip"` left out booked and
+    covered with a real row, the rest of the batch padded."""
+    if skipped:
+        step = book_skips(step, skipped, ledger)
+        cover(slot, [skip.row for skip in skipped], len(step.rows))
+    slot.pad(len(step.rows))
+    return step
+
+
+def cut_rows(rows: np.ndarray, pieces: int, block_size: int) -> Iterator[tuple[int, np.ndarray]]:
+    """`rows` cut into at most `pieces` runs, each where it begins, on whole source blocks
+    where it can (a block is read once)."""
+    size = -(-len(rows) // pieces)
+    size = -(-size // block_size) * block_size
+    for lo in range(0, len(rows), size):
+        yield lo, rows[lo : lo + size]
+
+
 class ThreadProducer(Producer):
     """Produces in the calling thread: the feeder's background thread when `workers=0`.
 
@@ -374,13 +393,6 @@ class WorkerProducer(Producer):
             yield from self.sampler.steps(epoch, start.step if epoch == start.epoch else 0)
             yield EpochEnd(epoch, self.sampler.dropped_per_epoch)
 
-    def _runs(self, rows: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
-        """The batch's rows cut into one run per worker, on whole source blocks where it can."""
-        size = -(-len(rows) // self.workers.count)
-        size = -(-size // self.block_size) * self.block_size
-        for lo in range(0, len(rows), size):
-            yield lo, rows[lo : lo + size]
-
     def _indexed(self, start: Position, supply: SlotSupply) -> Iterator:
         plan = self._plan(start)
         upcoming = next(plan)
@@ -397,7 +409,7 @@ class WorkerProducer(Producer):
                 slot = supply.try_acquire() if filling_now else supply.acquire()
                 if slot is None:
                     break
-                pieces = list(self._runs(upcoming.rows))
+                pieces = list(cut_rows(upcoming.rows, self.workers.count, self.block_size))
                 filling = _Filling(upcoming, slot, supply.give_back, tasks=len(pieces))
                 self._held.add(filling)
                 order.append(filling)
@@ -414,12 +426,7 @@ class WorkerProducer(Producer):
                     continue
                 self._deliver(head)
                 filling_now -= 1
-                step = head.step
-                if head.skipped:
-                    step = book_skips(step, head.skipped, self.ledger)
-                    cover(head.slot, [skip.row for skip in head.skipped], len(step.rows))
-                head.slot.pad(len(step.rows))
-                yield step, head.slot
+                yield handed_on(head.step, head.slot, head.skipped, self.ledger), head.slot
             if not delivered:
                 self._collect(supply)
 

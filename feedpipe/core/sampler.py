@@ -147,6 +147,11 @@ class Sampler:
         self.lazy = shuffle and length > LAZY_SHUFFLE_ABOVE
         """Whether each batch's rows come from a permutation computed per batch
         (`LazyPermutation`) rather than from a full permutation built for the epoch."""
+        self._located: tuple[int, Callable[[np.ndarray], np.ndarray]] | None = None
+
+    def __getstate__(self) -> dict:
+        """Pickled without the kept order: a copy sent elsewhere builds its own."""
+        return {**self.__dict__, "_located": None}
 
     def __len__(self) -> int:
         """Global batches per epoch."""
@@ -240,12 +245,19 @@ class Sampler:
         return index * self.global_batch_size + rows % count
 
     def locator(self, epoch: int) -> Callable[[np.ndarray], np.ndarray]:
-        """What gives the sample indices at positions of `epoch`'s order."""
+        """What gives the sample indices at positions of `epoch`'s order. The last epoch's is
+        kept: a process that plans one step at a time (a Ray task) builds an epoch's full
+        permutation once, not once a step."""
+        if self._located is not None and self._located[0] == epoch:
+            return self._located[1]
         if not self.shuffle:
-            return lambda positions: positions
-        if self.lazy:
-            return _LazyOrder(self.length, self.block_size, (self.seed, epoch))
-        return self._permuted(epoch).__getitem__
+            locate = _unmoved
+        elif self.lazy:
+            locate = _LazyOrder(self.length, self.block_size, (self.seed, epoch))
+        else:
+            locate = self._permuted(epoch).__getitem__
+        self._located = (epoch, locate)
+        return locate
 
     def _permuted(self, epoch: int) -> np.ndarray:
         """`epoch`'s shuffled order, built whole from a full permutation of the blocks."""
@@ -255,6 +267,11 @@ class Sampler:
         starts = rng.permutation(-(-self.length // self.block_size)) * self.block_size
         rows = (starts[:, None] + np.arange(self.block_size, dtype=np.int64)).ravel()
         return rows[rows < self.length] if self.length % self.block_size else rows
+
+
+def _unmoved(positions: np.ndarray) -> np.ndarray:
+    """An unshuffled epoch's order: each position holds its own sample."""
+    return positions
 
 
 class _LazyOrder:
