@@ -197,7 +197,7 @@ class Assembly:
 
     def slot_stats(self) -> dict:
         """The slot figures of `FeedStats` (one-off slots, slots made, whether page-locked),
-        and what `workers="auto"` picked."""
+        where the per-sample work runs, and what `workers="auto"` picked."""
         pools = self.pools.values()
         device_pool = self.pools.get(False)
         locked = reason = None
@@ -209,6 +209,7 @@ class Assembly:
             "page_locked": locked,
             "page_lock_reason": reason,
             "staged": 0 if self.pipeline is None else self.pipeline.handoff.staged,
+            "service": self.feeder_plan.description.service,
             "workers_picked": (
                 self.producer.picked if isinstance(self.producer, AutoProducer) else None
             ),

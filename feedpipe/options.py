@@ -7,22 +7,12 @@ from typing import Any
 
 from feedpipe.core.checks import check_int
 from feedpipe.core.remainder import check_remainder
+from feedpipe.core.services import is_ray
 from feedpipe.core.skips import ErrorPolicy, check_error_policy
 
 WORKER_MODES = ("process", "thread")
 AUTO = "auto"
 """`workers="auto"`: the feeder measures what a sample costs and picks the workers itself."""
-
-RAY = "ray"
-"""`service="ray"`: the Ray cluster this process is connected to (or `RAY_ADDRESS`'s)."""
-RAY_CLIENT = "ray://"
-"""`service="ray://HOST:PORT"`: a Ray cluster's client server."""
-
-
-def is_ray(service: str | None) -> bool:
-    """Whether `service` names a Ray cluster rather than a tf.data service dispatcher."""
-    return service == RAY or (isinstance(service, str) and service.startswith(RAY_CLIENT))
-
 
 SEED_LIMIT = 2**63
 """Seeds stay below it: a `transform(sample, seed)` gets the seed in an int64 array, as

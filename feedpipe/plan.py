@@ -35,6 +35,7 @@ from feedpipe.core.gather import GatherPlan, plan_gather
 from feedpipe.core.producers import ThreadProducer, WorkerProducer
 from feedpipe.core.remainder import Remainder
 from feedpipe.core.sampler import Sampler
+from feedpipe.core.services import is_ray
 from feedpipe.core.skips import SkipLedger
 from feedpipe.core.slots import SlotLayout, check_host_memory
 from feedpipe.core.sources import (
@@ -48,7 +49,7 @@ from feedpipe.core.sources import (
 from feedpipe.core.stage import Layer
 from feedpipe.core.state import Stream
 from feedpipe.core.writer import SampleWriter, first_look
-from feedpipe.options import AUTO, FeedOptions, is_ray
+from feedpipe.options import AUTO, FeedOptions
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -164,6 +164,7 @@ class StatsRecorder:
         page_lock_reason: str | None = None,
         staged: int = 0,
         workers_picked: str | None = None,
+        service: str | None = None,
     ) -> FeedStats:
         return FeedStats(
             steps=self.steps,
@@ -190,6 +191,7 @@ class StatsRecorder:
             page_locked=page_locked,
             page_lock_reason=page_lock_reason,
             service_lag_wait_s=self.service_lag_wait_s,
+            service=service,
             copy_path=self.copy_path if self.copies else None,
             device_blocks=self.device_blocks,
             fence_wait_s=self.fence_wait_s,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from feedpipe.core import copy_engine
+from feedpipe.core.services import is_ray
 from feedpipe.core.skips import SkippedSample, named
 
 MODERATE_FRACTION = 0.05
@@ -74,8 +75,9 @@ class FeedStats:
     produced_samples: int
     """Real samples in the batches timed by `producer_busy_s`."""
     service_wait_s: float
-    """The part of `producer_busy_s` spent waiting for rows from tf.data service (0 without
-    `service`). Near `producer_busy_s`: the service's workers are the limit; add workers."""
+    """The part of `producer_busy_s` spent waiting for rows from tf.data service or Ray tasks
+    (0 without `service`). Near `producer_busy_s`: the service's workers (the Ray cluster's
+    CPUs) are the limit; add workers (nodes)."""
     startup_wait_s: float
     """Time spent waiting for the first batch of each freshly started stream."""
     mean_occupancy: float
@@ -117,6 +119,9 @@ class FeedStats:
     service worker held while the others went on: the feeder keeps at most
     `feedpipe.service.client.HELD_BYTES` of their later rows, then asks a new job for the rows
     held back. Above 0: a service worker lags (a busy, stopped or dead machine)."""
+    service: str | None = None
+    """Where the per-sample work runs, as `describe().service` names it ("ray",
+    "ray://host:port", "grpc://host:port"); None: on this host."""
     copy_path: str | None = None
     """How the timed copies crossed to the devices: "feedpipe streams" (a CUDA stream of
     feedpipe's own per device, beside the running step) or the framework's own copy
@@ -273,7 +278,8 @@ class FeedStats:
             share = self.service_wait_s / self.producer_busy_s
             lag = self.service_lag_wait_s / self.producer_busy_s
             lagging = f", {lag:.0%} for a lagging tf.data service worker" if lag else ""
-            service = f" ({share:.0%} of it waiting for tf.data service{lagging})"
+            engine = "Ray tasks" if is_ray(self.service) else "tf.data service"
+            service = f" ({share:.0%} of it waiting for {engine}{lagging})"
         return (
             f"{self.verdict}: input-bound fraction {self.input_bound_fraction:.1%} over "
             f"{self.timed_steps} steps{untimed}; {self._delivered()}, producer alone "

@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import Any
 
-from feedpipe.options import RAY, RAY_CLIENT
+from feedpipe.core.services import RAY, RAY_CLIENT
 
 CONNECT_S = 30.0
 """Longest joining a cluster may take where `timeout_s` is None."""
