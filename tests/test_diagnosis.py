@@ -823,6 +823,121 @@ def test_without_tensorflow_the_service_is_not_offered_but_what_it_would_take_is
     assert remedies.index(more) == len(remedies) - 1
 
 
+def ray_remedies(remedies) -> list[Remedy]:
+    return [r for r in remedies if r.action.startswith("Ray past this host")]
+
+
+@pytest.mark.parametrize(
+    ("wall_ms", "queued_ms", "cores"),
+    [(12.5, 0.0, 4), (25.0, 0.0, 7), (25.0, 12.5, 4)],
+    ids=["computing", "half waiting", "half queued behind other load"],
+)
+def test_ray_is_offered_past_this_host_with_the_worker_cores_the_step_takes(
+    wall_ms, queued_ms, cores
+):
+    # 12.5 ms of CPU a sample: the step's 33.3 batches/s of 8 (266.7 samples/s) need 3.3
+    # cores of CPU, and 2 are free. A Ray task holds its core while it waits, so the worker
+    # cores follow the sample's own time (wall less the time other load kept it from a CPU).
+    cost = dataclasses.replace(cost_of(wall_ms, 12.5, 12.5), queued_s=queued_ms / 1e3)
+    measured = dataclasses.replace(cpu_bound(), sample_cost=cost)
+    with slow_feeder(0.0) as feeder:
+        remedies = rank_remedies(measured, feeder, cores=2, memcpy_s=1e-4, memory_bytes=0)
+    (ray,) = ray_remedies(remedies)
+    assert ray.action == (
+        f"Ray past this host, with {cores} worker cores in all: fp.Feeder(source, ..., "
+        'service="ray") on a Ray cluster with feedpipe installed on every node, joined first '
+        "by ray.init(address=...)"
+    )
+    own_ms = wall_ms - queued_ms
+    assert (
+        "the step's 266.7 samples/s of 12.50 ms of one core each need 3.3 cores, and 2.0 are "
+        "free here. Ray runs the per-sample work as it is, any Python on any framework; each "
+        f"task reads its samples one after another, {own_ms:.2f} ms each, so the step's rate "
+        f"needs about {cores} worker cores; each sample then crosses the network once: "
+        "33.3 MiB/s"
+    ) in ray.why
+    assert ray.elsewhere and ray.options is None  # never tried here: it needs a cluster
+    assert ray.expected_steps_per_s == pytest.approx(100 / 3)
+
+
+@pytest.mark.parametrize(
+    ("cpu_ms", "cores"),
+    [(12.5, 4), (1.0, 2)],
+    ids=["enough cores here", "mostly waiting"],
+)
+def test_ray_is_not_offered_where_this_host_has_the_cores_the_step_takes(cpu_ms, cores):
+    # 3.3 cores of CPU on 4 free; or 25 ms a sample, 1 ms of it CPU: 0.27 cores of CPU, so
+    # workers that wait in parallel here reach the step, however long a Ray task would wait.
+    cost = cost_of(25.0 if cpu_ms < 12.5 else 12.5, cpu_ms, cpu_ms, cores=cores)
+    measured = dataclasses.replace(cpu_bound(), sample_cost=cost)
+    with slow_feeder(0.0) as feeder:
+        remedies = rank_remedies(measured, feeder, cores=cores, memcpy_s=1e-4, memory_bytes=0)
+    assert not ray_remedies(remedies), [r.action for r in remedies]
+    assert remedies[0].action.startswith("more workers: ")
+
+
+def test_ray_ranks_below_what_works_here_and_above_the_service():
+    # 2 processes work here; caching, if the samples repeat; then other machines: Ray runs the
+    # Python as it is, the service needs it rewritten in TensorFlow ops. Both reach the step.
+    measured = dataclasses.replace(cpu_bound(), sample_cost=cost_of(12.5, 12.5, 12.5))
+    with slow_feeder(0.0) as feeder:
+        remedies = rank_remedies(measured, feeder, cores=2, memcpy_s=1e-4, memory_bytes=2**34)
+    actions = [r.action for r in remedies]
+    (ray,) = ray_remedies(remedies)
+    (service,) = service_remedies(remedies)
+    assert actions[0].startswith('more workers: workers=2, worker_mode="process"'), actions
+    assert actions[1].startswith("cache the decoded samples"), actions
+    assert remedies[2:] == (ray, service), actions
+    assert ray.expected_steps_per_s == service.expected_steps_per_s
+    assert ray.expected_steps_per_s > remedies[0].expected_steps_per_s
+
+
+def test_ray_is_jax_users_way_past_the_host_ranked_above_what_it_would_take():
+    import jax
+
+    measured = dataclasses.replace(cpu_bound(), sample_cost=cost_of(12.5, 12.5, 12.5))
+    with fp.Feeder(SlowSource(10_000, 0.0), BATCH, devices=jax.devices()[:1]) as feeder:
+        remedies = rank_remedies(measured, feeder, cores=2, memcpy_s=1e-4, memory_bytes=0)
+    (ray,) = ray_remedies(remedies)
+    more = next(r for r in remedies if r.action.startswith("more CPU than this machine has"))
+    assert not service_remedies(remedies)
+    assert remedies.index(ray) == len(remedies) - 2 and remedies[-1] is more
+    assert "with 4 worker cores in all" in ray.action
+
+
+def test_ray_asks_a_feeder_with_workers_for_none_and_a_stream_is_not_offered_it():
+    # Ray's tasks are the workers: a feeder with workers of its own is refused on Ray. A
+    # stream has no sample to read on demand, so nothing of it can run in a task.
+    measured = dataclasses.replace(cpu_bound(), sample_cost=cost_of(12.5, 12.5, 12.5))
+    data = np.zeros((BATCH * 10, 3), np.float32)
+    with fp.Feeder(data, BATCH, devices=["/cpu:0"], workers=2, worker_mode="thread") as feeder:
+        remedies = rank_remedies(measured, feeder, cores=2, memcpy_s=1e-4, memory_bytes=0)
+    (ray,) = ray_remedies(remedies)
+    assert 'fp.Feeder(source, ..., service="ray", workers=0) on a Ray cluster' in ray.action
+
+    def rows(shard, num_shards):
+        for index in range(shard, BATCH * 10, num_shards):
+            yield np.full(3, index, np.float32)
+
+    with fp.Feeder(fp.from_generator(rows), BATCH, devices=["/cpu:0"]) as feeder:
+        remedies = rank_remedies(measured, feeder, cores=2, memcpy_s=1e-4, memory_bytes=0)
+    assert not ray_remedies(remedies) and service_remedies(remedies)
+
+
+@pytest.mark.parametrize("service", ["ray", "ray://head:10001"])
+def test_a_feeder_on_ray_is_told_to_add_worker_cores_not_local_ones(monkeypatch, service):
+    described = fp.Feeder.describe
+    monkeypatch.setattr(
+        fp.Feeder, "describe", lambda self: dataclasses.replace(described(self), service=service)
+    )
+    with fp.Feeder(np.zeros((BATCH * 10, 3), np.float32), BATCH, devices=["/cpu:0"]) as feeder:
+        remedies = rank_remedies(cpu_bound(), feeder, cores=4, memcpy_s=1e-4, memory_bytes=0)
+    (more,) = remedies
+    # The step takes 33.3 batches/s, the cluster makes 10: 3.4x its worker cores, rounded up.
+    assert more.action == "more Ray worker cores: 3.4x the cluster's worker cores now"
+    assert more.elsewhere and more.expected_steps_per_s == pytest.approx(100 / 3)
+
+
 def test_a_step_slowed_by_the_input_beside_it_is_not_told_it_is_the_bottleneck():
     # The step alone runs 190 steps/s; beside the input, 29/s, about the input's own 30/s, yet
     # it hardly waits for its batches: the input's Python holds the GIL the step needs (a

@@ -1,7 +1,8 @@
 """Parallel production, sized by what a sample costs (`feedpipe.core.cost`): more DALI threads,
-more of the feeder's workers (threads or processes), tf.data service workers or more machines
-where no setting here reaches the step, or a feeder's workers for an input that is not a
-feeder; and `Found`, the form every remedy of `feedpipe.diagnostics.remedies` takes before
+more of the feeder's workers (threads or processes), Ray's worker cores where the sample's CPU
+at the step's rate needs more cores than this host has free, tf.data service workers or more
+machines where no setting here reaches the step, or a feeder's workers for an input that is not
+a feeder; and `Found`, the form every remedy of `feedpipe.diagnostics.remedies` takes before
 ranking."""
 
 from __future__ import annotations
@@ -41,8 +42,13 @@ def parallel_remedies(
     diagnosis: Diagnosis, described: FeederDescription | None, cores: int, why: str
 ) -> list[Found]:
     """More of what makes the samples, sized by what a sample costs: DALI threads, the
-    feeder's workers (threads or processes), tf.data service workers, or a feeder's workers
-    for an input that has none."""
+    feeder's workers (threads or processes), Ray's or tf.data service's workers, or a
+    feeder's workers for an input that has none.
+
+    Of what needs other machines, Ray comes first: it runs the per-sample work as it is, any
+    Python on any framework, where the service runs TensorFlow ops only; what the step's rate
+    would take, where nothing offers it, comes last. They reach the same rate, so this order
+    is their rank (`rank_remedies` keeps the order of equals)."""
     producer, consumer = diagnosis.producer_steps_per_s, diagnosis.consumer_steps_per_s
     if described is None:
         return _feeder_remedies(diagnosis, cores, why)
@@ -58,6 +64,8 @@ def parallel_remedies(
             )
         ]
     if described.service is not None:
+        if _on_ray(described.service):
+            return [_more_ray_cores(diagnosis, why)]
         return [_service_remedy(diagnosis, described, None, why)]
     if described.source.kind == "tf.data":  # its own threads: num_parallel_calls
         return []
@@ -83,6 +91,8 @@ def parallel_remedies(
             )
         )
     best = max((item.expected for item in found), default=producer)
+    if described.source.indexed and _cpu_cores(cost, consumer * samples) > cost.free_cores:
+        found.append(_ray_remedy(diagnosis, described, cost, why))
     if best < consumer and described.framework == "tensorflow":
         found.append(_service_remedy(diagnosis, described, cost, why))
     elif best < consumer:
@@ -148,13 +158,9 @@ def _service_remedy(
     """
     producer, consumer = diagnosis.producer_steps_per_s, diagnosis.consumer_steps_per_s
     samples = described.host_batch_size
-    network = diagnosis.batch_bytes * consumer
-    crossing = (
-        f"each sample then crosses the network once: {network / 2**20:,.1f} MiB/s "
-        f"({network * 8e-9:,.2f} Gbit/s)"
-    )
+    crossing = _crossing(diagnosis)
     if cost is None:
-        scale = math.ceil(consumer / producer * 10) / 10
+        scale = _scale(diagnosis)
         return Found(
             f"more tf.data service workers: {scale:.1f}x the worker cores now (feedpipe "
             f"service worker --dispatcher {described.service.removeprefix('grpc://')})",
@@ -164,7 +170,7 @@ def _service_remedy(
             consumer,
             tier=ELSEWHERE,
         )
-    needed = math.ceil(round(consumer * samples * cost.cpu_s, 9))
+    needed = math.ceil(round(_cpu_cores(cost, consumer * samples), 9))
     if described.source.kind == "arrays":
         what, costs = "offload the per-sample work", ""
     else:
@@ -185,6 +191,73 @@ def _service_remedy(
     )
 
 
+def _on_ray(service: str) -> bool:
+    """Whether `service`, a feeder's `describe().service`, is a Ray cluster ("ray" or
+    "ray://host:port") rather than a tf.data service dispatcher."""
+    return service == "ray" or service.startswith("ray://")
+
+
+def _ray_remedy(
+    diagnosis: Diagnosis, described: FeederDescription, cost: SampleCost, why: str
+) -> Found:
+    """Ray past this host, where the sample's CPU at the step's rate needs more cores than this
+    host has free: the source and `transform` run as they are, any Python on any framework,
+    in Ray tasks on other machines. Sized by the sample's own time, waits included: a task
+    holds its worker core while it reads its samples one after another."""
+    consumer = diagnosis.consumer_steps_per_s
+    samples_per_s = consumer * described.host_batch_size
+    own_s = cost.wall_s - cost.queued_s
+    needed = math.ceil(round(samples_per_s * own_s, 9))
+    # Ray's tasks are the workers: a feeder with workers of its own is refused on Ray.
+    workers = ", workers=0" if described.workers or described.workers_chosen else ""
+    return Found(
+        f"Ray past this host, with {_cores(needed)} in all: fp.Feeder(source, ..., "
+        f'service="ray"{workers}) on a Ray cluster with feedpipe installed on every node, '
+        "joined first by ray.init(address=...)",
+        f"{why}; the step's {samples_per_s:,.1f} samples/s of {cost.cpu_s * 1e3:,.2f} ms of "
+        f"one core each need {_cpu_cores(cost, samples_per_s):,.1f} cores, and "
+        f"{cost.free_cores:.1f} are free here. Ray runs the per-sample work as it is, any "
+        f"Python on any framework; each task reads its samples one after another, "
+        f"{own_s * 1e3:,.2f} ms each, so the step's rate needs about {_cores(needed)}; "
+        f"{_crossing(diagnosis)}",
+        consumer,
+        tier=ELSEWHERE,
+    )
+
+
+def _more_ray_cores(diagnosis: Diagnosis, why: str) -> Found:
+    """For a feeder already on Ray: its cluster's worker cores scaled by the step's rate over
+    the producer's."""
+    scale = _scale(diagnosis)
+    return Found(
+        f"more Ray worker cores: {scale:.1f}x the cluster's worker cores now",
+        f"{why}; if the cluster's workers, not the network, are the limit and the work scales "
+        f"with cores, {scale:.1f}x their cores reach the step; {_crossing(diagnosis)}",
+        diagnosis.consumer_steps_per_s,
+        tier=ELSEWHERE,
+    )
+
+
+def _cpu_cores(cost: SampleCost, samples_per_s: float) -> float:
+    """The cores' worth of CPU that `samples_per_s` samples of `cost` take."""
+    return samples_per_s * cost.cpu_s
+
+
+def _scale(diagnosis: Diagnosis) -> float:
+    """The step's rate over the producer's, rounded up to a tenth: how many times its present
+    workers a producer on other machines needs."""
+    return math.ceil(diagnosis.consumer_steps_per_s / diagnosis.producer_steps_per_s * 10) / 10
+
+
+def _crossing(diagnosis: Diagnosis) -> str:
+    """What the step's rate sends over the network, each sample once."""
+    network = diagnosis.batch_bytes * diagnosis.consumer_steps_per_s
+    return (
+        f"each sample then crosses the network once: {network / 2**20:,.1f} MiB/s "
+        f"({network * 8e-9:,.2f} Gbit/s)"
+    )
+
+
 def _cores(count: int) -> str:
     return f"{count} worker core" + ("" if count == 1 else "s")
 
@@ -195,7 +268,7 @@ def _more_machines(
     """Where no setting here reaches the step and TensorFlow is not the framework: what the
     step's rate would take, and what offers it."""
     consumer = diagnosis.consumer_steps_per_s
-    needed = math.ceil(round(consumer * described.host_batch_size * cost.cpu_s, 9))
+    needed = math.ceil(round(_cpu_cores(cost, consumer * described.host_batch_size), 9))
     return Found(
         f"more CPU than this machine has: {needed} cores for the per-sample work",
         f"{why}; no setting here reaches the step: {cost.cpu_s * 1e3:,.2f} ms of one core a "

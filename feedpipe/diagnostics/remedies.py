@@ -2,7 +2,7 @@
 
 Each remedy is an estimate from the three measurements of a `Diagnosis` and from what the input
 is: for a Feeder, what `Feeder.describe()` says (its source, workers, depth, devices, the
-tf.data service it reads) and the producer's own rate in `Feeder.stats()`; nothing else of the
+service it reads) and the producer's own rate in `Feeder.stats()`; nothing else of the
 feeder is read. The machine's figures (cores, a memcpy's time, memory) come from the caller, so
 that a test can set them.
 """
@@ -49,12 +49,16 @@ def rank_remedies(
     Estimates, from the three rates: staging deeper or ahead can reach the slower side alone;
     parallel production is sized by what a sample costs (`feedpipe.core.cost`): threads for
     time spent waiting, processes for Python that holds the GIL, cores only for CPU time;
-    tf.data service, where every setting here falls short, reaches the step's rate with as
-    many worker cores as the sample's CPU time needs;
+    Ray, where the sample's CPU at the step's rate needs more cores than this host has free,
+    reaches the step's rate with as many worker cores as the sample's own time needs (a task
+    holds its core while it waits); tf.data service, where every setting here falls short,
+    with as many worker cores as the sample's CPU time needs;
     caching removes the producer's per-sample work (one gather per batch remains); fewer host
     copies save the copies a Python pipeline makes beyond the one into a slot. Caching, which
     holds only where the samples are the same every epoch, ranks below every change that
-    holds anyway, and a change that needs more than this machine below both.
+    holds anyway, and a change that needs more than this machine below both. Equals keep the
+    order they were found in: of what needs other machines, Ray (any Python, on any
+    framework) before the service (TensorFlow ops only).
     """
     judged = _judged_remedy(diagnosis)
     if judged is not None:

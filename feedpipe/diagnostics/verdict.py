@@ -57,8 +57,8 @@ class Remedy:
     """Batches/s the input made alone with `options`, tried briefly after ranking (the first
     remedy only; None where it was not tried)."""
     elsewhere: bool = False
-    """Whether the change needs more than this machine (tf.data service's workers): it then
-    ranks below every change that works here."""
+    """Whether the change needs more than this machine (Ray's or tf.data service's workers):
+    it then ranks below every change that works here."""
 
 
 @dataclasses.dataclass(frozen=True)
