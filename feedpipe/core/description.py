@@ -86,8 +86,9 @@ class FeederDescription:
     """Each field of a sample as the step receives it (after `transform` and `transpose`),
     as `name: dtype[shape]`, the batch axis left out."""
     service: str | None
-    """The tf.data service dispatcher the per-sample work runs on (`grpc://host:port`); None
-    where it runs here."""
+    """Where the per-sample work runs instead of here: the tf.data service dispatcher
+    (`grpc://host:port`) or the Ray cluster (`ray`, `ray://host:port`); None where it runs
+    here."""
     global_batch_size: int
     """Samples per step across every replica of every host."""
     per_replica_batch_size: int

@@ -12,6 +12,7 @@ import math
 
 from feedpipe.core.cost import THREAD_COUNTS, WAITING_SHARE, SampleCost, Setting
 from feedpipe.core.description import FeederDescription
+from feedpipe.core.services import is_ray
 from feedpipe.diagnostics.verdict import Diagnosis
 
 GAIN_MARGIN = 1.02
@@ -64,7 +65,7 @@ def parallel_remedies(
             )
         ]
     if described.service is not None:
-        if _on_ray(described.service):
+        if is_ray(described.service):
             return [_more_ray_cores(diagnosis, why)]
         return [_service_remedy(diagnosis, described, None, why)]
     if described.source.kind == "tf.data":  # its own threads: num_parallel_calls
@@ -189,12 +190,6 @@ def _service_remedy(
         consumer,
         tier=ELSEWHERE,
     )
-
-
-def _on_ray(service: str) -> bool:
-    """Whether `service`, a feeder's `describe().service`, is a Ray cluster ("ray" or
-    "ray://host:port") rather than a tf.data service dispatcher."""
-    return service == "ray" or service.startswith("ray://")
 
 
 def _ray_remedy(
