@@ -77,7 +77,8 @@ class RayProducer(Producer):
         self.layout = layout
         self._layouts: dict[int, SlotLayout] = {}
         self._depth = depth
-        self._out: set[_Piece] = set()
+        self._windows: list[collections.deque] = []
+        """The steps each running stream of slots has asked for and not handed on."""
         self.asked_again = 0
         """Tasks asked for again after `timeout_s`."""
 
@@ -86,26 +87,31 @@ class RayProducer(Producer):
     ) -> Iterator[tuple[Step, HostSlot] | EpochEnd]:
         plan = self._plan(start)
         window: collections.deque[tuple[Step, list[_Piece]] | EpochEnd] = collections.deque()
-        ahead = self._ahead()
+        self._windows.append(window)
+        ahead, asked = self._ahead(), 0  # steps to keep asked for; steps asked for now
         try:
             while True:
-                while sum(not isinstance(each, EpochEnd) for each in window) < ahead:
+                while asked < ahead:
                     upcoming = next(plan)
-                    window.append(
-                        upcoming if isinstance(upcoming, EpochEnd) else self._ask(upcoming)
-                    )
+                    if isinstance(upcoming, EpochEnd):
+                        window.append(upcoming)
+                    else:
+                        window.append(self._ask(upcoming))
+                        asked += 1
                 head = window[0]
                 if isinstance(head, EpochEnd):
                     window.popleft()
                     yield head
                     continue
                 step, pieces = head
-                waited = self._wait(step, pieces, supply)
-                supply.service_waited(waited)
+                supply.service_waited(self._wait(step, pieces, supply))
+                filled = self._fill(step, pieces, supply)
                 window.popleft()
-                yield self._fill(step, pieces, supply)
+                asked -= 1
+                yield filled
         finally:
-            self.close()
+            self._windows = [other for other in self._windows if other is not window]
+            self._cancel(window)
 
     def _plan(self, start: Position) -> Iterator[Step | EpochEnd]:
         for epoch in itertools.count(start.epoch):
@@ -127,7 +133,6 @@ class RayProducer(Producer):
         for lo, rows in cut_rows(step.rows, pieces, self.block_size):
             hi = lo + len(rows)
             asked.append(_Piece(lo, hi, self.work.rows(step.epoch, step.index, lo, hi)))
-        self._out.update(asked)
         return step, asked
 
     def _wait(self, step: Step, pieces: list[_Piece], supply: SlotSupply) -> float:
@@ -175,10 +180,15 @@ class RayProducer(Producer):
         except BaseException:
             supply.give_back(slot)
             raise
-        self._out.difference_update(pieces)
         return handed_on(step, slot, skipped, self.ledger), slot
+
+    def _cancel(self, window: collections.deque) -> None:
+        """Cancels the tasks of the steps in `window`, none of which will be handed on."""
+        asked = [each[1] for each in window if not isinstance(each, EpochEnd)]
+        self.work.cancel([ref for pieces in asked for piece in pieces for ref in piece.refs])
 
     def close(self) -> None:
         """Cancels the tasks still out."""
-        out, self._out = self._out, set()
-        self.work.cancel([ref for piece in out for ref in piece.refs])
+        windows, self._windows = self._windows, []
+        for window in windows:
+            self._cancel(window)
